@@ -1,0 +1,179 @@
+"""A byte-level tokenizer and a ChatML chat template, for the emulated server.
+
+Token ids 0–255 are the UTF-8 bytes of the text; three special tokens follow
+(``<|endoftext|>`` 256, ``<|im_start|>`` 257, ``<|im_end|>`` 258, the EOS). Every
+string encodes and every id list decodes, so the emulator needs no vocabulary file,
+yet token counts grow with text length like a real tokenizer's.
+
+The chat template is Qwen2.5/Hermes-style ChatML. It is *prefix-stable*: rendering
+``messages[:k]`` gives a prefix of rendering ``messages``, because every message is
+rendered on its own and ends in ``<|im_end|>\\n``. The rollout engine relies on that to
+append only the tokens of new messages to a trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from libra.openai import Message
+
+ENDOFTEXT_ID = 256
+IM_START_ID = 257
+IM_END_ID = 258
+EOS_ID = IM_END_ID
+VOCAB_SIZE = 259
+
+SPECIAL_TOKENS: dict[str, int] = {
+    "<|endoftext|>": ENDOFTEXT_ID,
+    "<|im_start|>": IM_START_ID,
+    "<|im_end|>": IM_END_ID,
+}
+_SPECIAL_TEXT: dict[int, str] = {token_id: text for text, token_id in SPECIAL_TOKENS.items()}
+_SPECIAL_PATTERN = re.compile("|".join(re.escape(text) for text in SPECIAL_TOKENS))
+
+_TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+_TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+ChatMessage = Message | Mapping[str, Any]
+"""A chat message as a wire struct or as the plain dict an OpenAI client would send."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes plus three ChatML special tokens; stateless and cheap to share."""
+
+    eos_token_id = EOS_ID
+    vocab_size = VOCAB_SIZE
+
+    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings become their ids if allowed."""
+        if not allow_special or "<|" not in text:
+            return list(text.encode("utf-8"))
+        ids: list[int] = []
+        position = 0
+        for match in _SPECIAL_PATTERN.finditer(text):
+            ids.extend(text[position : match.start()].encode("utf-8"))
+            ids.append(SPECIAL_TOKENS[match.group()])
+            position = match.end()
+        ids.extend(text[position:].encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD, as in byte-level BPE decoders.
+
+        Raises ``ValueError`` for an id outside the vocabulary.
+        """
+        ids = ids if isinstance(ids, list) else list(ids)
+        try:
+            # Fast path: only byte tokens (bytes() rejects anything above 255).
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:
+            pass
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if 0 <= token_id < 256:
+                run.append(token_id)
+                continue
+            special = _SPECIAL_TEXT.get(token_id)
+            if special is None:
+                raise ValueError(f"token id {token_id} is out of vocabulary (0..{VOCAB_SIZE - 1})")
+            pieces.append(bytes(run).decode("utf-8", errors="replace"))
+            run.clear()
+            if not skip_special:
+                pieces.append(special)
+        pieces.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads in logprobs: its character, special text, or ``\\xNN``."""
+        special = _SPECIAL_TEXT.get(token_id)
+        if special is not None:
+            return special
+        return bytes((token_id,)).decode("utf-8", errors="backslashreplace")
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``) under the ChatML template."""
+        return self.encode(render_chat_text(messages, tools, add_generation_prompt))
+
+
+def render_chat_text(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The ChatML text of ``messages``; see :meth:`ByteTokenizer.render_chat`."""
+    parts: list[str] = []
+    rest = list(messages)
+    first_role = _field(rest[0], "role") if rest else None
+    if tools or first_role == "system":
+        system_content = _content(rest.pop(0)) if first_role == "system" else ""
+        parts.append(_render_system(system_content, tools))
+    parts.extend(_render_message(message) for message in rest)
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def _render_system(content: str, tools: Sequence[Mapping[str, Any]] | None) -> str:
+    if not tools:
+        return f"<|im_start|>system\n{content}<|im_end|>\n"
+    tool_lines = "\n".join(json.dumps(tool) for tool in tools)
+    return (
+        f"<|im_start|>system\n{content}{_TOOLS_PREAMBLE}{tool_lines}{_TOOLS_POSTAMBLE}<|im_end|>\n"
+    )
+
+
+def _render_message(message: ChatMessage) -> str:
+    role = _field(message, "role")
+    text = f"<|im_start|>{role}\n{_content(message)}"
+    if role == "assistant":
+        text += "".join(_render_tool_call(call) for call in _field(message, "tool_calls") or ())
+    return text + "<|im_end|>\n"
+
+
+def _render_tool_call(call: Any) -> str:
+    function = _field(call, "function")
+    name = json.dumps(_field(function, "name"))
+    arguments = _field(function, "arguments")
+    if not isinstance(arguments, str):  # a dict from a hand-written message
+        arguments = json.dumps(arguments)
+    return f'\n<tool_call>\n{{"name": {name}, "arguments": {arguments}}}\n</tool_call>'
+
+
+def _content(message: ChatMessage) -> str:
+    content = _field(message, "content")
+    return "" if content is None else str(content)
+
+
+def _field(item: Any, name: str) -> Any:
+    """A field of a wire struct or a key of a plain dict (clients send either)."""
+    if isinstance(item, Mapping):
+        return item.get(name)
+    return getattr(item, name, None)
+
+
+def render_chat(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> list[int]:
+    """Token ids of ``messages`` under the ChatML template (see :class:`ByteTokenizer`)."""
+    return _TOKENIZER.encode(render_chat_text(messages, tools, add_generation_prompt))
+
+
+_TOKENIZER = ByteTokenizer()

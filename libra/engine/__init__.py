@@ -1,0 +1,44 @@
+"""The rollout engine: every trajectory is one coroutine (see ``_trajectory.py``)."""
+
+from libra.engine._client import (
+    Generation,
+    GenerationError,
+    OpenAIClient,
+    RequestRejected,
+    ServerUnavailable,
+)
+from libra.engine._config import EngineConfig, SamplingConfig
+from libra.engine._http import Transport, http_client
+from libra.engine._records import (
+    Timings,
+    ToolReturnRecord,
+    TrajectoryRecord,
+    WeightSpan,
+)
+from libra.engine._rollout import RolloutStats, jobs_for, rollout
+from libra.engine._tokens import TemplateRenderer, TokenLog
+from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Generation",
+    "GenerationError",
+    "OpenAIClient",
+    "RequestRejected",
+    "RolloutStats",
+    "SamplingConfig",
+    "ServerUnavailable",
+    "TemplateRenderer",
+    "Timings",
+    "TokenLog",
+    "ToolReturnRecord",
+    "TrajectoryJob",
+    "TrajectoryRecord",
+    "Transport",
+    "WeightSpan",
+    "http_client",
+    "jobs_for",
+    "rollout",
+    "run_trajectory",
+]

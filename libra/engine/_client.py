@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP client the engine generates with.
+
+It speaks to any OpenAI-compatible server through an ``httpx.AsyncClient`` (whose
+transport the caller picks: aiohttp for real ports, ASGI for an in-process fleet) and
+uses vLLM's extensions when the server has them: ``return_token_ids`` and ``logprobs``
+for exact training data, ``priority`` for the scheduler, ``/tokenize`` for rendering
+tool results into tokens. Bodies are encoded and decoded with msgspec: on a busy engine
+JSON is the largest cost after the network itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+
+from libra import openai
+from libra.engine._config import SamplingConfig
+from libra.sched import Endpoint
+
+T = TypeVar("T")
+
+
+class GenerationError(Exception):
+    """A generation call failed."""
+
+
+class ServerUnavailable(GenerationError):
+    """The server could not be reached or answered 5xx/429: try again, maybe elsewhere."""
+
+
+class RequestRejected(GenerationError):
+    """The server refused the request (4xx): trying again would not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One model turn as the server returned it."""
+
+    text: str
+    finish_reason: str
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None
+    tool_calls: list[openai.ToolCall] | None = None
+
+
+_JSON = {"content-type": "application/json"}
+
+
+class OpenAIClient:
+    def __init__(self, http: httpx.AsyncClient, *, timeout_s: float = 600.0) -> None:
+        self.http = http
+        self.timeout = httpx.Timeout(timeout_s, connect=30.0)
+        self._tokenize_support: dict[str, bool] = {}
+
+    async def chat(
+        self,
+        endpoint: Endpoint,
+        messages: list[openai.Message],
+        tools: list[dict[str, Any]] | None,
+        sampling: SamplingConfig,
+        priority: int | None = None,
+    ) -> Generation:
+        request = openai.ChatCompletionRequest(
+            model=endpoint.model,
+            messages=messages,
+            tools=tools or None,
+            max_tokens=sampling.max_tokens_per_turn,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            logprobs=True,
+            return_token_ids=True,
+            priority=priority,
+        )
+        response = await self._post(
+            endpoint, "/v1/chat/completions", request, openai.ChatCompletion
+        )
+        choice = _first(response.choices)
+        logprobs = choice.logprobs.content if choice.logprobs else None
+        return Generation(
+            text=choice.message.content or "",
+            finish_reason=choice.finish_reason or "stop",
+            token_ids=choice.token_ids,
+            logprobs=[t.logprob for t in logprobs] if logprobs is not None else None,
+            prompt_token_ids=response.prompt_token_ids,
+            tool_calls=choice.message.tool_calls,
+        )
+
+    async def complete(
+        self,
+        endpoint: Endpoint,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        priority: int | None = None,
+    ) -> Generation:
+        request = openai.CompletionRequest(
+            model=endpoint.model,
+            prompt=prompt_ids,
+            max_tokens=sampling.max_tokens_per_turn,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            logprobs=0,
+            return_token_ids=True,
+            priority=priority,
+        )
+        response = await self._post(endpoint, "/v1/completions", request, openai.Completion)
+        choice = _first(response.choices)
+        if choice.token_ids is None:
+            raise RequestRejected(f"{endpoint.name} returned no token ids from /v1/completions")
+        logprobs = choice.logprobs.token_logprobs if choice.logprobs else None
+        return Generation(
+            text=choice.text,
+            finish_reason=choice.finish_reason or "stop",
+            token_ids=choice.token_ids,
+            logprobs=[lp or 0.0 for lp in logprobs] if logprobs is not None else None,
+        )
+
+    async def tokenize(
+        self,
+        endpoint: Endpoint,
+        messages: list[openai.Message],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        request = openai.TokenizeRequest(
+            model=endpoint.model,
+            messages=messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+        )
+        response = await self._post(endpoint, "/tokenize", request, openai.TokenizeResponse)
+        return response.tokens
+
+    async def supports_tokens(self, endpoint: Endpoint) -> bool:
+        """Whether the server renders chat messages into token ids (vLLM's ``/tokenize``)."""
+        if endpoint.url not in self._tokenize_support:
+            probe = [openai.Message(role="user", content="hi")]
+            try:
+                await self.tokenize(endpoint, probe, add_generation_prompt=True)
+                self._tokenize_support[endpoint.url] = True
+            except RequestRejected:
+                self._tokenize_support[endpoint.url] = False
+        return self._tokenize_support[endpoint.url]
+
+    async def _post(self, endpoint: Endpoint, path: str, body: object, into: type[T]) -> T:
+        url = endpoint.url + path
+        headers = {**_JSON, **endpoint.headers} if endpoint.headers else _JSON
+        try:
+            response = await self.http.post(
+                url, content=msgspec.json.encode(body), headers=headers, timeout=self.timeout
+            )
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"{endpoint.name}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise _status_error(endpoint, path, response)
+        try:
+            return msgspec.json.decode(response.content, type=into)
+        except msgspec.DecodeError as exc:
+            raise ServerUnavailable(f"{endpoint.name}{path}: malformed response: {exc}") from exc
+
+
+def _status_error(endpoint: Endpoint, path: str, response: httpx.Response) -> GenerationError:
+    try:
+        detail = msgspec.json.decode(response.content, type=openai.ErrorResponse).error.message
+    except msgspec.DecodeError:
+        detail = response.text[:300]
+    message = f"{endpoint.name}{path}: HTTP {response.status_code}: {detail}"
+    retryable = response.status_code >= 500 or response.status_code in (408, 429)
+    return ServerUnavailable(message) if retryable else RequestRejected(message)
+
+
+def _first(choices: list[T]) -> T:
+    if not choices:
+        raise ServerUnavailable("the server returned no choices")
+    return choices[0]

@@ -1,0 +1,32 @@
+"""Typed engine configuration (loadable from TOML, overridable on the command line)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(_Config):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens_per_turn: PositiveInt = 1024
+    seed: int | None = None
+
+
+class EngineConfig(_Config):
+    """Limits and retry policy for trajectories (see ``libra.engine.run_trajectory``)."""
+
+    concurrency: PositiveInt = Field(256, description="trajectories in flight at once")
+    max_turns: PositiveInt | None = Field(None, description="default: the env's max_turns")
+    max_context_tokens: PositiveInt = Field(
+        8192, description="prompt + generated + tool tokens in one trajectory"
+    )
+    max_wall_s: PositiveFloat = Field(900.0, description="wall-clock limit per trajectory")
+    tool_timeout_s: PositiveFloat | None = Field(None, description="default: the env's")
+    request_timeout_s: PositiveFloat = Field(600.0, description="one generation call")
+    max_attempts: PositiveInt = Field(4, description="tries per generation call")
+    retry_backoff_s: float = Field(0.25, ge=0, description="doubles after each failed try")
+    sampling: SamplingConfig = SamplingConfig()

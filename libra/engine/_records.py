@@ -1,0 +1,65 @@
+"""What a finished trajectory leaves behind: one record, everything the trainer needs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from libra import openai
+
+Status = Literal["completed", "truncated", "failed"]
+TokenSource = Literal["exact", "drift", "none"]
+
+
+class ToolReturnRecord(msgspec.Struct):
+    tool: str
+    status: Literal["success", "failure", "timeout"]
+    size_class: Literal["small", "medium", "large"]
+    chars: int
+    latency_s: float
+
+
+class WeightSpan(msgspec.Struct, array_like=True):
+    """Tokens ``[start, end)`` were sampled by weights of ``version``."""
+
+    start: int
+    end: int
+    version: int
+
+
+class Timings(msgspec.Struct):
+    total_s: float = 0.0
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    reward_s: float = 0.0
+
+
+class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
+    """One trajectory. ``token_ids``, ``loss_mask`` and ``logprobs`` are aligned.
+
+    ``loss_mask`` is 1 for tokens the model sampled and 0 for prompt, tool and env tokens;
+    ``logprobs`` holds the sampled token's logprob where the mask is 1 and null elsewhere.
+    ``tokens`` says how far to trust the ids: ``exact`` (the sampled ids, as returned),
+    ``drift`` (the server re-rendered earlier turns differently; ids stop at the drift),
+    or ``none`` (the server returned no ids: text only).
+    """
+
+    id: str
+    env: str
+    task_id: str
+    sample: int
+    status: Status
+    stop_reason: str
+    reward: float | None
+    turns: int
+    messages: list[openai.Message]
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    tokens: TokenSource
+    weight_versions: list[WeightSpan]
+    tool_returns: list[ToolReturnRecord]
+    endpoints: list[str]
+    timings: Timings
+    error: str | None = None

@@ -1,0 +1,125 @@
+"""Exact token bookkeeping across turns.
+
+A trajectory's tokens are one growing list. The model's sampled ids are appended
+exactly as the server returned them, never re-tokenized; only the *new* messages that
+follow a model turn (tool results, env replies) are rendered into ids and appended.
+Re-rendering the whole conversation each turn would not always reproduce the earlier
+turns' tokens (templates rewrite past turns, text round trips re-tokenize differently),
+and then the trainer would learn from tokens the model never sampled.
+
+The new messages are rendered with the server's own chat template (``/tokenize``) after
+a fixed two-message base conversation, and the base's tokens are cut off right after
+its end-of-turn token, so the template's separator after that token is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libra import openai
+from libra.engine._client import OpenAIClient, RequestRejected
+from libra.engine._records import TokenSource, WeightSpan
+from libra.sched import Endpoint
+
+_BASE = [
+    openai.Message(role="user", content="."),
+    openai.Message(role="assistant", content="."),
+]
+
+
+class TokenLog:
+    """``ids``, ``mask`` and ``logprobs`` stay aligned; ``spans`` say which weights sampled."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.spans: list[WeightSpan] = []
+        self.source: TokenSource = "exact"
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def sampled(self) -> int:
+        return sum(self.mask)
+
+    def add_context(self, ids: list[int]) -> None:
+        """Prompt, tool or env tokens: the trainer does not learn from them."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [None] * len(ids)
+
+    def add_sampled(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
+        if logprobs is None or len(logprobs) != len(ids):
+            raise RequestRejected(
+                f"the server returned {len(ids)} token ids but "
+                f"{'no' if logprobs is None else len(logprobs)} logprobs"
+            )
+        self.spans.append(WeightSpan(len(self.ids), len(self.ids) + len(ids), version))
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+
+    def absorb_prompt(self, prompt_ids: list[int] | None) -> None:
+        """Chat API: extend the log with the part of the server's prompt not yet in it.
+
+        If the server's rendering of the conversation no longer starts with the tokens we
+        recorded, the template rewrote an earlier turn: mark the log ``drift`` and keep
+        only what was exact.
+        """
+        if self.source != "exact":
+            return
+        if prompt_ids is None:
+            self.source = "none"
+        elif prompt_ids[: len(self.ids)] == self.ids:
+            self.add_context(prompt_ids[len(self.ids) :])
+        else:
+            self.source = "drift"
+
+    def clear(self) -> None:
+        self.ids, self.mask, self.logprobs, self.spans = [], [], [], []
+
+
+class TemplateRenderer:
+    """Renders messages into token ids with a server's chat template (``/tokenize``)."""
+
+    def __init__(self, client: OpenAIClient) -> None:
+        self.client = client
+        self._base: dict[tuple[str, str], list[int]] = {}
+
+    async def prompt(
+        self, endpoint: Endpoint, messages: list[openai.Message], tools: list[dict[str, Any]]
+    ) -> list[int]:
+        return await self.client.tokenize(endpoint, messages, tools, add_generation_prompt=True)
+
+    async def continuation(
+        self, endpoint: Endpoint, new_messages: list[openai.Message], end_of_turn: int
+    ) -> list[int]:
+        """Tokens that follow a model turn ending in ``end_of_turn``: the new messages
+        and the prompt for the next assistant turn."""
+        base = await self._base_ids(endpoint)
+        full = await self.client.tokenize(
+            endpoint, [*_BASE, *new_messages], add_generation_prompt=True
+        )
+        if full[: len(base)] != base:
+            raise RequestRejected(
+                f"{endpoint.name}: the chat template is not prefix-stable, so tool results"
+                " cannot be appended as tokens; use api = 'chat'"
+            )
+        try:
+            cut = len(base) - base[::-1].index(end_of_turn)
+        except ValueError:
+            raise RequestRejected(
+                f"{endpoint.name}: the model's turn ended with token {end_of_turn}, which the"
+                " chat template does not use to close a turn"
+            ) from None
+        return full[cut:]
+
+    async def _base_ids(self, endpoint: Endpoint) -> list[int]:
+        key = (endpoint.url, endpoint.model)
+        if key not in self._base:
+            self._base[key] = await self.client.tokenize(
+                endpoint, _BASE, add_generation_prompt=False
+            )
+        return self._base[key]

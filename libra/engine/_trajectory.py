@@ -1,0 +1,430 @@
+"""The life of one trajectory, top to bottom.
+
+``run_trajectory`` is one coroutine: reset the env, then alternate generation calls
+(routed by the scheduler) with tool calls (run by the env, maybe in a sandbox), feeding
+every tool return to the scheduler, until the model stops, the env ends the episode or
+a limit is hit; then score the answer. Whatever happens (a tool that raises or hangs,
+garbage from the model, a dead server, cancellation), the trajectory ends in exactly
+one record, handed to ``Engine.on_record``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import pydantic
+
+from libra import openai
+from libra.engine._client import (
+    Generation,
+    GenerationError,
+    OpenAIClient,
+    ServerUnavailable,
+)
+from libra.engine._config import EngineConfig, SamplingConfig
+from libra.engine._records import Status, Timings, ToolReturnRecord, TrajectoryRecord
+from libra.engine._tokens import TemplateRenderer, TokenLog
+from libra.envs import Env, SandboxError, SandboxProvider, ToolCall, ToolError, ToolReturn
+from libra.envs import status_of_output as _status_of_output
+from libra.envs._tool_calls import from_openai
+from libra.sched import (
+    Endpoint,
+    NoEndpointAvailable,
+    Route,
+    RouteRequest,
+    Scheduler,
+    ToolStatus,
+)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryJob:
+    """One trajectory to run: sample ``sample`` of the env's task ``seed``."""
+
+    env_cls: type[Env]
+    env_name: str
+    seed: int
+    sample: int = 0
+
+    @property
+    def task_id(self) -> str:
+        return f"{self.env_name}/{self.seed}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.task_id}#{self.sample}"
+
+
+@dataclass
+class Engine:
+    """What trajectories share: the client, the scheduler, sandboxes and the limits."""
+
+    client: OpenAIClient
+    scheduler: Scheduler
+    config: EngineConfig = field(default_factory=EngineConfig)
+    sandboxes: SandboxProvider | None = None
+    on_record: Callable[[TrajectoryRecord], None] | None = None
+    renderer: TemplateRenderer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.renderer = TemplateRenderer(self.client)
+
+
+class _End(Exception):
+    """The episode is over (normally): carries the status and why."""
+
+    def __init__(self, status: Status, reason: str) -> None:
+        self.status, self.reason = status, reason
+
+
+async def run_trajectory(job: TrajectoryJob, engine: Engine) -> TrajectoryRecord:
+    t = _Trajectory(job)
+    env = job.env_cls()
+    started = anyio.current_time()
+    try:
+        with anyio.fail_after(engine.config.max_wall_s):
+            async with _sandbox(env, engine):
+                await _episode(env, t, engine)
+    except _End as end:
+        t.status, t.stop_reason = end.status, end.reason
+    except TimeoutError:
+        t.status, t.stop_reason = "truncated", "max_wall_s"
+    except GenerationError as exc:
+        t.fail("server_error", str(exc))
+    except SandboxError as exc:
+        t.fail("sandbox_error", str(exc))
+    except anyio.get_cancelled_exc_class():
+        t.fail("cancelled", "the rollout was cancelled")
+        with anyio.CancelScope(shield=True):
+            await _close(env)
+            _emit(engine, t, started)
+        raise
+    except Exception as exc:  # a bug in the env: report it, never crash the rollout
+        t.fail("env_error", _describe(exc))
+    if t.status != "failed":
+        await _score(env, t)
+    await _close(env)
+    engine.scheduler.on_finish(job.id, job.task_id, output_tokens=t.tokens.sampled)
+    return _emit(engine, t, started)
+
+
+async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
+    prompt: str | list[openai.Message] = await _maybe_await(env.reset(t.job.seed))
+    t.start(env, prompt)
+    tools = env.tool_schemas()
+    max_turns = engine.config.max_turns or env.max_turns
+    while True:
+        if t.turns >= max_turns:
+            raise _End("truncated", "max_turns")
+        generation = await _generate(t, engine, tools)
+        t.add_model_turn(generation)
+        if generation.finish_reason == "length":
+            raise _End("truncated", "max_tokens")
+        calls = _tool_calls(env, generation)
+        if not calls:
+            follow_up = await _maybe_await(env.on_reply(generation.text))
+            if follow_up is None or env.done:
+                raise _End("completed", "env_done" if env.done else "model_stop")
+            t.add_messages([openai.Message(role="user", content=follow_up)])
+            continue
+        for call in calls:
+            result = await _run_tool(env, call, engine.config.tool_timeout_s or env.tool_timeout_s)
+            t.add_tool_return(result)
+            engine.scheduler.on_tool_return(t.job.id, env.signal(result))
+        if env.done:
+            raise _End("completed", "env_done")
+
+
+# ------------------------------------------------------------------------- generation
+
+
+async def _generate(t: _Trajectory, engine: Engine, tools: list[dict[str, Any]]) -> Generation:
+    """One model turn: route, call, and on a server failure retry (elsewhere if possible)."""
+    config = engine.config
+    failed: set[str] = set()
+    backoff = config.retry_backoff_s
+    for attempt in range(1, config.max_attempts + 1):
+        route = _route(t, engine.scheduler, failed)
+        generation: Generation | None = None
+        try:
+            generation = await _call(t, engine, route, tools)
+            return generation
+        except ServerUnavailable:
+            failed.add(route.endpoint.name)
+            if attempt == config.max_attempts:
+                raise
+        finally:
+            sampled = len(generation.token_ids or ()) if generation is not None else 0
+            engine.scheduler.release(route, ok=generation is not None, new_tokens=sampled)
+        await anyio.sleep(backoff)
+        backoff *= 2
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
+    request = RouteRequest(t.job.id, t.job.task_id, t.turns, len(t.tokens), t.last_endpoint)
+    try:
+        return scheduler.route(request, frozenset(failed))
+    except NoEndpointAvailable:
+        failed.clear()  # every endpoint failed once: they may be back, try them all again
+        return scheduler.route(request)
+
+
+async def _call(
+    t: _Trajectory, engine: Engine, route: Route, tools: list[dict[str, Any]]
+) -> Generation:
+    endpoint, client = route.endpoint, engine.client
+    started = anyio.current_time()
+    if await _speaks_tokens(t, endpoint, client):
+        await _render_pending(t, engine.renderer, endpoint, tools)
+        sampling = _sampling_within_context(t, engine.config)
+        generation = await client.complete(endpoint, t.tokens.ids, sampling, route.priority)
+    else:
+        sampling = _sampling_within_context(t, engine.config)
+        generation = await client.chat(endpoint, t.messages, tools, sampling, route.priority)
+        t.tokens.absorb_prompt(generation.prompt_token_ids)
+    t.timings.generation_s += anyio.current_time() - started
+    t.last_endpoint = endpoint
+    return generation
+
+
+async def _speaks_tokens(t: _Trajectory, endpoint: Endpoint, client: OpenAIClient) -> bool:
+    if t.tokens.source != "exact" or endpoint.api == "chat":
+        return False
+    return endpoint.api == "tokens" or await client.supports_tokens(endpoint)
+
+
+async def _render_pending(
+    t: _Trajectory, renderer: TemplateRenderer, endpoint: Endpoint, tools: list[dict[str, Any]]
+) -> None:
+    """Append the messages that arrived since the last model turn as token ids."""
+    if not t.tokens.ids:
+        t.tokens.add_context(await renderer.prompt(endpoint, t.messages, tools))
+    elif t.pending:
+        end_of_turn = t.tokens.ids[-1]
+        t.tokens.add_context(await renderer.continuation(endpoint, t.pending, end_of_turn))
+    t.pending = []
+
+
+def _sampling_within_context(t: _Trajectory, config: EngineConfig) -> SamplingConfig:
+    room = config.max_context_tokens - len(t.tokens)
+    if room <= 0:
+        raise _End("truncated", "max_context_tokens")
+    if room >= config.sampling.max_tokens_per_turn:
+        return config.sampling
+    return config.sampling.model_copy(update={"max_tokens_per_turn": room})
+
+
+# ---------------------------------------------------------------------------- tools
+
+
+def _tool_calls(env: Env, generation: Generation) -> list[ToolCall]:
+    if generation.tool_calls:
+        return from_openai(generation.tool_calls)
+    return env.tool_call_parser.parse(generation.text)
+
+
+async def _run_tool(env: Env, call: ToolCall, timeout_s: float) -> ToolReturn:
+    """Run one call; every failure becomes an error message the model can read."""
+    started = anyio.current_time()
+
+    def result(content: str, status: ToolStatus) -> ToolReturn:
+        latency = anyio.current_time() - started
+        return ToolReturn(call.id, call.name or "?", content, status, latency)
+
+    spec = env.tool_specs().get(call.name)
+    if call.error is not None:
+        return result(f"Error: {call.error}", "failure")
+    if spec is None:
+        known = ", ".join(env.tool_specs()) or "none"
+        return result(f"Error: unknown tool {call.name!r}. Available tools: {known}", "failure")
+    try:
+        arguments = spec.validate(call.arguments)
+    except pydantic.ValidationError as exc:
+        return result(f"Error: invalid arguments for {call.name}: {_brief(exc)}", "failure")
+    method = getattr(env, call.name)
+    try:
+        with anyio.fail_after(timeout_s):
+            if spec.is_async:
+                output = await method(**arguments)
+            else:  # a thread, so a blocking tool cannot stall the event loop
+                output = await anyio.to_thread.run_sync(
+                    partial(method, **arguments), abandon_on_cancel=True
+                )
+    except TimeoutError:
+        return result(f"Error: {call.name} timed out after {timeout_s:g} s", "timeout")
+    except ToolError as exc:
+        return result(f"Error: {exc}", "failure")
+    except SandboxError:
+        raise  # the sandbox itself is broken: not the model's fault, not its problem to fix
+    except Exception as exc:
+        return result(f"Error: {_describe(exc)}", "failure")
+    content = output if isinstance(output, str) else json.dumps(output, default=str)
+    return result(content, _status_of_output(content))
+
+
+def _brief(exc: pydantic.ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+# ------------------------------------------------------------------ episode bookends
+
+
+@asynccontextmanager
+async def _sandbox(env: Env, engine: Engine) -> AsyncIterator[None]:
+    spec = env.sandbox_spec
+    if spec is None:
+        yield
+        return
+    if engine.sandboxes is None:
+        raise SandboxError(f"{type(env).__name__} runs tools in a sandbox, but none is configured")
+    async with engine.sandboxes.sandbox(spec) as sandbox:
+        env.sandbox = sandbox
+        yield
+
+
+async def _score(env: Env, t: _Trajectory) -> None:
+    started = anyio.current_time()
+    try:
+        t.reward = float(await _maybe_await(env.reward(t.answer)))
+    except Exception as exc:
+        t.fail("reward_error", _describe(exc))
+    t.timings.reward_s = anyio.current_time() - started
+
+
+async def _close(env: Env) -> None:
+    try:
+        with anyio.fail_after(30):
+            await env.close()
+    except Exception:  # a failing close must not turn a finished trajectory into a lost one
+        traceback.print_exc()
+
+
+def _emit(engine: Engine, t: _Trajectory, started: float) -> TrajectoryRecord:
+    t.timings.total_s = anyio.current_time() - started
+    record = t.record()
+    if engine.on_record is not None:
+        engine.on_record(record)
+    return record
+
+
+async def _maybe_await(value: Awaitable[T] | T) -> T:
+    """Env hooks may be plain or ``async``; this takes either."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ----------------------------------------------------------------- trajectory state
+
+
+class _Trajectory:
+    """Everything recorded about one trajectory while it runs."""
+
+    def __init__(self, job: TrajectoryJob) -> None:
+        self.job = job
+        self.messages: list[openai.Message] = []
+        self.pending: list[openai.Message] = []  # messages not yet in ``tokens``
+        self.tokens = TokenLog()
+        self.tool_returns: list[ToolReturnRecord] = []
+        self.endpoints: list[str] = []
+        self.last_endpoint: Endpoint | None = None
+        self.timings = Timings()
+        self.turns = 0
+        self.status: Status = "failed"
+        self.stop_reason = "unfinished"
+        self.error: str | None = None
+        self.reward: float | None = None
+
+    def start(self, env: Env, prompt: str | list[openai.Message]) -> None:
+        messages = (
+            [openai.Message(role="user", content=prompt)] if isinstance(prompt, str) else prompt
+        )
+        if env.system_prompt and not any(m.role == "system" for m in messages):
+            messages = [openai.Message(role="system", content=env.system_prompt), *messages]
+        self.messages = list(messages)
+        env.messages = self.messages
+
+    @property
+    def answer(self) -> str:
+        replies = [m for m in self.messages if m.role == "assistant"]
+        return (replies[-1].content or "") if replies else ""
+
+    def add_model_turn(self, generation: Generation) -> None:
+        self.turns += 1
+        assert self.last_endpoint is not None
+        self.endpoints.append(self.last_endpoint.name)
+        self.messages.append(
+            openai.Message(
+                role="assistant", content=generation.text, tool_calls=generation.tool_calls
+            )
+        )
+        if self.tokens.source != "exact":
+            return
+        if generation.token_ids is None:
+            self.tokens.source = "none"
+            return
+        version = self.last_endpoint.weight_version
+        self.tokens.add_sampled(generation.token_ids, generation.logprobs, version)
+
+    def add_messages(self, messages: list[openai.Message]) -> None:
+        self.messages += messages
+        self.pending += messages
+
+    def add_tool_return(self, result: ToolReturn) -> None:
+        self.timings.tool_s += result.latency_s
+        self.tool_returns.append(
+            ToolReturnRecord(
+                tool=result.tool,
+                status=result.status,
+                size_class=result.size_class,
+                chars=len(result.content),
+                latency_s=round(result.latency_s, 6),
+            )
+        )
+        message = openai.Message(
+            role="tool", content=result.content, tool_call_id=result.call_id, name=result.tool
+        )
+        self.add_messages([message])
+
+    def fail(self, reason: str, error: str) -> None:
+        self.status, self.stop_reason, self.error = "failed", reason, error
+
+    def record(self) -> TrajectoryRecord:
+        exact = self.tokens.source != "none"
+        return TrajectoryRecord(
+            id=self.job.id,
+            env=self.job.env_name,
+            task_id=self.job.task_id,
+            sample=self.job.sample,
+            status=self.status,
+            stop_reason=self.stop_reason,
+            reward=self.reward,
+            turns=self.turns,
+            messages=self.messages,
+            token_ids=self.tokens.ids if exact else [],
+            loss_mask=self.tokens.mask if exact else [],
+            logprobs=self.tokens.logprobs if exact else [],
+            tokens=self.tokens.source,
+            weight_versions=self.tokens.spans if exact else [],
+            tool_returns=self.tool_returns,
+            endpoints=self.endpoints,
+            timings=self.timings,
+            error=self.error,
+        )

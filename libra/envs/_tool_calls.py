@@ -1,0 +1,80 @@
+"""Reading tool calls out of what the model wrote.
+
+Two sources: OpenAI ``tool_calls`` in a chat completion (a server-side parser already
+split them out), and a text protocol for models that write calls inline. The text
+protocol is pluggable per env (``Env.tool_call_parser``); the default reads Hermes /
+Qwen style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+
+A call that cannot be read is kept as a :class:`ToolCall` with an ``error``: the engine
+returns that error to the model as the tool's result instead of failing the trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from libra import openai
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call the model made; ``error`` is set when it could not be parsed."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> list[ToolCall]:
+        """Every tool call written in ``text``, malformed ones included (with ``error``)."""
+        ...
+
+
+class HermesToolCallParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen)."""
+
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    example = '<tool_call>{"name": "NAME", "arguments": {"ARG": VALUE}}</tool_call>'
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for index, match in enumerate(self._BLOCK.finditer(text)):
+            calls.append(decode_call(f"call_{index}", match.group(1).strip(), self.example))
+        return calls
+
+
+def decode_call(call_id: str, document: str, example: str) -> ToolCall:
+    """Decode one ``{"name": ..., "arguments": ...}`` JSON document written by the model."""
+    try:
+        payload = json.loads(document)
+    except json.JSONDecodeError as exc:
+        return ToolCall(
+            call_id,
+            "",
+            error=f"the tool call is not valid JSON ({exc.msg}). Write calls as {example}",
+        )
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCall(call_id, "", error=f'the tool call has no "name". Write calls as {example}')
+    return with_arguments(call_id, payload["name"], payload.get("arguments", {}))
+
+
+def with_arguments(call_id: str, name: str, arguments: object) -> ToolCall:
+    """A call whose arguments may still be a JSON string (as OpenAI sends them)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return ToolCall(call_id, name, error=f"the arguments are not valid JSON ({exc.msg})")
+    if not isinstance(arguments, dict):
+        return ToolCall(call_id, name, error="the arguments must be a JSON object")
+    return ToolCall(call_id, name, arguments)
+
+
+def from_openai(calls: list[openai.ToolCall]) -> list[ToolCall]:
+    """Calls already split out by the server (``message.tool_calls``)."""
+    return [with_arguments(c.id, c.function.name, c.function.arguments) for c in calls]

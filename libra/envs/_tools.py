@@ -1,0 +1,111 @@
+"""Tools as typed methods: the ``@tool`` decorator and the schema it derives.
+
+A tool is an ordinary method of an :class:`~libra.envs.Env` subclass. Its type hints
+become a pydantic model, which gives both the OpenAI function schema shown to the model
+and the validation of the arguments the model writes. The docstring's first paragraph
+is the tool's description; an ``Args:`` section (Google style) describes the parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, get_type_hints
+
+import pydantic
+
+from libra.openai import tool_schema
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_TOOL_MARK = "__libra_tool__"
+_ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters):\s*$")
+_ARG_LINE = re.compile(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
+
+
+class ToolError(Exception):
+    """Raise from a tool to send the model an error it can act on (the message is shown)."""
+
+
+def tool(fn: F) -> F:
+    """Mark an env method as a tool the model may call."""
+    setattr(fn, _TOOL_MARK, True)
+    return fn
+
+
+def is_tool(obj: object) -> bool:
+    return callable(obj) and getattr(obj, _TOOL_MARK, False)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """One tool: its name, its OpenAI schema and the model that validates its arguments."""
+
+    name: str
+    description: str
+    arguments: type[pydantic.BaseModel]
+    is_async: bool
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        parameters = self.arguments.model_json_schema()
+        parameters.pop("title", None)
+        for prop in parameters.get("properties", {}).values():
+            prop.pop("title", None)
+        return tool_schema(self.name, self.description, parameters)
+
+    def validate(self, arguments: object) -> dict[str, Any]:
+        """Check the model's arguments; raises ``pydantic.ValidationError`` when they are wrong."""
+        return dict(self.arguments.model_validate(arguments))
+
+    @classmethod
+    def from_method(cls, fn: Callable[..., Any]) -> ToolSpec:
+        description, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
+        hints = get_type_hints(fn)
+        fields: dict[str, Any] = {}
+        for param in list(inspect.signature(fn).parameters.values())[1:]:  # skip self
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described")
+            if param.name not in hints:
+                raise TypeError(f"tool {fn.__name__}: parameter {param.name!r} needs a type hint")
+            default = ... if param.default is param.empty else param.default
+            field = pydantic.Field(default, description=arg_docs.get(param.name))
+            fields[param.name] = (hints[param.name], field)
+        model = pydantic.create_model(
+            f"{fn.__name__}_arguments",
+            __config__=pydantic.ConfigDict(extra="forbid"),
+            **fields,
+        )
+        return cls(
+            name=fn.__name__,
+            description=description,
+            arguments=model,
+            is_async=inspect.iscoroutinefunction(fn),
+        )
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a docstring into its description and the per-argument lines of ``Args:``."""
+    description: list[str] = []
+    args: dict[str, str] = {}
+    in_args = False
+    current: str | None = None
+    for line in doc.splitlines():
+        if _ARGS_HEADER.match(line):
+            in_args = True
+            continue
+        if not in_args:
+            description.append(line)
+            continue
+        if match := _ARG_LINE.match(line):
+            current = match.group(1)
+            args[current] = match.group(2).strip()
+        elif line.strip() and current is not None and line.startswith((" ", "\t")):
+            args[current] += " " + line.strip()
+        elif line.strip():
+            in_args = False  # another section (Returns:, Raises:) starts
+            current = None
+    text = "\n".join(description).strip()
+    return text.split("\n\n")[0].replace("\n", " "), args

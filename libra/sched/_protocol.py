@@ -1,0 +1,95 @@
+"""What the engine asks of a scheduler, and nothing more.
+
+The engine calls :meth:`Scheduler.route` before every generation call and
+:meth:`Scheduler.release` after it, feeds every tool return to
+:meth:`Scheduler.on_tool_return`, and reports the end of each trajectory with
+:meth:`Scheduler.on_finish`. Policies (round robin, least-loaded, C-MLFQ, ...) live
+beside this module and see only these calls: never an env, never the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+SizeClass = Literal["small", "medium", "large"]
+ToolStatus = Literal["success", "failure", "timeout"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSignal:
+    """The causal state a tool return is reduced to: ``(tool, size class, status)``."""
+
+    tool: str
+    size_class: SizeClass
+    status: ToolStatus
+
+
+@dataclass(eq=False, slots=True)
+class Endpoint:
+    """One OpenAI-compatible server instance.
+
+    ``api`` says how the engine talks to it: ``"tokens"`` sends the conversation as
+    token ids to ``/v1/completions`` (exact tokens, needs ``/tokenize``); ``"chat"``
+    sends messages to ``/v1/chat/completions`` (any OpenAI-compatible server);
+    ``"auto"`` uses tokens where the server has ``/tokenize``.
+    ``weight_version`` is bumped by whoever syncs weights into the server.
+    """
+
+    url: str
+    model: str = "default"
+    api: Literal["auto", "tokens", "chat"] = "auto"
+    name: str = ""
+    weight_version: int = 0
+    max_concurrency: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        if not self.name:
+            self.name = self.url
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a scheduler knows about the next generation call of a trajectory."""
+
+    trajectory_id: str
+    prompt_id: str
+    turn: int
+    context_tokens: int
+    previous: Endpoint | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where the next generation call goes; ``priority`` is vLLM's (lower runs first)."""
+
+    endpoint: Endpoint
+    priority: int | None = None
+    bucket: str = ""
+
+
+class NoEndpointAvailable(RuntimeError):
+    """Every endpoint the scheduler knows is down or excluded."""
+
+
+class Scheduler(Protocol):
+    def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
+        """Pick the endpoint for the next call; skip endpoints whose name is in ``exclude``.
+
+        Raises :class:`NoEndpointAvailable` when there is none.
+        """
+        ...
+
+    def release(self, route: Route, *, ok: bool, new_tokens: int) -> None:
+        """The call made on ``route`` is over (``ok`` is False when it failed)."""
+        ...
+
+    def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
+        """A tool returned inside the trajectory: the causal signal C-MLFQ feeds on."""
+        ...
+
+    def on_finish(self, trajectory_id: str, prompt_id: str, *, output_tokens: int) -> None:
+        """The trajectory ended; ``output_tokens`` is what the model generated in all."""
+        ...
