@@ -27,7 +27,8 @@ class FunctionCall(_Wire):
     arguments: str  # a JSON document, as the model wrote it (may be malformed)
 
 
-class ToolCall(_Wire):
+class ToolCall(msgspec.Struct, forbid_unknown_fields=False):
+    # Not omit_defaults: OpenAI and vLLM require "type" on every tool call, default or not.
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
@@ -56,6 +57,7 @@ class ChatCompletionRequest(_Wire):
     return_token_ids: bool | None = None
     priority: int | None = None
     stop: list[str] | None = None
+    stream: bool | None = None
 
 
 class CompletionRequest(_Wire):
@@ -69,6 +71,7 @@ class CompletionRequest(_Wire):
     return_token_ids: bool | None = None
     priority: int | None = None
     stop: list[str] | None = None
+    stream: bool | None = None
     skip_special_tokens: bool | None = None
 
 

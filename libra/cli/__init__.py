@@ -1,0 +1,43 @@
+"""The ``libra`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from libra.cli import _rollout
+from libra.cli._config import ConfigError
+from libra.cli._fleet import FleetError
+from libra.envs import UnknownEnvError, available_envs
+
+# Errors a user can fix from the message alone: print one line, not a traceback.
+_USER_ERRORS = (ConfigError, FleetError, UnknownEnvError, FileNotFoundError, PermissionError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        code: int = args.run(args)
+    except _USER_ERRORS as exc:
+        print(f"libra: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("libra: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="libra", description="Agentic RL post-training: rollouts, scheduling, allocation."
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _rollout.add_parser(commands)
+    envs = commands.add_parser("envs", help="list the installed envs")
+    envs.set_defaults(run=lambda args: print("\n".join(available_envs())) or 0)
+    return parser

@@ -13,7 +13,9 @@ class SamplingConfig(_Config):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens_per_turn: PositiveInt = 1024
-    seed: int | None = None
+    seed: int | None = Field(
+        None, description="base of per-request seeds (reproducible sampling); None: unseeded"
+    )
 
 
 class EngineConfig(_Config):

@@ -71,15 +71,18 @@ async def rollout(
     engine: Engine,
     *,
     on_record: Callable[[TrajectoryRecord], None] | None = None,
+    stats: RolloutStats | None = None,
 ) -> RolloutStats:
     """Run every job, at most ``engine.config.concurrency`` at a time.
 
     Each finished trajectory's record goes to ``on_record`` (and ``engine.on_record``) as
     soon as it ends, so nothing is lost if the rollout is cancelled: the trajectories
     still running then are recorded as failed with ``stop_reason = "cancelled"``.
+    Pass ``stats`` to watch the counters while the rollout runs.
     """
     jobs = list(jobs)
-    stats = RolloutStats(total=len(jobs), started_at=anyio.current_time())
+    stats = stats or RolloutStats()
+    stats.total, stats.started_at = len(jobs), anyio.current_time()
     sink = engine.on_record
 
     def record(result: TrajectoryRecord) -> None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import inspect
 import json
 import traceback
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -71,6 +72,7 @@ class Engine:
 
     client: OpenAIClient
     scheduler: Scheduler
+    _: KW_ONLY
     config: EngineConfig = field(default_factory=EngineConfig)
     sandboxes: SandboxProvider | None = None
     on_record: Callable[[TrajectoryRecord], None] | None = None
@@ -129,7 +131,8 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
         generation = await _generate(t, engine, tools)
         t.add_model_turn(generation)
         if generation.finish_reason == "length":
-            raise _End("truncated", "max_tokens")
+            full = len(t.tokens) >= engine.config.max_context_tokens
+            raise _End("truncated", "max_context_tokens" if full else "max_tokens")
         calls = _tool_calls(env, generation)
         if not calls:
             follow_up = await _maybe_await(env.on_reply(generation.text))
@@ -217,12 +220,17 @@ async def _render_pending(
 
 
 def _sampling_within_context(t: _Trajectory, config: EngineConfig) -> SamplingConfig:
+    """This turn's sampling: capped by the room left in the context, seeded per turn."""
     room = config.max_context_tokens - len(t.tokens)
     if room <= 0:
         raise _End("truncated", "max_context_tokens")
-    if room >= config.sampling.max_tokens_per_turn:
-        return config.sampling
-    return config.sampling.model_copy(update={"max_tokens_per_turn": room})
+    sampling = config.sampling
+    changes: dict[str, int] = {}
+    if room < sampling.max_tokens_per_turn:
+        changes["max_tokens_per_turn"] = room
+    if sampling.seed is not None:  # reproducible, yet different for every sample and turn
+        changes["seed"] = zlib.crc32(f"{sampling.seed}/{t.job.id}/{t.turns}".encode())
+    return sampling.model_copy(update=changes) if changes else sampling
 
 
 # ---------------------------------------------------------------------------- tools

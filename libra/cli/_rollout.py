@@ -1,0 +1,115 @@
+"""``libra rollout``: run an env's trajectories against a server, write them as JSONL."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import anyio
+import msgspec
+from pydantic import BaseModel, ConfigDict, PositiveInt
+
+from libra.cli._config import load_config
+from libra.cli._fleet import open_fleet
+from libra.cli._progress import rollout_progress, summary
+from libra.emulation import EmulatorConfig
+from libra.engine import (
+    Engine,
+    EngineConfig,
+    OpenAIClient,
+    RolloutStats,
+    TrajectoryRecord,
+    Transport,
+    jobs_for,
+    rollout,
+)
+from libra.envs import load_env
+from libra.sched import LeastLoadedScheduler
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    env: str
+    server: str = "emulated"
+    model: str | None = None
+    n: PositiveInt = 64
+    samples_per_prompt: PositiveInt = 1
+    seed: int = 0
+    out: Path = Path("rollout.jsonl")
+    transport: Transport = "aiohttp"
+    max_connections: PositiveInt = 1024
+    progress: bool = True
+    engine: EngineConfig = EngineConfig()
+    emulator: EmulatorConfig = EmulatorConfig()
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser("rollout", help="run trajectories of an env, write JSONL")
+    parser.add_argument("--env", help="env name (see `libra envs`) or module:Class")
+    parser.add_argument("--server", help="'emulated' (default) or OpenAI-compatible URL(s)")
+    parser.add_argument("--model", help="model name to request (default: the server's)")
+    parser.add_argument("-n", type=int, dest="n", help="number of trajectories (default 64)")
+    parser.add_argument("--samples-per-prompt", type=int, help="trajectories per task")
+    parser.add_argument("--concurrency", type=int, help="trajectories in flight")
+    parser.add_argument("--seed", type=int, help="seed of the task sampler")
+    parser.add_argument("--out", type=Path, help="output JSONL file (default rollout.jsonl)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--config", type=Path, help="TOML file with these settings")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any setting, e.g. engine.max_turns=4",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    flags = {
+        "env": args.env,
+        "server": args.server,
+        "model": args.model,
+        "n": args.n,
+        "samples_per_prompt": args.samples_per_prompt,
+        "seed": args.seed,
+        "out": args.out,
+        "engine.concurrency": args.concurrency,
+        "progress": False if args.no_progress else None,
+    }
+    config = load_config(RolloutConfig, args.config, flags, args.set)
+    stats = anyio.run(run_rollout, config, backend_options={"use_uvloop": True})
+    print(summary(stats))
+    print(f"wrote {stats.done} records to {config.out}")
+    return 0 if stats.done == stats.total else 1
+
+
+async def run_rollout(config: RolloutConfig) -> RolloutStats:
+    env_cls = load_env(config.env)
+    env_name = config.env if ":" not in config.env else env_cls.__name__.lower()
+    jobs = jobs_for(
+        env_cls, env_name, config.n, samples_per_prompt=config.samples_per_prompt, seed=config.seed
+    )
+    encoder = msgspec.json.Encoder()
+    async with open_fleet(
+        config.server,
+        model=config.model,
+        transport=config.transport,
+        max_connections=config.max_connections,
+        emulator=config.emulator,
+    ) as fleet:
+        engine = Engine(
+            OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
+            LeastLoadedScheduler(fleet.endpoints),
+            config=config.engine,
+        )
+        stats = RolloutStats(total=len(jobs))
+        with config.out.open("wb") as out, rollout_progress(stats, enabled=config.progress) as tick:
+
+            def write(record: TrajectoryRecord) -> None:
+                out.write(encoder.encode(record) + b"\n")
+                out.flush()
+                tick()
+
+            return await rollout(jobs, engine, on_record=write, stats=stats)

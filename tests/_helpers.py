@@ -1,0 +1,67 @@
+"""Test helpers: an engine wired to the in-process emulated server, and record checks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import httpx
+
+from libra.emulation import (
+    ByteTokenizer,
+    EmulatorConfig,
+    LatencyModel,
+    ScriptedReplies,
+    create_app,
+    render_chat_text,
+)
+from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_client
+from libra.sched import Endpoint, LeastLoadedScheduler
+
+MODEL = "libra-emulated"
+tokenizer = ByteTokenizer()
+
+
+@asynccontextmanager
+async def emulated_engine(
+    replies: Sequence[str] | None = None,
+    *,
+    api: Literal["auto", "tokens", "chat"] = "auto",
+    config: EngineConfig | None = None,
+    **emulator: Any,
+) -> AsyncIterator[tuple[Engine, list[TrajectoryRecord]]]:
+    """An engine whose one endpoint is the emulator, in-process, with zero latency."""
+    emulator.setdefault("latency", LatencyModel.zero())
+    app = create_app(EmulatorConfig(**emulator), ScriptedReplies(replies) if replies else None)
+    records: list[TrajectoryRecord] = []
+    async with http_client(httpx.ASGITransport(app=app)) as http:
+        endpoint = Endpoint("http://emulated", model=MODEL, api=api)
+        engine = Engine(
+            OpenAIClient(http),
+            LeastLoadedScheduler([endpoint]),
+            config=config or EngineConfig(),
+            on_record=records.append,
+        )
+        yield engine, records
+
+
+def assert_tokens_consistent(record: TrajectoryRecord, tools: list[dict[str, Any]]) -> None:
+    """Aligned lists, a logprob for every sampled token, and ids that decode to the chat."""
+    assert len(record.token_ids) == len(record.loss_mask) == len(record.logprobs)
+    for mask, logprob in zip(record.loss_mask, record.logprobs, strict=True):
+        assert (logprob is not None) == (mask == 1)
+    if record.tokens != "exact" or not record.token_ids:
+        return
+    # The ids are the conversation as the template renders it, up to at least the end of
+    # the last model turn (messages after it are rendered only when another turn follows).
+    decoded = tokenizer.decode(record.token_ids)
+    everything = render_chat_text(record.messages, tools, add_generation_prompt=True)
+    assert everything.startswith(decoded)
+    last = max(i for i, m in enumerate(record.messages) if m.role == "assistant")
+    through_last_turn = render_chat_text(record.messages[: last + 1], tools)
+    assert len(decoded) >= len(through_last_turn.removesuffix("<|im_end|>\n"))
+
+
+def sampled_spans(record: TrajectoryRecord) -> list[list[int]]:
+    return [record.token_ids[span.start : span.end] for span in record.weight_versions]

@@ -1,0 +1,77 @@
+"""The ``libra`` command: rollouts end to end, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from envs_contrib.calc import Calc
+from libra.cli import main
+from libra.cli._config import ConfigError, load_config
+from libra.cli._rollout import RolloutConfig
+from libra.engine import TrajectoryRecord
+from tests._helpers import assert_tokens_consistent
+
+
+def test_rollout_writes_one_exact_record_per_trajectory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "calc.jsonl"
+    code = main(["rollout", "--env", "calc", "-n", "64", "--out", str(out), "--no-progress"])
+    assert code == 0
+    lines = out.read_bytes().splitlines()
+    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
+    assert len(records) == 64 and len({r.id for r in records}) == 64
+    for record in records:
+        assert record.status in ("completed", "truncated", "failed")
+        assert_tokens_consistent(record, Calc.tool_schemas())
+        for returned in record.tool_returns:
+            assert returned.status in ("success", "failure", "timeout")
+    summary = capsys.readouterr().out
+    assert "64 trajectories" in summary and f"wrote 64 records to {out}" in summary
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["rollout", "--env", "nope"], "libra: error: unknown env 'nope'"),
+        (["rollout", "--env", "calc", "-n", "0"], "libra: error: invalid config: n:"),
+        (["rollout", "--env", "calc", "--server", "ftp://x"], "--server must be 'emulated'"),
+        (["rollout", "--env", "calc", "--config", "missing.toml"], "config file not found"),
+        (["rollout", "--env", "calc", "--set", "engine.bogus=1"], "engine.bogus: Extra inputs"),
+        (["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"], "cannot list the models"),
+    ],
+)
+def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "libra", *args, "--out", str(tmp_path / "o.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('env = "guess"\nn = 8\n[engine]\nmax_turns = 3\nconcurrency = 2\n')
+    config = load_config(
+        RolloutConfig,
+        file,
+        {"n": 16, "seed": None},
+        ["engine.concurrency=5", "engine.sampling.temperature=0.5", "model=plain text"],
+    )
+    assert (config.env, config.n, config.seed) == ("guess", 16, 0)
+    assert config.engine.max_turns == 3 and config.engine.concurrency == 5
+    assert config.engine.sampling.temperature == 0.5 and config.model == "plain text"
+    with pytest.raises(ConfigError, match=r"expects section\.key=value"):
+        load_config(RolloutConfig, None, {"env": "calc"}, ["novalue"])
+    file.write_text("env = ")
+    with pytest.raises(ConfigError, match=r"run\.toml"):
+        load_config(RolloutConfig, file)

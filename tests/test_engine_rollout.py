@@ -1,0 +1,133 @@
+"""Rollouts: many trajectories, one record each, whatever goes wrong."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+
+import anyio
+import pytest
+
+from envs_contrib.calc import Calc
+from envs_contrib.guess import Guess
+from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
+from libra.engine import (
+    Engine,
+    EngineConfig,
+    OpenAIClient,
+    SamplingConfig,
+    TrajectoryRecord,
+    http_client,
+    jobs_for,
+    rollout,
+)
+from libra.sched import Endpoint, LeastLoadedScheduler
+from tests._helpers import MODEL, assert_tokens_consistent, emulated_engine
+
+pytestmark = pytest.mark.anyio
+
+
+def check_one_record_each(records: list[TrajectoryRecord], n: int) -> None:
+    assert len(records) == n
+    assert len({r.id for r in records}) == n
+    assert all(r.status in ("completed", "truncated", "failed") for r in records)
+
+
+async def test_calc_rollout_of_64_is_exact_and_complete() -> None:
+    async with emulated_engine(config=EngineConfig(concurrency=16)) as (engine, records):
+        stats = await rollout(jobs_for(Calc, "calc", 64, seed=1), engine)
+    check_one_record_each(records, 64)
+    assert stats.done == 64 and sum(stats.statuses.values()) == 64
+    assert all(r.tokens == "exact" and r.token_ids for r in records)
+    for record in records:
+        assert_tokens_consistent(record, Calc.tool_schemas())
+    assert any(r.tool_returns for r in records)
+
+
+async def test_samples_per_prompt_share_the_task() -> None:
+    jobs = jobs_for(Guess, "guess", 8, samples_per_prompt=4, seed=3)
+    assert [j.sample for j in jobs] == [0, 1, 2, 3] * 2
+    assert len({j.task_id for j in jobs}) == 2
+
+
+async def test_garbage_heavy_model_still_ends_every_trajectory() -> None:
+    agent = AgentScript(garbage_rate=0.6)
+    config = EngineConfig(sampling=SamplingConfig(seed=7))  # so samples of one prompt differ
+    async with emulated_engine(agent=agent, config=config) as (engine, records):
+        await rollout(jobs_for(Guess, "guess", 40, seed=2), engine)
+    check_one_record_each(records, 40)
+    failures = [t for r in records for t in r.tool_returns if t.status == "failure"]
+    assert failures, "garbage calls should come back to the model as failed tool returns"
+
+
+async def test_injected_server_errors_are_retried() -> None:
+    config = EngineConfig(max_attempts=8, retry_backoff_s=0.0)
+    async with emulated_engine(config=config, error_rate=0.3) as (engine, records):
+        await rollout(jobs_for(Calc, "calc", 30), engine)
+    check_one_record_each(records, 30)
+    assert Counter(r.status for r in records)["failed"] == 0
+
+
+async def test_cancelling_a_rollout_records_every_trajectory() -> None:
+    slow = LatencyModel(prefill_s_per_token=0.0, step_base_s=0.002)
+    async with emulated_engine(latency=slow, config=EngineConfig(concurrency=8)) as (
+        engine,
+        records,
+    ):
+        with anyio.move_on_after(0.5):
+            await rollout(jobs_for(Guess, "guess", 200), engine)
+    check_one_record_each(records, len(records))
+    statuses = Counter(r.stop_reason for r in records)
+    assert statuses["cancelled"] >= 1  # the ones in flight when cancelled
+    assert len(records) < 200  # the ones never started are not recorded: they never entered
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # aiohttp is asyncio-only
+async def test_rollout_over_a_real_port() -> None:
+    config = EmulatorConfig(latency=LatencyModel.zero())
+    with running_emulator(config) as url:
+        async with http_client("aiohttp") as http:
+            records: list[TrajectoryRecord] = []
+            engine = Engine(
+                OpenAIClient(http),
+                LeastLoadedScheduler([Endpoint(url, model=MODEL)]),
+                on_record=records.append,
+            )
+            await rollout(jobs_for(Calc, "calc", 16), engine)
+    check_one_record_each(records, 16)
+    assert all(r.status != "failed" for r in records)
+    for record in records:
+        assert_tokens_consistent(record, Calc.tool_schemas())
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_dead_server_fails_trajectories_and_a_live_one_takes_over() -> None:
+    dead = Endpoint(f"http://127.0.0.1:{free_port()}", model=MODEL, name="dead")
+    config = EngineConfig(max_attempts=3, retry_backoff_s=0.01)
+    with running_emulator(EmulatorConfig(latency=LatencyModel.zero())) as url:
+        async with http_client("aiohttp") as http:
+            alone: list[TrajectoryRecord] = []
+            engine = Engine(
+                OpenAIClient(http),
+                LeastLoadedScheduler([dead]),
+                config=config,
+                on_record=alone.append,
+            )
+            await rollout(jobs_for(Calc, "calc", 4), engine)
+
+            both: list[TrajectoryRecord] = []
+            live = Endpoint(url, model=MODEL, name="live")
+            scheduler = LeastLoadedScheduler([dead, live])
+            engine = Engine(OpenAIClient(http), scheduler, config=config, on_record=both.append)
+            await rollout(jobs_for(Calc, "calc", 8), engine)
+    assert [(r.status, r.stop_reason) for r in alone] == [("failed", "server_error")] * 4
+    assert all(r.error and "dead" in r.error for r in alone)
+    assert all(r.status != "failed" for r in both)
+    assert all(set(r.endpoints) == {"live"} for r in both)
+    assert scheduler.in_flight == {"dead": 0, "live": 0}

@@ -1,0 +1,220 @@
+"""The trajectory coroutine against the in-process emulated server."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from libra.engine import EngineConfig, SamplingConfig, TrajectoryJob, run_trajectory
+from libra.envs import Env, ToolError, tool
+from tests._helpers import assert_tokens_consistent, emulated_engine, sampled_spans, tokenizer
+
+pytestmark = pytest.mark.anyio
+
+
+class Toy(Env):
+    """An env with one tool of every temperament."""
+
+    system_prompt = "You are testing tools."
+    max_turns = 4
+    tool_timeout_s = 0.5
+
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return f"Add {seed} and 2."
+
+    @tool
+    def add(self, a: int, b: int) -> int:
+        """Add two whole numbers."""
+        return a + b
+
+    @tool
+    async def finish(self, answer: int) -> str:
+        """Submit the answer and end the episode."""
+        self.done = True
+        self.submitted = answer
+        return "submitted"
+
+    @tool
+    def boom(self) -> str:
+        """Raise."""
+        raise ValueError("kaboom")
+
+    @tool
+    def refuse(self) -> str:
+        """Refuse politely."""
+        raise ToolError("not today")
+
+    @tool
+    async def hang(self) -> str:
+        """Never return."""
+        await anyio.sleep_forever()
+        return ""
+
+    @tool
+    def block(self) -> str:
+        """Block a thread for longer than the tool timeout."""
+        time.sleep(1.5)
+        return "woke up"
+
+    def reward(self, answer: str) -> float:
+        if getattr(self, "submitted", None) is not None:
+            return float(self.submitted == self.seed + 2)
+        return float(answer.strip().endswith(str(self.seed + 2)))
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+async def run(replies: list[str], *, api: str = "auto", **config: object) -> object:
+    async with emulated_engine(replies, api=api, config=EngineConfig(**config)) as (engine, out):  # type: ignore[arg-type]
+        record = await run_trajectory(TrajectoryJob(Toy, "toy", seed=5), engine)
+    assert out == [record]
+    assert_tokens_consistent(record, Toy.tool_schemas())
+    return record
+
+
+@pytest.mark.parametrize("api", ["auto", "tokens"])
+async def test_tool_then_answer_records_exact_tokens(api: str) -> None:
+    replies = ["Let me add. " + call("add", '{"a": 5, "b": 2}'), "The answer is 7"]
+    record = await run(replies, api=api)
+    assert (record.status, record.stop_reason, record.reward) == ("completed", "model_stop", 1.0)
+    assert record.turns == 2 and record.tokens == "exact"
+    assert [m.role for m in record.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert record.messages[3].content == "7"
+    assert [r.tool for r in record.tool_returns] == ["add"]
+    assert record.tool_returns[0].status == "success"
+    assert record.tool_returns[0].size_class == "small"
+    # The model's spans are exactly the ids the server sampled, end-of-turn token included.
+    assert sampled_spans(record) == [[*tokenizer.encode(r), 258] for r in replies]
+
+
+async def test_chat_mode_detects_retokenization_drift() -> None:
+    # The server splits the call out of the text (like vLLM's hermes parser); re-rendering
+    # the assistant message then gives other tokens than the model sampled: the template
+    # writes "add. \n<tool_call>" where the model wrote "add. <tool_call>".
+    replies = ["Let me add. " + call("add", '{"a": 5, "b": 2}'), "The answer is 7"]
+    record = await run(replies, api="chat")
+    assert record.status == "completed" and record.tokens == "drift"
+    assert sampled_spans(record) == [[*tokenizer.encode(replies[0]), 258]]  # exact up to drift
+    exact = await run(replies, api="tokens")
+    assert exact.tokens == "exact" and len(sampled_spans(exact)) == 2
+
+
+async def test_env_ends_the_episode_from_a_tool() -> None:
+    record = await run([call("finish", '{"answer": 7}')])
+    assert (record.status, record.stop_reason, record.reward) == ("completed", "env_done", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>', "not valid JSON"),
+        (call("subtract", '{"a": 1, "b": 2}'), "unknown tool 'subtract'"),
+        (call("add", '{"a": "one", "b": 2}'), "invalid arguments for add: a:"),
+        (call("add", '{"a": 1}'), "invalid arguments for add: b: Field required"),
+        (call("add", '{"a": 1, "b": 2, "c": 3}'), "c: Extra inputs are not permitted"),
+        ('<tool_call>["add", 1, 2]</tool_call>', 'has no "name"'),
+        (call("boom", "{}"), "ValueError: kaboom"),
+        (call("refuse", "{}"), "Error: not today"),
+    ],
+)
+async def test_bad_tool_calls_become_errors_the_model_reads(reply: str, error: str) -> None:
+    record = await run([reply, "I give up"])
+    assert record.status == "completed"
+    assert record.tool_returns[0].status == "failure"
+    tool_message = record.messages[3]
+    assert tool_message.role == "tool" and tool_message.content is not None
+    assert tool_message.content.startswith("Error:") and error in tool_message.content
+
+
+@pytest.mark.parametrize("name", ["hang", "block"])
+async def test_a_tool_that_hangs_times_out(name: str) -> None:
+    started = time.monotonic()
+    record = await run([call(name, "{}"), "done"])
+    assert record.tool_returns[0].status == "timeout"
+    assert record.messages[3].content == f"Error: {name} timed out after 0.5 s"
+    assert record.status == "completed"
+    assert time.monotonic() - started < 1.4  # the blocked thread is abandoned, not awaited
+
+
+async def test_garbage_from_the_model_ends_in_one_record() -> None:
+    record = await run(["\x00\x01 ~~~ <tool_call> {{{ </tool_", "<tool_call></tool_call>", "?"])
+    assert record.status == "completed"
+    assert all(r.status == "failure" for r in record.tool_returns)
+
+
+async def test_max_turns_truncates() -> None:
+    record = await run([call("add", '{"a": 1, "b": 1}')] * 4)
+    assert (record.status, record.stop_reason, record.turns) == ("truncated", "max_turns", 4)
+    assert record.reward == 0.0  # truncated episodes are still scored
+
+
+async def test_max_tokens_per_turn_truncates() -> None:
+    sampling = SamplingConfig(max_tokens_per_turn=5)
+    record = await run(["a long reply that will not fit"], sampling=sampling)
+    assert (record.status, record.stop_reason) == ("truncated", "max_tokens")
+    assert sampled_spans(record) == [tokenizer.encode("a lon")]
+
+
+async def test_context_budget_truncates() -> None:
+    record = await run([call("add", '{"a": 1, "b": 1}')] * 3, max_context_tokens=1750)
+    assert (record.status, record.stop_reason) == ("truncated", "max_context_tokens")
+    assert len(record.token_ids) == 1750
+
+
+async def test_wall_clock_limit_truncates() -> None:
+    record = await run([call("hang", "{}")] * 4, max_wall_s=0.2)
+    assert (record.status, record.stop_reason) == ("truncated", "max_wall_s")
+
+
+async def test_chat_mode_without_token_ids_records_text_only() -> None:
+    class NoIds(Toy):
+        pass
+
+    async with emulated_engine(["The answer is 7"], api="chat") as (engine, _):
+        original = engine.client.chat
+
+        async def chat_without_ids(*args, **kwargs):  # type: ignore[no-untyped-def]
+            generation = await original(*args, **kwargs)
+            return type(generation)(generation.text, generation.finish_reason)
+
+        engine.client.chat = chat_without_ids  # type: ignore[method-assign]
+        record = await run_trajectory(TrajectoryJob(NoIds, "toy", 5), engine)
+    assert record.status == "completed" and record.reward == 1.0
+    assert record.tokens == "none" and record.token_ids == [] and record.loss_mask == []
+
+
+async def test_env_errors_fail_the_trajectory_not_the_engine() -> None:
+    class BrokenReset(Toy):
+        def reset(self, seed: int) -> str:
+            raise RuntimeError("no task")
+
+    class BrokenReward(Toy):
+        def reward(self, answer: str) -> float:
+            raise KeyError("score")
+
+    async with emulated_engine(["The answer is 7"]) as (engine, _):
+        broken_reset = await run_trajectory(TrajectoryJob(BrokenReset, "toy", 1), engine)
+        broken_reward = await run_trajectory(TrajectoryJob(BrokenReward, "toy", 1), engine)
+    assert (broken_reset.status, broken_reset.stop_reason) == ("failed", "env_error")
+    assert broken_reset.error == "RuntimeError: no task"
+    assert (broken_reward.status, broken_reward.stop_reason) == ("failed", "reward_error")
+    assert broken_reward.reward is None
+
+
+@pytest.mark.parametrize("api", ["tokens", "chat"])
+async def test_on_reply_continues_the_conversation(api: str) -> None:
+    class Tutor(Toy):
+        def on_reply(self, text: str) -> str | None:
+            return None if "7" in text else "Check your arithmetic."
+
+    async with emulated_engine(["It is 8", "The answer is 7"], api=api) as (engine, _):
+        record = await run_trajectory(TrajectoryJob(Tutor, "toy", 5), engine)
+    assert [m.role for m in record.messages][-3:] == ["assistant", "user", "assistant"]
+    assert record.tokens == "exact"  # plain text round-trips through the chat template
+    assert record.reward == 1.0
+    assert_tokens_consistent(record, Tutor.tool_schemas())

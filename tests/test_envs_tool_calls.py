@@ -1,0 +1,53 @@
+"""Reading tool calls from text and from OpenAI ``tool_calls``."""
+
+from __future__ import annotations
+
+from libra import openai
+from libra.envs import HermesToolCallParser, ToolCall
+from libra.envs._tool_calls import from_openai
+from libra.envs._tool_return import size_class, status_of_output
+
+parse = HermesToolCallParser().parse
+
+
+def test_hermes_blocks() -> None:
+    text = (
+        'thinking <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call> and '
+        '<tool_call>{"name": "b"}</tool_call>'
+    )
+    assert parse(text) == [ToolCall("call_0", "a", {"x": 1}), ToolCall("call_1", "b", {})]
+    assert parse("no calls here") == []
+
+
+def test_arguments_given_as_a_json_string() -> None:
+    [call] = parse('<tool_call>{"name": "a", "arguments": "{\\"x\\": 2}"}</tool_call>')
+    assert call.arguments == {"x": 2}
+
+
+def test_unterminated_and_malformed_blocks_carry_errors() -> None:
+    [unterminated] = parse('<tool_call>{"name": "a", "arguments": {}}')
+    assert unterminated.error is None and unterminated.name == "a"
+    [bad] = parse("<tool_call>{oops}</tool_call>")
+    assert bad.error is not None and "not valid JSON" in bad.error
+    [no_object] = parse('<tool_call>{"name": "a", "arguments": [1]}</tool_call>')
+    assert no_object.error == "the arguments must be a JSON object"
+
+
+def test_openai_tool_calls() -> None:
+    calls = [
+        openai.ToolCall(id="c1", function=openai.FunctionCall(name="f", arguments='{"y": 3}')),
+        openai.ToolCall(id="c2", function=openai.FunctionCall(name="g", arguments="{bad")),
+    ]
+    good, bad = from_openai(calls)
+    assert good == ToolCall("c1", "f", {"y": 3})
+    assert bad.name == "g" and bad.error is not None
+
+
+def test_signal_reduction() -> None:
+    assert [size_class(n) for n in (0, 500, 501, 5000, 5001)] == [
+        "small", "small", "medium", "medium", "large"
+    ]  # fmt: skip
+    assert status_of_output("Traceback (most recent call last):\n  File") == "failure"
+    assert status_of_output("Error: division by zero") == "failure"
+    assert status_of_output("status: failed") == "failure"
+    assert status_of_output("3 tests passed, no errors") == "success"
