@@ -16,7 +16,7 @@ from libra.emulation import (
     create_app,
     render_chat_text,
 )
-from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_client
+from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_transport
 from libra.sched import Endpoint, LeastLoadedScheduler
 
 MODEL = "libra-emulated"
@@ -35,7 +35,7 @@ async def emulated_engine(
     emulator.setdefault("latency", LatencyModel.zero())
     app = create_app(EmulatorConfig(**emulator), ScriptedReplies(replies) if replies else None)
     records: list[TrajectoryRecord] = []
-    async with http_client(httpx.ASGITransport(app=app)) as http:
+    async with http_transport(httpx.ASGITransport(app=app)) as http:
         endpoint = Endpoint("http://emulated", model=MODEL, api=api)
         engine = Engine(
             OpenAIClient(http),

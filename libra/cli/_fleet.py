@@ -16,7 +16,7 @@ import httpx
 import msgspec
 
 from libra.emulation import EmulatorConfig, create_app
-from libra.engine import Transport, http_client
+from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
 from libra.sched import Endpoint
 
 
@@ -26,7 +26,7 @@ class FleetError(RuntimeError):
 
 @dataclass
 class Fleet:
-    http: httpx.AsyncClient
+    http: HTTPTransport
     endpoints: list[Endpoint]
 
 
@@ -39,32 +39,33 @@ async def open_fleet(
     server: str,
     *,
     model: str | None,
-    transport: Transport,
+    transport: TransportName,
     max_connections: int,
     emulator: EmulatorConfig | None = None,
 ) -> AsyncIterator[Fleet]:
     if server == "emulated":
         config = emulator or EmulatorConfig()
         app = create_app(config)
-        async with http_client(httpx.ASGITransport(app=app)) as http:
+        async with http_transport(httpx.ASGITransport(app=app)) as http:
             yield Fleet(http, [Endpoint("http://emulated", model=model or config.model_name)])
         return
     urls = [url.strip() for url in server.split(",") if url.strip()]
     if not all(url.startswith(("http://", "https://")) for url in urls):
         raise FleetError(f"--server must be 'emulated' or http(s) URLs, got {server!r}")
-    async with http_client(transport, max_connections=max_connections) as http:
+    async with http_transport(transport, max_connections=max_connections) as http:
         endpoints = [Endpoint(url, model=model or await _first_model(http, url)) for url in urls]
         yield Fleet(http, endpoints)
 
 
-async def _first_model(http: httpx.AsyncClient, url: str) -> str:
+async def _first_model(http: HTTPTransport, url: str) -> str:
     """The model a server serves, for requests that must name one."""
     try:
-        response = await http.get(url.rstrip("/") + "/v1/models", timeout=10)
-        response.raise_for_status()
-        models = msgspec.json.decode(response.content, type=_Models).data
-    except (httpx.HTTPError, msgspec.DecodeError) as exc:
-        raise FleetError(f"cannot list the models of {url}: {type(exc).__name__}: {exc}") from None
+        status, content = await http.get(url.rstrip("/") + "/v1/models", timeout_s=10)
+        if status != 200:
+            raise FleetError(f"{url}/v1/models answered HTTP {status}")
+        models = msgspec.json.decode(content, type=_Models).data
+    except (TransportError, msgspec.DecodeError) as exc:
+        raise FleetError(f"cannot list the models of {url}: {exc}") from None
     if not models or not isinstance(models[0].get("id"), str):
         raise FleetError(f"{url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])

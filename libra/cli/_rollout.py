@@ -19,7 +19,7 @@ from libra.engine import (
     OpenAIClient,
     RolloutStats,
     TrajectoryRecord,
-    Transport,
+    TransportName,
     jobs_for,
     rollout,
 )
@@ -37,7 +37,7 @@ class RolloutConfig(BaseModel):
     samples_per_prompt: PositiveInt = 1
     seed: int = 0
     out: Path = Path("rollout.jsonl")
-    transport: Transport = "aiohttp"
+    transport: TransportName = "aiohttp"
     max_connections: PositiveInt = 1024
     progress: bool = True
     engine: EngineConfig = EngineConfig()

@@ -1,0 +1,61 @@
+"""An emulated vLLM OpenAI-compatible server: scripted replies, continuous-batching timing.
+
+It answers like vLLM's OpenAI server (chat and token-in completions, ``/tokenize``,
+``/metrics``...) with a byte-level tokenizer and ChatML template, replies from a
+:class:`Script`, and latency from a :class:`LatencyModel` played by a continuous-batching
+:class:`BatchingEngine`. Use it in-process (``httpx.ASGITransport(create_app(...))``,
+on asyncio or trio, under a virtual clock for benchmarks) or on a real port
+(:func:`serve`, :func:`running_emulator`, ``python -m libra.emulation``). Runtime code
+never imports it: a fleet, emulated or real, is handed to the engine as endpoints or an
+HTTP transport.
+"""
+
+from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._latency import BatchingEngine, LatencyModel
+from libra.emulation._scripts import (
+    AgentScript,
+    Conversation,
+    EchoScript,
+    Reply,
+    Script,
+    ScriptedReplies,
+    builtin_script,
+    parse_chatml,
+)
+from libra.emulation._serve import running_emulator, serve
+from libra.emulation._tokenizer import (
+    ENDOFTEXT_ID,
+    EOS_ID,
+    IM_END_ID,
+    IM_START_ID,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    render_chat,
+    render_chat_text,
+)
+
+__all__ = [
+    "ENDOFTEXT_ID",
+    "EOS_ID",
+    "IM_END_ID",
+    "IM_START_ID",
+    "VOCAB_SIZE",
+    "AgentScript",
+    "BatchingEngine",
+    "ByteTokenizer",
+    "Conversation",
+    "EchoScript",
+    "EmulatorApp",
+    "EmulatorConfig",
+    "LatencyModel",
+    "Reply",
+    "Script",
+    "ScriptedReplies",
+    "builtin_script",
+    "create_app",
+    "parse_chatml",
+    "render_chat",
+    "render_chat_text",
+    "running_emulator",
+    "serve",
+]

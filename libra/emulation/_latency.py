@@ -169,6 +169,7 @@ class BatchingEngine:
         self._kv_used = 0
         self._driver: _Sequence | None = None
         self._clock = -math.inf  # end of the last decode step, in anyio time
+        self._step: tuple[float, list[_Sequence]] | None = None  # in flight: (end, batch)
         self._arrivals = itertools.count()
         # Wakes a driver that waits for prefills to end; made in _wait_for_prefill, since an
         # anyio.Event can only be created inside a running event loop.
@@ -225,28 +226,30 @@ class BatchingEngine:
 
     async def _drive(self, me: _Sequence) -> None:
         """Run decode steps until ``me`` is done; other sequences advance alongside."""
-        now = max(self._clock, anyio.current_time())
         while me.state != "done":
-            batch = [sequence for sequence in self._running if sequence.joins_at <= now]
-            if not batch:
-                now = await self._wait_for_prefill()
-                continue
-            context = sum(sequence.context_tokens for sequence in batch)
-            now += self.latency.step_time(len(batch), context)
-            await anyio.sleep_until(now)
-            self._clock = now
+            if self._step is None:  # else resume the step a cancelled driver left in flight
+                now = max(self._clock, anyio.current_time())
+                batch = [sequence for sequence in self._running if sequence.joins_at <= now]
+                if not batch:
+                    await self._wait_for_prefill()
+                    continue
+                context = sum(sequence.context_tokens for sequence in batch)
+                self._step = (now + self.latency.step_time(len(batch), context), batch)
+            end, batch = self._step
+            await anyio.sleep_until(end)
+            self._step = None
+            self._clock = end
             for sequence in batch:
                 if sequence.state == "running":  # not aborted during the step
                     self._advance(sequence)
-            self._admit(now)
+            self._admit(end)
 
-    async def _wait_for_prefill(self) -> float:
+    async def _wait_for_prefill(self) -> None:
         """Sleep until the first running sequence ends prefill, or a new one is admitted."""
         self._admitted = anyio.Event()
         first_join = min(sequence.joins_at for sequence in self._running)
         with anyio.CancelScope(deadline=first_join):
             await self._admitted.wait()
-        return max(self._clock, anyio.current_time())
 
     def _advance(self, sequence: _Sequence) -> None:
         sequence.produced += 1
@@ -307,3 +310,5 @@ class BatchingEngine:
         self._driver = None
         if self._running:
             self._make_driver(self._running[0])
+        else:
+            self._step = None  # nobody left to finish it

@@ -158,7 +158,9 @@ class ScriptedReplies:
     def __call__(self, conversation: Conversation, /) -> Reply:
         turn = conversation.turn
         if turn >= len(self.texts):
-            raise IndexError(f"ScriptedReplies has {len(self.texts)} replies; asked for turn {turn}")
+            raise IndexError(
+                f"ScriptedReplies has {len(self.texts)} replies; asked for turn {turn}"
+            )
         return Reply(self.texts[turn])
 
 
@@ -284,7 +286,7 @@ def _arguments(function: dict[str, Any], conversation: Conversation) -> dict[str
 
 def _value(name: str, schema: dict[str, Any], source: str, rng: random.Random) -> Any:
     """A value of the schema's type, drawn from ``source`` where that makes sense."""
-    if "enum" in schema and schema["enum"]:
+    if schema.get("enum"):
         return rng.choice(schema["enum"])
     kind = schema.get("type", "string")
     if isinstance(kind, list):  # e.g. ["integer", "null"]
@@ -296,7 +298,8 @@ def _value(name: str, schema: dict[str, Any], source: str, rng: random.Random) -
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "array":
-        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        items = schema.get("items")
+        items = items if isinstance(items, dict) else {}
         return [_value(name, items, source, rng) for _ in range(rng.randint(1, 3))]
     if kind == "object":
         properties = schema.get("properties") or {}

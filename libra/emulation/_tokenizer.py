@@ -13,6 +13,7 @@ append only the tokens of new messages to a trajectory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +33,10 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|im_end|>": IM_END_ID,
 }
 _SPECIAL_TEXT: dict[int, str] = {token_id: text for text, token_id in SPECIAL_TOKENS.items()}
+_TOKEN_TEXT: list[str] = [
+    *(bytes((byte,)).decode("utf-8", errors="backslashreplace") for byte in range(256)),
+    *(_SPECIAL_TEXT[token_id] for token_id in range(256, VOCAB_SIZE)),
+]
 _SPECIAL_PATTERN = re.compile("|".join(re.escape(text) for text in SPECIAL_TOKENS))
 
 _TOOLS_PREAMBLE = (
@@ -78,28 +83,27 @@ class ByteTokenizer:
             return bytes(ids).decode("utf-8", errors="replace")
         except ValueError:
             pass
+        if min(ids) < 0 or max(ids) >= VOCAB_SIZE:
+            bad = next(i for i in ids if not 0 <= i < VOCAB_SIZE)
+            raise ValueError(f"token id {bad} is out of vocabulary (0..{VOCAB_SIZE - 1})")
         pieces: list[str] = []
-        run: list[int] = []
-        for token_id in ids:
-            if 0 <= token_id < 256:
-                run.append(token_id)
-                continue
-            special = _SPECIAL_TEXT.get(token_id)
-            if special is None:
-                raise ValueError(f"token id {token_id} is out of vocabulary (0..{VOCAB_SIZE - 1})")
-            pieces.append(bytes(run).decode("utf-8", errors="replace"))
-            run.clear()
+        start = 0
+        for position in _special_positions(ids):
+            pieces.append(bytes(ids[start:position]).decode("utf-8", errors="replace"))
             if not skip_special:
-                pieces.append(special)
-        pieces.append(bytes(run).decode("utf-8", errors="replace"))
+                pieces.append(_SPECIAL_TEXT[ids[position]])
+            start = position + 1
+        pieces.append(bytes(ids[start:]).decode("utf-8", errors="replace"))
         return "".join(pieces)
 
     def token_text(self, token_id: int) -> str:
         """How one token reads in logprobs: its character, special text, or ``\\xNN``."""
-        special = _SPECIAL_TEXT.get(token_id)
-        if special is not None:
-            return special
-        return bytes((token_id,)).decode("utf-8", errors="backslashreplace")
+        return _TOKEN_TEXT[token_id]
+
+    def token_texts(self, ids: Iterable[int]) -> list[str]:
+        """:meth:`token_text` of each id."""
+        table = _TOKEN_TEXT
+        return [table[token_id] for token_id in ids]
 
     def render_chat(
         self,
@@ -109,6 +113,19 @@ class ByteTokenizer:
     ) -> list[int]:
         """Token ids of ``messages`` (and ``tools``) under the ChatML template."""
         return self.encode(render_chat_text(messages, tools, add_generation_prompt))
+
+
+def _special_positions(ids: list[int]) -> list[int]:
+    """Indices of the special tokens in ``ids``, found with C-speed ``list.index``."""
+    positions: list[int] = []
+    for special_id in _SPECIAL_TEXT:
+        start = 0
+        with contextlib.suppress(ValueError):  # raised once no occurrence is left
+            while True:
+                start = ids.index(special_id, start) + 1
+                positions.append(start - 1)
+    positions.sort()
+    return positions
 
 
 def render_chat_text(

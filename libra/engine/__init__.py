@@ -8,7 +8,14 @@ from libra.engine._client import (
     ServerUnavailable,
 )
 from libra.engine._config import EngineConfig, SamplingConfig
-from libra.engine._http import Transport, http_client
+from libra.engine._http import (
+    AiohttpTransport,
+    HTTPTransport,
+    HttpxTransport,
+    TransportError,
+    TransportName,
+    http_transport,
+)
 from libra.engine._records import (
     Timings,
     ToolReturnRecord,
@@ -20,10 +27,13 @@ from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
 
 __all__ = [
+    "AiohttpTransport",
     "Engine",
     "EngineConfig",
     "Generation",
     "GenerationError",
+    "HTTPTransport",
+    "HttpxTransport",
     "OpenAIClient",
     "RequestRejected",
     "RolloutStats",
@@ -35,9 +45,10 @@ __all__ = [
     "ToolReturnRecord",
     "TrajectoryJob",
     "TrajectoryRecord",
-    "Transport",
+    "TransportError",
+    "TransportName",
     "WeightSpan",
-    "http_client",
+    "http_transport",
     "jobs_for",
     "rollout",
     "run_trajectory",

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP client the engine generates with.
 
-It speaks to any OpenAI-compatible server through an ``httpx.AsyncClient`` (whose
-transport the caller picks: aiohttp for real ports, ASGI for an in-process fleet) and
+It speaks to any OpenAI-compatible server through an :class:`HTTPTransport` (aiohttp
+for real ports, httpx's ASGI transport for an in-process fleet) and
 uses vLLM's extensions when the server has them: ``return_token_ids`` and ``logprobs``
 for exact training data, ``priority`` for the scheduler, ``/tokenize`` for rendering
 tool results into tokens. Bodies are encoded and decoded with msgspec: on a busy engine
@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
 import msgspec
 
 from libra import openai
 from libra.engine._config import SamplingConfig
+from libra.engine._http import HTTPTransport, TransportError
 from libra.sched import Endpoint
 
 T = TypeVar("T")
@@ -51,9 +51,9 @@ _JSON = {"content-type": "application/json"}
 
 
 class OpenAIClient:
-    def __init__(self, http: httpx.AsyncClient, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, http: HTTPTransport, *, timeout_s: float = 600.0) -> None:
         self.http = http
-        self.timeout = httpx.Timeout(timeout_s, connect=30.0)
+        self.timeout_s = timeout_s
         self._tokenize_support: dict[str, bool] = {}
 
     async def chat(
@@ -149,29 +149,28 @@ class OpenAIClient:
         return self._tokenize_support[endpoint.url]
 
     async def _post(self, endpoint: Endpoint, path: str, body: object, into: type[T]) -> T:
-        url = endpoint.url + path
         headers = {**_JSON, **endpoint.headers} if endpoint.headers else _JSON
         try:
-            response = await self.http.post(
-                url, content=msgspec.json.encode(body), headers=headers, timeout=self.timeout
+            status, content = await self.http.post(
+                endpoint.url + path, msgspec.json.encode(body), headers, self.timeout_s
             )
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"{endpoint.name}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            raise _status_error(endpoint, path, response)
+        except TransportError as exc:
+            raise ServerUnavailable(f"{endpoint.name}: {exc}") from exc
+        if status != 200:
+            raise _status_error(endpoint, path, status, content)
         try:
-            return msgspec.json.decode(response.content, type=into)
+            return msgspec.json.decode(content, type=into)
         except msgspec.DecodeError as exc:
             raise ServerUnavailable(f"{endpoint.name}{path}: malformed response: {exc}") from exc
 
 
-def _status_error(endpoint: Endpoint, path: str, response: httpx.Response) -> GenerationError:
+def _status_error(endpoint: Endpoint, path: str, status: int, content: bytes) -> GenerationError:
     try:
-        detail = msgspec.json.decode(response.content, type=openai.ErrorResponse).error.message
+        detail = msgspec.json.decode(content, type=openai.ErrorResponse).error.message
     except msgspec.DecodeError:
-        detail = response.text[:300]
-    message = f"{endpoint.name}{path}: HTTP {response.status_code}: {detail}"
-    retryable = response.status_code >= 500 or response.status_code in (408, 429)
+        detail = content[:300].decode(errors="replace")
+    message = f"{endpoint.name}{path}: HTTP {status}: {detail}"
+    retryable = status >= 500 or status in (408, 429)
     return ServerUnavailable(message) if retryable else RequestRejected(message)
 
 

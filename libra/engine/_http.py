@@ -1,36 +1,151 @@
-"""The HTTP client the engine generates through, with its transport chosen by measurement.
+"""The engine's HTTP layer: a two-method protocol and the transports behind it.
 
-httpx's API serves the engine well (timeouts, a transport seam for in-process fleets),
-but its default transport is the bottleneck on a busy engine: measured here, ~900
-requests/s at 16 concurrent and ``ConnectTimeout`` errors at 512, against ~4,800 for the
-aiohttp transport (DESIGN.md §4; ``libra bench engine`` measures it again). So real
-ports go through aiohttp, and an in-process fleet through ``httpx.ASGITransport``.
+The engine only ever POSTs a JSON body and reads the answer's bytes (and GETs a few
+small documents), so that is the whole protocol. Two implementations:
+
+- :class:`AiohttpTransport` for real ports. On these machines httpx's own transport
+  managed ~900 requests/s at 16 concurrent and timed out at 512 (DESIGN.md §4), and
+  httpx on top of aiohttp still spent about a third of the engine's time building
+  httpx models; a bare aiohttp session is the fastest client measured here.
+  ``libra bench engine`` prints the engine beside bare aiohttp and bare httpx.
+- :class:`HttpxTransport` for anything httpx can reach, notably an in-process fleet
+  through ``httpx.ASGITransport``, which also runs under trio and a virtual clock.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Literal, Protocol, Self
 
+import aiohttp
 import httpx
 
-Transport = Literal["aiohttp", "httpx"]
+TransportName = Literal["aiohttp", "httpx"]
 
 
-def http_client(
-    transport: Transport | httpx.AsyncBaseTransport = "aiohttp", *, max_connections: int = 1024
-) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` for the engine.
+class TransportError(Exception):
+    """The server could not be reached, or the connection broke or timed out."""
 
-    ``max_connections`` bounds the sockets open to all servers together; trajectories
-    beyond it wait for a free connection instead of overrunning the servers' backlogs.
-    """
-    limits = httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=max_connections
-    )
+
+class HTTPTransport(Protocol):
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        """POST ``body``; the answer's status and body. Raises :class:`TransportError`."""
+        ...
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+class _Closing(ABC):
+    """``async with`` support for the transports below."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class AiohttpTransport(_Closing):
+    """``max_connections`` bounds the sockets to all servers together; callers beyond it
+    wait for a free connection instead of overrunning the servers' accept backlogs."""
+
+    def __init__(self, max_connections: int = 1024) -> None:
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily: a session binds to the running loop
+            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        return await self._request("POST", url, body, headers, timeout_s)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        return await self._request("GET", url, None, {}, timeout_s)
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> tuple[int, bytes]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self._open().request(
+                method, url, data=body, headers=headers, timeout=timeout
+            ) as response:
+                return response.status, await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class HttpxTransport(_Closing):
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        return await self._request("POST", url, body, headers, timeout_s)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        return await self._request("GET", url, None, {}, timeout_s)
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> tuple[int, bytes]:
+        try:
+            response = await self.client.request(
+                method, url, content=body, headers=headers, timeout=timeout_s
+            )
+        except httpx.TransportError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        return response.status_code, response.content
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def http_transport(
+    transport: TransportName | httpx.AsyncBaseTransport = "aiohttp", *, max_connections: int = 1024
+) -> HTTPTransport:
+    """The engine's HTTP transport: by name for real ports, or over an httpx transport
+    (e.g. ``httpx.ASGITransport(app=...)`` for an in-process fleet)."""
     if transport == "aiohttp":
-        from httpx_aiohttp import AiohttpTransport
-
-        return httpx.AsyncClient(transport=AiohttpTransport(limits=limits))
+        return AiohttpTransport(max_connections)
     if transport == "httpx":
-        return httpx.AsyncClient(limits=limits)
-    return httpx.AsyncClient(transport=transport)
+        limits = httpx.Limits(max_connections=max_connections)
+        return HttpxTransport(httpx.AsyncClient(limits=limits))
+    return HttpxTransport(httpx.AsyncClient(transport=transport))

@@ -1,0 +1,546 @@
+"""The emulated vLLM OpenAI-compatible server, as a raw ASGI application.
+
+:func:`create_app` builds an app that serves the endpoints the rollout engine and the
+scheduler use, shaped like vLLM's (``/v1/chat/completions`` with the Hermes tool-call
+parser, ``/v1/completions`` with token-id prompts, ``/tokenize``, ``/detokenize``,
+``/health``, ``/v1/models``, ``/metrics``). Replies come from a :class:`Script`; their
+timing from a :class:`BatchingEngine` over the configured :class:`LatencyModel` (none at
+all with ``LatencyModel.zero()``).
+
+It is a plain ASGI callable without a web framework, so a request costs little more than
+decoding and encoding its JSON: a benchmark drives thousands of concurrent clients at it.
+It runs under uvicorn (see ``_serve``) or in-process through ``httpx.ASGITransport``, on
+asyncio or trio.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import random
+import re
+import secrets
+import time
+from array import array
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Literal, TypeVar
+
+import anyio
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field
+
+from libra.emulation._latency import BatchingEngine, LatencyModel
+from libra.emulation._scripts import AgentScript, Conversation, Reply, Script, builtin_script
+from libra.emulation._tokenizer import EOS_ID, VOCAB_SIZE, ByteTokenizer
+from libra.openai import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorBody,
+    ErrorResponse,
+    FunctionCall,
+    Message,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
+
+ASGIMessage = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[ASGIMessage]]
+Send = Callable[[ASGIMessage], Awaitable[None]]
+
+_JSON = b"application/json"
+_PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
+_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+# vLLM's Hermes tool parser: closed blocks, or one unterminated block at the end.
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)
+
+_Request = TypeVar("_Request")
+
+
+class EmulatorConfig(BaseModel):
+    """Settings of one emulated server."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model_name: str = Field(
+        default="libra-emulated", description="Served model name (requests must use it)."
+    )
+    latency: LatencyModel = Field(
+        default_factory=LatencyModel,
+        description="Timing model; LatencyModel.zero() answers at once.",
+    )
+    script: Literal["agent", "echo"] = Field(
+        default="agent", description="Built-in model behaviour, unless create_app gets one."
+    )
+    agent: AgentScript = Field(
+        default_factory=AgentScript, description="Settings of the 'agent' script."
+    )
+    seed: int = Field(default=0, description="Seeds replies, logprobs and failure injection.")
+    max_model_len: int = Field(
+        default=32768, ge=1, description="Context length: prompt plus new tokens, in tokens."
+    )
+    error_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Fraction of generation requests answered with HTTP 500 (injected).",
+    )
+    check_model_name: bool = Field(
+        default=True, description="Answer 404 to requests for another model, like vLLM."
+    )
+
+
+class _HTTPError(Exception):
+    """An error answer, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+class _ClientDisconnected(Exception):
+    """The client went away while its request was generating; nobody to answer."""
+
+
+_Response = tuple[int, bytes, bytes]  # status, body, content type
+_Handler = Callable[[bytes, Receive], Awaitable[_Response]]
+
+
+class EmulatorApp:
+    """The ASGI app; ``engine`` is None when the latency model is zero."""
+
+    def __init__(self, config: EmulatorConfig, script: Script | None = None) -> None:
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        self.script: Script = script or builtin_script(config.script, config.agent)
+        self.engine = None if config.latency.is_zero else BatchingEngine(config.latency)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._failures = random.Random(f"failures:{config.seed}")
+        self._id_prefix = secrets.token_hex(4)
+        self._ids = itertools.count()
+        self._encoder = msgspec.json.Encoder()
+        self._chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+        self._completion_decoder = msgspec.json.Decoder(CompletionRequest)
+        self._tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+        self._detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+        self._models_body = self._encoder.encode(self._models())
+        self._routes: dict[str, dict[str, _Handler]] = {
+            "/health": {"GET": self._health},
+            "/v1/models": {"GET": self._list_models},
+            "/metrics": {"GET": self._metrics},
+            "/v1/chat/completions": {"POST": self._chat_completions},
+            "/v1/completions": {"POST": self._completions},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._serve_http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await _serve_lifespan(receive, send)
+        # Other scopes (websocket) are not served: returning closes them.
+
+    async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            handler = self._route(scope["method"], scope["path"])
+            body = await _read_body(receive)
+            status, payload, content_type = await handler(body, receive)
+        except _HTTPError as error:
+            status, content_type = error.status, _JSON
+            payload = self._encoder.encode(
+                ErrorResponse(ErrorBody(message=error.message, type=error.kind, code=error.status))
+            )
+        except _ClientDisconnected:
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"content-length", str(len(payload)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+    def _route(self, method: str, path: str) -> _Handler:
+        methods = self._routes.get(path)
+        if methods is None:
+            raise _HTTPError(404, f"Not Found: {path}", "NotFoundError")
+        handler = methods.get(method)
+        if handler is None:
+            raise _HTTPError(405, f"Method Not Allowed: {method} {path}", "MethodNotAllowed")
+        return handler
+
+    # ------------------------------------------------------------------ simple GETs
+
+    async def _health(self, body: bytes, receive: Receive) -> _Response:
+        return 200, b"", _JSON
+
+    async def _list_models(self, body: bytes, receive: Receive) -> _Response:
+        return 200, self._models_body, _JSON
+
+    def _models(self) -> dict[str, Any]:
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "libra",
+            "root": self.config.model_name,
+            "max_model_len": self.config.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def _metrics(self, body: bytes, receive: Receive) -> _Response:
+        engine = self.engine
+        gauges = {
+            "vllm:num_requests_running": engine.num_running if engine else 0,
+            "vllm:num_requests_waiting": engine.num_waiting if engine else 0,
+            "vllm:kv_cache_usage_perc": engine.kv_usage if engine else 0.0,
+        }
+        counters = {
+            "vllm:prompt_tokens_total": self.prompt_tokens_total,
+            "vllm:generation_tokens_total": self.generation_tokens_total,
+        }
+        name = self.config.model_name.replace("\\", "\\\\").replace('"', '\\"')
+        label = f'{{model_name="{name}"}}'
+        lines: list[str] = []
+        for kind, values in (("gauge", gauges), ("counter", counters)):
+            for metric, value in values.items():
+                lines.append(f"# TYPE {metric} {kind}")
+                lines.append(f"{metric}{label} {float(value)}")
+        return 200, ("\n".join(lines) + "\n").encode(), _PROMETHEUS
+
+    # ------------------------------------------------------------------- tokenizer
+
+    async def _tokenize(self, body: bytes, receive: Receive) -> _Response:
+        request = _decode(self._tokenize_decoder, body)
+        self._check_model(request.model)
+        if request.messages is not None:
+            # vLLM's TokenizeChatRequest adds the generation prompt unless told not to.
+            add_generation_prompt = request.add_generation_prompt is not False
+            tokens = self.tokenizer.render_chat(
+                request.messages, request.tools, add_generation_prompt
+            )
+        elif request.prompt is not None:
+            tokens = self.tokenizer.encode(request.prompt)
+        else:
+            raise _HTTPError(400, "Either 'prompt' or 'messages' is required.")
+        response = TokenizeResponse(
+            tokens=tokens, count=len(tokens), max_model_len=self.config.max_model_len
+        )
+        return 200, self._encoder.encode(response), _JSON
+
+    async def _detokenize(self, body: bytes, receive: Receive) -> _Response:
+        request = _decode(self._detokenize_decoder, body)
+        self._check_model(request.model)
+        self._check_token_ids(request.tokens)
+        response = DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        return 200, self._encoder.encode(response), _JSON
+
+    # ------------------------------------------------------------------ generation
+
+    async def _chat_completions(self, body: bytes, receive: Receive) -> _Response:
+        request = _decode(self._chat_decoder, body)
+        self._check_model(request.model)
+        self._check_streaming(request.stream)
+        prompt = self.tokenizer.render_chat(request.messages, request.tools, True)
+        max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
+        self._maybe_fail()
+        key = self._seed_key(prompt, request.seed)
+        rng = random.Random(key)
+        conversation = Conversation(
+            prompt, request.messages, request.tools or [], rng, self.tokenizer
+        )
+        reply = self._run_script(conversation)
+        generated, finish_reason = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        await self._generate(len(prompt), len(generated), request.priority, receive)
+
+        text = self.tokenizer.decode(generated, skip_special=True)
+        message = Message(role="assistant", content=text)
+        if request.tools:
+            parsed = _parse_hermes_tool_calls(text, rng)
+            if parsed is not None:
+                message, finish_reason = parsed, "tool_calls"
+        logprobs = None
+        if request.logprobs:
+            texts = self.tokenizer.token_texts(generated)
+            entries = zip(texts, _logprobs(key, len(generated)), strict=True)
+            content = [TokenLogprob(text, logprob) for text, logprob in entries]
+            logprobs = ChatLogprobs(content=content)
+        with_ids = bool(request.return_token_ids)
+        choice = ChatChoice(
+            index=0,
+            message=message,
+            finish_reason=finish_reason,
+            logprobs=logprobs,
+            token_ids=generated if with_ids else None,
+        )
+        response = ChatCompletion(
+            id=self._new_id("chatcmpl"),
+            choices=[choice],
+            model=self.config.model_name,
+            created=int(time.time()),
+            usage=self._usage(len(prompt), len(generated)),
+            prompt_token_ids=prompt if with_ids else None,
+        )
+        return 200, self._encoder.encode(response), _JSON
+
+    async def _completions(self, body: bytes, receive: Receive) -> _Response:
+        request = _decode(self._completion_decoder, body)
+        self._check_model(request.model)
+        self._check_streaming(request.stream)
+        if isinstance(request.prompt, str):
+            prompt = self.tokenizer.encode(request.prompt)
+        else:
+            prompt = request.prompt
+            self._check_token_ids(prompt)
+        if not prompt:
+            raise _HTTPError(400, "The prompt cannot be empty.")
+        if request.logprobs is not None and not 0 <= request.logprobs <= _MAX_LOGPROBS:
+            raise _HTTPError(400, f"logprobs must be between 0 and {_MAX_LOGPROBS}.")
+        max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
+        self._maybe_fail()
+        key = self._seed_key(prompt, request.seed)
+        conversation = Conversation.from_prompt(prompt, random.Random(key), self.tokenizer)
+        reply = self._run_script(conversation)
+        generated, finish_reason = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        await self._generate(len(prompt), len(generated), request.priority, receive)
+
+        skip_special = request.skip_special_tokens is not False
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = CompletionLogprobs(
+                token_logprobs=list(_logprobs(key, len(generated))),
+                tokens=self.tokenizer.token_texts(generated),
+            )
+        with_ids = bool(request.return_token_ids)
+        choice = CompletionChoice(
+            index=0,
+            text=self.tokenizer.decode(generated, skip_special=skip_special),
+            finish_reason=finish_reason,
+            logprobs=logprobs,
+            token_ids=generated if with_ids else None,
+            prompt_token_ids=prompt if with_ids else None,
+        )
+        response = Completion(
+            id=self._new_id("cmpl"),
+            choices=[choice],
+            model=self.config.model_name,
+            created=int(time.time()),
+            usage=self._usage(len(prompt), len(generated)),
+        )
+        return 200, self._encoder.encode(response), _JSON
+
+    async def _generate(
+        self, prompt_tokens: int, new_tokens: int, priority: int | None, receive: Receive
+    ) -> None:
+        """Spend the emulated GPU time of a request; abort it if the client goes away."""
+        self.prompt_tokens_total += prompt_tokens
+        self.generation_tokens_total += new_tokens
+        engine = self.engine
+        if engine is None:
+            return
+        finished = False
+        async with anyio.create_task_group() as group:
+            group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
+            # A stop string at the very start still cost the model one decode step.
+            await engine.generate(prompt_tokens, max(1, new_tokens), priority=priority or 0)
+            finished = True
+            group.cancel_scope.cancel()
+        if not finished:
+            raise _ClientDisconnected
+
+    # --------------------------------------------------------------------- helpers
+
+    def _check_model(self, model: str) -> None:
+        if self.config.check_model_name and model != self.config.model_name:
+            raise _HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
+
+    @staticmethod
+    def _check_streaming(stream: bool | None) -> None:
+        if stream:
+            raise _HTTPError(400, "Streaming is not supported by the emulated server.")
+
+    @staticmethod
+    def _check_token_ids(ids: list[int]) -> None:
+        for token_id in ids:
+            if not 0 <= token_id < VOCAB_SIZE:
+                raise _HTTPError(400, f"Token id {token_id} is out of vocabulary.")
+
+    def _max_new_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The most tokens a request may generate; 400 when it cannot fit the context."""
+        limit = self.config.max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise _HTTPError(400, f"max_tokens must be at least 1, got {max_tokens}.")
+        if prompt_tokens >= limit:
+            raise _HTTPError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {prompt_tokens} input tokens. Please reduce the length of "
+                "the input messages.",
+            )
+        if max_tokens is None:
+            return limit - prompt_tokens
+        if prompt_tokens + max_tokens > limit:
+            raise _HTTPError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion).",
+            )
+        return max_tokens
+
+    def _maybe_fail(self) -> None:
+        rate = self.config.error_rate
+        if rate and self._failures.random() < rate:
+            raise _HTTPError(500, f"Injected failure (error_rate={rate}).", "InternalServerError")
+
+    def _seed_key(self, prompt: list[int], request_seed: int | None) -> int:
+        """The reply's random seed: server seed, request seed and the prompt's ids."""
+        digest = hashlib.blake2b(f"{self.config.seed}:{request_seed}:".encode(), digest_size=8)
+        digest.update(array("H", prompt).tobytes())  # ids are < 2**16 (checked before)
+        return int.from_bytes(digest.digest(), "little")
+
+    def _run_script(self, conversation: Conversation) -> Reply:
+        try:
+            return self.script(conversation)
+        except Exception as error:  # a script bug is the server's error, as a 500
+            message = f"Script failed: {type(error).__name__}: {error}"
+            raise _HTTPError(500, message, "InternalServerError") from error
+
+    def _reply_tokens(
+        self, text: str, stop: list[str] | None, max_new_tokens: int
+    ) -> tuple[list[int], str]:
+        """The tokens the model emits for ``text``, and why it stopped.
+
+        Ends with EOS unless a stop string cut the text (vLLM leaves the stop string out)
+        or ``max_new_tokens`` truncated it (finish reason ``"length"``).
+        """
+        cut = min((i for i in (text.find(s) for s in stop or ()) if i >= 0), default=-1)
+        if cut >= 0:
+            tokens = self.tokenizer.encode(text[:cut])
+        else:
+            tokens = self.tokenizer.encode(text)
+            tokens.append(EOS_ID)
+        if len(tokens) > max_new_tokens:
+            return tokens[:max_new_tokens], "length"
+        return tokens, "stop"
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    def _new_id(self, kind: str) -> str:
+        return f"{kind}-{self._id_prefix}{next(self._ids):016x}"
+
+
+def create_app(config: EmulatorConfig | None = None, script: Script | None = None) -> EmulatorApp:
+    """An emulated vLLM server as an ASGI app; ``script`` overrides ``config.script``."""
+    return EmulatorApp(config or EmulatorConfig(), script)
+
+
+# ------------------------------------------------------------------------ functions
+
+
+def _decode(decoder: msgspec.json.Decoder[_Request], body: bytes) -> _Request:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as error:  # malformed JSON, or a field of the wrong shape
+        raise _HTTPError(400, f"Invalid request: {error}") from error
+
+
+def _parse_hermes_tool_calls(text: str, rng: random.Random) -> Message | None:
+    """The assistant message vLLM's Hermes parser makes of ``text``, or None.
+
+    None when there is no ``<tool_call>`` or any block fails to parse; then vLLM returns
+    the whole text as content. Otherwise the content is the text before the first block.
+    """
+    start = text.find("<tool_call>")
+    if start < 0:
+        return None
+    calls: list[ToolCall] = []
+    for closed, unclosed in _TOOL_CALL.findall(text):
+        try:
+            payload = json.loads(closed or unclosed)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            return None
+        if "arguments" not in payload:
+            return None
+        arguments = json.dumps(payload["arguments"], ensure_ascii=False)
+        call_id = f"call_{rng.getrandbits(96):024x}"
+        calls.append(ToolCall(id=call_id, function=FunctionCall(payload["name"], arguments)))
+    return Message(role="assistant", content=text[:start] or None, tool_calls=calls)
+
+
+def _make_logprob_table(size: int) -> list[float]:
+    rng = random.Random(0x6C6F6770726F6273)
+    return [-(rng.expovariate(4.0) + 1e-4) for _ in range(size)]
+
+
+# Sampled-token logprobs are read off this table from a per-request offset: deterministic,
+# plausible (negative, mostly near zero) and cheap, since a reply may have thousands.
+_LOGPROB_TABLE = _make_logprob_table(8191)
+
+
+def _logprobs(key: int, count: int) -> list[float]:
+    """``count`` logprobs for the request whose seed key is ``key``."""
+    table = _LOGPROB_TABLE
+    offset = key % len(table)
+    values = table[offset : offset + count]
+    while len(values) < count:
+        values += table[: count - len(values)]
+    return values
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientDisconnected
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` when the client disconnects (ASGI servers say so via receive)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _serve_lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge startup and shutdown; the app holds no resources that need them."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

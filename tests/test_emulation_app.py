@@ -1,0 +1,525 @@
+"""The emulated vLLM server's endpoints, in-process through httpx.ASGITransport and on a port."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from libra.emulation import (
+    EOS_ID,
+    AgentScript,
+    EmulatorConfig,
+    LatencyModel,
+    Script,
+    ScriptedReplies,
+    create_app,
+    render_chat,
+    running_emulator,
+)
+from libra.emulation._serve import build_parser, config_from_args
+from libra.openai import (
+    ChatCompletion,
+    Completion,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeResponse,
+    tool_schema,
+)
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "libra-emulated"
+CALCULATOR = tool_schema(
+    "calculator",
+    "Evaluate an arithmetic expression.",
+    {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
+)
+LOOKUP = tool_schema(
+    "lookup",
+    "Look up a record.",
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 1000},
+            "scale": {"type": "number"},
+            "verbose": {"type": "boolean"},
+            "unit": {"type": "string", "enum": ["m", "km"]},
+        },
+        "required": ["id", "scale", "verbose", "unit"],
+    },
+)
+QUESTION = [{"role": "user", "content": "What is 12 times 7 plus 3?"}]
+TOOL_CALL = (
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7 + 3"}}\n</tool_call>'
+)
+
+
+@asynccontextmanager
+async def emulator(
+    behaviour: Script | None = None, **config: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of an in-process emulator (zero latency unless given) with ``behaviour``."""
+    config.setdefault("latency", LatencyModel.zero())
+    app = create_app(EmulatorConfig(**config), behaviour)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://emulated") as client:
+        yield client
+
+
+async def chat(client: httpx.AsyncClient, **body: Any) -> ChatCompletion:
+    body = {"model": MODEL, "messages": QUESTION, **body}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return msgspec.json.decode(response.content, type=ChatCompletion)
+
+
+async def complete(client: httpx.AsyncClient, **body: Any) -> Completion:
+    response = await client.post("/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return msgspec.json.decode(response.content, type=Completion)
+
+
+async def error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    body = msgspec.json.decode(response.content, type=ErrorResponse)
+    assert body.error.code == status
+    return body.error.message
+
+
+# ------------------------------------------------------------------------- simple GETs
+
+
+async def test_health_models_and_metrics() -> None:
+    async with emulator(model_name="tiny", max_model_len=4096) as client:
+        assert (await client.get("/health")).status_code == 200
+        models = (await client.get("/v1/models")).json()
+        assert models["object"] == "list"
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 4096)]
+        metrics = await client.get("/metrics")
+        assert metrics.headers["content-type"].startswith("text/plain")
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert f'vllm:{name}{{model_name="tiny"}} 0.0' in metrics.text
+
+
+# ------------------------------------------------------------------- chat completions
+
+
+async def test_chat_completion_shape_without_extras() -> None:
+    async with emulator(ScriptedReplies(["The answer is 87."])) as client:
+        completion = await chat(client)
+    assert completion.object == "chat.completion" and completion.model == MODEL
+    assert completion.id.startswith("chatcmpl-") and completion.prompt_token_ids is None
+    (choice,) = completion.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == "The answer is 87."
+    assert choice.finish_reason == "stop"
+    assert choice.token_ids is None and choice.logprobs is None
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == len("The answer is 87.") + 1  # + EOS
+    prompt_tokens = len(render_chat(QUESTION, add_generation_prompt=True))
+    assert completion.usage.prompt_tokens == prompt_tokens
+    assert completion.usage.total_tokens == prompt_tokens + completion.usage.completion_tokens
+
+
+async def test_chat_token_ids_and_logprobs_agree() -> None:
+    async with emulator(ScriptedReplies(["The answer is 87."])) as client:
+        completion = await chat(client, return_token_ids=True, logprobs=True)
+        tokenized = await client.post(
+            "/tokenize", json={"model": MODEL, "messages": QUESTION, "add_generation_prompt": True}
+        )
+    (choice,) = completion.choices
+    assert completion.prompt_token_ids == tokenized.json()["tokens"]
+    assert choice.token_ids == [*b"The answer is 87.", EOS_ID]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == len(choice.token_ids)
+    assert all(entry.logprob < 0 for entry in choice.logprobs.content)
+    assert choice.logprobs.content[-1].token == "<|im_end|>"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == len(choice.token_ids)
+
+
+async def test_chat_parses_hermes_tool_calls() -> None:
+    second = '<tool_call>\n{"name": "lookup", "arguments": {"id": 3}}\n</tool_call>'
+    reply = f"Let me compute.\n{TOOL_CALL}\n{second}"
+    async with emulator(ScriptedReplies([reply])) as client:
+        completion = await chat(client, tools=[CALCULATOR, LOOKUP], return_token_ids=True)
+    (choice,) = completion.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me compute.\n"
+    calls = choice.message.tool_calls or []
+    assert [call.function.name for call in calls] == ["calculator", "lookup"]
+    assert json.loads(calls[0].function.arguments) == {"expression": "12 * 7 + 3"}
+    assert json.loads(calls[1].function.arguments) == {"id": 3}
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", call.id) for call in calls)
+    assert len({call.id for call in calls}) == 2
+    assert choice.token_ids is not None
+    assert bytes(choice.token_ids[:-1]).decode() == reply and choice.token_ids[-1] == EOS_ID
+
+
+async def test_tool_call_type_is_on_the_wire() -> None:
+    async with emulator(ScriptedReplies([TOOL_CALL])) as client:
+        body = {"model": MODEL, "messages": QUESTION, "tools": [CALCULATOR]}
+        response = await client.post("/v1/chat/completions", json=body)
+    (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+    assert call["type"] == "function"
+    assert response.json()["choices"][0]["message"].get("content") is None
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": \n</tool_call>',
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',
+        "<tool_call>\n[1, 2]\n</tool_call>",
+    ],
+)
+async def test_unparseable_tool_calls_stay_in_content(reply: str) -> None:
+    async with emulator(ScriptedReplies([reply])) as client:
+        completion = await chat(client, tools=[CALCULATOR])
+    (choice,) = completion.choices
+    assert (choice.message.content, choice.message.tool_calls) == (reply, None)
+    assert choice.finish_reason == "stop"
+
+
+async def test_tool_calls_are_not_parsed_without_tools_in_the_request() -> None:
+    async with emulator(ScriptedReplies([TOOL_CALL])) as client:
+        completion = await chat(client)
+    assert completion.choices[0].message.content == TOOL_CALL
+    assert completion.choices[0].message.tool_calls is None
+
+
+async def test_max_tokens_truncates_without_eos() -> None:
+    async with emulator(ScriptedReplies(["The answer is 87."])) as client:
+        completion = await chat(client, max_tokens=5, return_token_ids=True, logprobs=True)
+    (choice,) = completion.choices
+    assert choice.finish_reason == "length"
+    assert choice.token_ids == list(b"The a") and choice.message.content == "The a"
+    assert choice.logprobs is not None and len(choice.logprobs.content or []) == 5
+
+
+async def test_max_tokens_equal_to_reply_plus_eos_stops_normally() -> None:
+    async with emulator(ScriptedReplies(["abc"])) as client:
+        completion = await chat(client, max_tokens=4, return_token_ids=True)
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.choices[0].token_ids == [*b"abc", EOS_ID]
+
+
+async def test_stop_strings_cut_the_reply() -> None:
+    async with emulator(ScriptedReplies(["one two three"])) as client:
+        completion = await chat(client, stop=[" three", " two"], return_token_ids=True)
+    (choice,) = completion.choices
+    assert (choice.message.content, choice.finish_reason) == ("one", "stop")
+    assert choice.token_ids == list(b"one")
+
+
+async def test_scripted_replies_follow_the_turn_number() -> None:
+    async with emulator(ScriptedReplies(["first", "second"])) as client:
+        first = await chat(client)
+        history = [*QUESTION, {"role": "assistant", "content": "first"}]
+        history.append({"role": "user", "content": "and?"})
+        second = await chat(client, messages=history)
+        history += [{"role": "assistant", "content": "second"}, {"role": "user", "content": "?"}]
+        response = await client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": history}
+        )
+    assert first.choices[0].message.content == "first"
+    assert second.choices[0].message.content == "second"
+    assert "ScriptedReplies has 2 replies" in await error(response, 500)
+
+
+# ------------------------------------------------------------------------ completions
+
+
+async def test_completion_with_token_prompt() -> None:
+    prompt = render_chat(QUESTION, [CALCULATOR], add_generation_prompt=True)
+    async with emulator(ScriptedReplies([TOOL_CALL])) as client:
+        completion = await complete(client, prompt=prompt, return_token_ids=True, logprobs=0)
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    (choice,) = completion.choices
+    assert choice.text == TOOL_CALL  # raw text: tool calls are not parsed, EOS not shown
+    assert choice.token_ids == [*TOOL_CALL.encode(), EOS_ID]
+    assert choice.prompt_token_ids == prompt
+    assert choice.finish_reason == "stop"
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert len(choice.logprobs.token_logprobs) == len(choice.token_ids)
+    assert all(lp is not None and lp < 0 for lp in choice.logprobs.token_logprobs)
+    assert completion.usage is not None and completion.usage.prompt_tokens == len(prompt)
+
+
+async def test_completion_with_string_prompt_and_special_tokens_kept() -> None:
+    async with emulator(ScriptedReplies(["hi"])) as client:
+        kept = await complete(client, prompt="Say hi.", skip_special_tokens=False)
+        plain = await complete(client, prompt="Say hi.", return_token_ids=True)
+    assert kept.choices[0].text == "hi<|im_end|>"
+    assert plain.choices[0].text == "hi"
+    assert plain.choices[0].prompt_token_ids == list(b"Say hi.")
+    assert plain.choices[0].logprobs is None
+
+
+async def test_completion_counts_turns_from_the_chatml_prompt() -> None:
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": "first"},
+        {"role": "user", "content": "?"},
+    ]
+    prompt = render_chat(messages, add_generation_prompt=True)
+    async with emulator(ScriptedReplies(["first", "second"])) as client:
+        completion = await complete(client, prompt=prompt, max_tokens=100)
+    assert completion.choices[0].text == "second"
+
+
+# ----------------------------------------------------------------------- tokenizer API
+
+
+async def test_tokenize_and_detokenize() -> None:
+    async with emulator(max_model_len=2048) as client:
+        by_prompt = await client.post("/tokenize", json={"model": MODEL, "prompt": "héllo"})
+        by_messages = await client.post(
+            "/tokenize",
+            json={"model": MODEL, "messages": QUESTION, "tools": [CALCULATOR]},
+        )
+        without_prompt = await client.post(
+            "/tokenize",
+            json={"model": MODEL, "messages": QUESTION, "add_generation_prompt": False},
+        )
+        detokenized = await client.post(
+            "/detokenize", json={"model": MODEL, "tokens": [257, *b"hi", 258]}
+        )
+    tokens = msgspec.json.decode(by_prompt.content, type=TokenizeResponse)
+    assert tokens == TokenizeResponse(tokens=list("héllo".encode()), count=6, max_model_len=2048)
+    chat_tokens = msgspec.json.decode(by_messages.content, type=TokenizeResponse)
+    assert chat_tokens.tokens == render_chat(QUESTION, [CALCULATOR], add_generation_prompt=True)
+    assert without_prompt.json()["tokens"] == render_chat(QUESTION)
+    text = msgspec.json.decode(detokenized.content, type=DetokenizeResponse)
+    assert text.prompt == "<|im_start|>hi<|im_end|>"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+async def test_request_errors_look_like_vllm() -> None:
+    async with emulator(max_model_len=64) as client:
+        post = client.post
+        assert "Invalid request" in await error(
+            await post("/v1/chat/completions", content=b"{not json"), 400
+        )
+        assert "messages" in await error(
+            await post("/v1/chat/completions", json={"model": MODEL}), 400
+        )
+        assert "$.max_tokens" in await error(
+            await post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "9"}),
+            400,
+        )
+        await error(await client.get("/v1/nothing"), 404)
+        await error(await client.get("/v1/chat/completions"), 405)
+        assert "does not exist" in await error(
+            await post("/v1/completions", json={"model": "other", "prompt": "x"}), 404
+        )
+        too_long = {"model": MODEL, "prompt": "x" * 64}
+        assert "maximum context length is 64" in await error(
+            await post("/v1/completions", json=too_long), 400
+        )
+        no_room = {"model": MODEL, "prompt": "x" * 10, "max_tokens": 60}
+        assert "60 in the completion" in await error(
+            await post("/v1/completions", json=no_room), 400
+        )
+        for bad in ({"max_tokens": 0}, {"prompt": [1, 999]}, {"prompt": []}, {"logprobs": 21}):
+            await error(
+                await post("/v1/completions", json={"model": MODEL, "prompt": "x", **bad}), 400
+            )
+        assert "Streaming" in await error(
+            await post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": True}
+            ),
+            400,
+        )
+        await error(await post("/tokenize", json={"model": MODEL}), 400)
+        await error(await post("/detokenize", json={"model": MODEL, "tokens": [300]}), 400)
+
+
+async def test_model_name_check_can_be_turned_off() -> None:
+    async with emulator(check_model_name=False) as client:
+        response = await client.post("/v1/completions", json={"model": "any", "prompt": "x"})
+    assert response.status_code == 200
+
+
+async def test_error_rate_injects_http_500s() -> None:
+    async with emulator(error_rate=1.0) as client:
+        message = await error(
+            await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 500
+        )
+        assert "Injected failure" in message
+        assert (
+            await client.post("/tokenize", json={"model": MODEL, "prompt": "x"})
+        ).status_code == 200
+    async with emulator(error_rate=0.3, seed=4) as client:
+        statuses = [
+            (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).status_code
+            for _ in range(200)
+        ]
+    assert 30 < statuses.count(500) < 90 and statuses.count(200) + statuses.count(500) == 200
+
+
+# -------------------------------------------------------------------- agent behaviour
+
+
+async def test_replies_are_deterministic_for_a_seed() -> None:
+    agent = AgentScript(think_tokens=(0, 40), garbage_rate=0.3)
+    body = {"tools": [CALCULATOR, LOOKUP], "logprobs": True, "return_token_ids": True}
+    runs = []
+    for seed in (7, 7, 8):
+        async with emulator(seed=seed, agent=agent) as client:
+            runs.append(
+                [await chat(client, **body, seed=request_seed) for request_seed in range(6)]
+            )
+    same = [[c.choices[0] for c in run] for run in runs]
+    assert same[0] == same[1]
+    assert same[0] != same[2]
+
+
+async def test_agent_calls_calculator_with_numbers_from_the_question() -> None:
+    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
+        completion = await chat(client, tools=[CALCULATOR])
+    (call,) = completion.choices[0].message.tool_calls or []
+    expression = json.loads(call.function.arguments)["expression"]
+    assert re.fullmatch(r"12 [-+*] 7 [-+*] 3", expression), expression
+
+
+async def test_agent_fills_arguments_from_the_schema() -> None:
+    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
+        for request_seed in range(10):
+            completion = await chat(client, tools=[LOOKUP], seed=request_seed)
+            (call,) = completion.choices[0].message.tool_calls or []
+            arguments = json.loads(call.function.arguments)
+            assert isinstance(arguments["id"], int) and 1 <= arguments["id"] <= 1000
+            assert isinstance(arguments["scale"], float | int)
+            assert isinstance(arguments["verbose"], bool)
+            assert arguments["unit"] in ("m", "km")
+
+
+async def test_agent_answers_with_the_latest_tool_result() -> None:
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "calculator", "arguments": '{"expression": "12 * 7 + 3"}'}}
+        ]},
+        {"role": "tool", "content": "87", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    agent = AgentScript(tool_call_probability=1.0, max_tool_turns=1)
+    async with emulator(agent=agent) as client:
+        completion = await chat(client, messages=messages, tools=[CALCULATOR])
+    assert completion.choices[0].message.content == "The answer is 87."
+    assert completion.choices[0].finish_reason == "stop"
+
+
+async def test_agent_finds_tools_in_a_token_prompt() -> None:
+    prompt = render_chat(QUESTION, [CALCULATOR], add_generation_prompt=True)
+    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
+        completion = await complete(client, prompt=prompt)
+    assert completion.choices[0].text.startswith('<tool_call>\n{"name": "calculator"')
+
+
+async def test_agent_garbage_is_never_a_valid_call() -> None:
+    agent = AgentScript(garbage_rate=1.0)
+    async with emulator(agent=agent) as client:
+        for request_seed in range(40):
+            completion = await chat(client, tools=[LOOKUP], seed=request_seed)
+            (choice,) = completion.choices
+            for call in choice.message.tool_calls or []:
+                arguments = json.loads(call.function.arguments)
+                valid = call.function.name == "lookup" and isinstance(arguments.get("id"), int)
+                assert not valid, call
+
+
+async def test_agent_think_tokens_pad_the_reply() -> None:
+    agent = AgentScript(think_tokens=(50, 50), tool_call_probability=0.0)
+    async with emulator(agent=agent) as client:
+        completion = await chat(client, return_token_ids=True)
+    (choice,) = completion.choices
+    text = choice.message.content or ""
+    thinking, answer = text.rsplit("\n", 1)
+    assert len(thinking) + 1 == 50 and answer == "The answer is 3."
+
+
+async def test_echo_script_repeats_the_last_user_message() -> None:
+    async with emulator(script="echo") as client:
+        completion = await chat(client)
+    assert completion.choices[0].message.content == QUESTION[0]["content"]
+
+
+# -------------------------------------------------------------------------- real port
+
+
+def test_real_port_round_trip() -> None:
+    config = EmulatorConfig(latency=LatencyModel(step_base_s=0.001, prefill_s_per_token=0.0))
+    with running_emulator(config) as url, httpx.Client(base_url=url) as client:
+        assert client.get("/health").status_code == 200
+        body = {"model": MODEL, "messages": QUESTION, "tools": [CALCULATOR]}
+        response = client.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+        completion = msgspec.json.decode(response.content, type=ChatCompletion)
+        metrics = client.get("/metrics").text
+    tokens = completion.choices[0].token_ids or []
+    assert tokens and completion.usage is not None
+    assert completion.usage.completion_tokens == len(tokens)
+    assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} {float(len(tokens))}' in metrics
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=1.0)  # the server is gone
+
+
+def test_command_line_options_make_a_config() -> None:
+    args = build_parser().parse_args(
+        ["--latency", "zero", "--script", "echo", "--seed", "3", "--think-tokens", "2", "9"]
+    )
+    config = config_from_args(args)
+    assert config.latency.is_zero and config.script == "echo" and config.seed == 3
+    assert config.agent.think_tokens == (2, 9)
+    whole = EmulatorConfig(seed=11, error_rate=0.5)
+    assert (
+        config_from_args(build_parser().parse_args(["--config-json", whole.model_dump_json()]))
+        == whole
+    )
+
+
+def test_server_exits_when_its_parent_dies() -> None:
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from libra.emulation import running_emulator\n"
+            "with running_emulator() as url:\n"
+            "    print(url, flush=True)\n"
+            "    time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    with parent:
+        assert parent.stdout is not None
+        url = parent.stdout.readline().strip()
+        assert httpx.get(f"{url}/health").status_code == 200
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=0.5)
+        except httpx.TransportError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the emulated server outlived its parent")
