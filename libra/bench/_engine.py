@@ -3,28 +3,32 @@
 A zero-latency emulated server runs on a real port in its own process, so every
 second measured is spent in HTTP and in the client. At each concurrency level the
 engine runs trajectories of a small tool-using env (the emulator's ``agent`` script
-decides turns and tool calls); then a bare aiohttp client and a bare httpx client make
-the same number of chat-completion calls, with the same body and the same number in
-flight, to the same server. The ratio of the engine's calls/s to bare aiohttp's is the
+decides turns and tool calls); then a bare aiohttp client and a bare httpx client replay
+the engine's generation requests, body for body, with as many in flight, to the same
+server. The ratio of the engine's calls/s to bare aiohttp's is the
 engine's overhead; bare httpx shows why the engine does not use httpx's own transport.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from typing import Any, Literal, Self
+from urllib.parse import urlsplit
 
 import aiohttp
 import anyio
 import httpx
 import msgspec
 
-from libra import openai
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import (
     Engine,
     EngineConfig,
+    HTTPTransport,
     OpenAIClient,
     SamplingConfig,
     http_transport,
@@ -35,6 +39,8 @@ from libra.envs import Env, tool
 from libra.sched import Endpoint, LeastLoadedScheduler
 
 MAX_CONNECTIONS = 1024  # the same pool bound for the engine and both bare clients
+HTTPX_BUDGET_S = 15.0
+_HEADERS = {"content-type": "application/json"}
 
 
 class Lookup(Env):
@@ -68,130 +74,137 @@ class EngineBenchResult:
 
 
 async def bench_engine(
-    url: str, concurrency: int, trajectories: int, api: str = "chat"
+    url: str, concurrency: int, trajectories: int, api: Literal["chat", "tokens"] = "chat"
 ) -> EngineBenchResult:
-    endpoint = Endpoint(url, model=EmulatorConfig().model_name, api=api)  # type: ignore[arg-type]
+    endpoint = Endpoint(url, model=EmulatorConfig().model_name, api=api)
     config = EngineConfig(
         concurrency=concurrency, sampling=SamplingConfig(max_tokens_per_turn=256, seed=0)
     )
-    async with http_transport("aiohttp", max_connections=MAX_CONNECTIONS) as http:
+    async with _Recording(http_transport("aiohttp", max_connections=MAX_CONNECTIONS)) as http:
         engine = Engine(OpenAIClient(http), LeastLoadedScheduler([endpoint]), config=config)
         jobs = jobs_for(Lookup, "lookup", trajectories, seed=concurrency)
         started = time.perf_counter()
         stats = await rollout(jobs, engine)
         elapsed = time.perf_counter() - started
     calls = stats.turns
-    body = _first_turn_body(endpoint.model)
+    # The bare clients replay the engine's own generation requests, body for body.
+    requests = [(path, body) for path, body in http.sent if path.startswith("/v1/")]
     in_flight = min(concurrency, calls)
-    aiohttp_s, aiohttp_errors = await _bare(_aiohttp_caller, url, body, calls, in_flight)
-    httpx_s, httpx_errors = await _bare(_httpx_caller, url, body, calls, in_flight)
+    aiohttp_rate, aiohttp_errors = await _bare(_bare_aiohttp, url, requests, in_flight)
+    # httpx's own transport is many times slower here: a time-boxed sample gives its rate.
+    httpx_rate, httpx_errors = await _bare(
+        _bare_httpx, url, requests, in_flight, budget_s=HTTPX_BUDGET_S
+    )
     return EngineBenchResult(
         concurrency=concurrency,
         trajectories=trajectories,
         calls=calls,
         trajectories_s=round(trajectories / elapsed, 1),
         calls_s=round(calls / elapsed, 1),
-        bare_aiohttp_calls_s=round(calls / aiohttp_s, 1),
-        bare_httpx_calls_s=round(calls / httpx_s, 1),
+        bare_aiohttp_calls_s=round(aiohttp_rate, 1),
+        bare_httpx_calls_s=round(httpx_rate, 1),
         errors=stats.statuses["failed"],
         bare_errors=aiohttp_errors + httpx_errors,
     )
 
 
-def _first_turn_body(model: str) -> bytes:
-    request = openai.ChatCompletionRequest(
-        model=model,
-        messages=[openai.Message(role="user", content=Lookup().reset(1))],
-        tools=Lookup.tool_schemas(),
-        max_tokens=256,
-        logprobs=True,
-        return_token_ids=True,
-        seed=0,
-    )
-    return msgspec.json.encode(request)
+class _Recording:
+    """An HTTP transport that keeps every request it sends, for the bare clients to replay."""
+
+    def __init__(self, inner: HTTPTransport) -> None:
+        self.inner = inner
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        self.sent.append((urlsplit(url).path, body))
+        return await self.inner.post(url, body, headers, timeout_s)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        return await self.inner.get(url, timeout_s)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
-Caller = Callable[[str, bytes], Awaitable[Callable[[], Awaitable[bool]]]]
+Post = Callable[[str, bytes], Awaitable[bool]]  # one request; True when it succeeded
 
 
 async def _bare(
-    make_caller: Callable[[str, bytes, Callable[[], None]], Awaitable[None]],
+    open_client: Callable[[str], Any],
     url: str,
-    body: bytes,
-    calls: int,
+    requests: list[tuple[str, bytes]],
     in_flight: int,
+    budget_s: float = math.inf,
 ) -> tuple[float, int]:
-    """Seconds for ``calls`` requests with ``in_flight`` workers, and the failures."""
-    remaining = [calls]
-    errors = [0]
+    """Calls per second of ``in_flight`` workers sending ``requests`` (stopping after
+    ``budget_s``), and how many of them failed."""
+    pending = iter(requests)
+    done, errors = 0, 0
+    async with open_client(url) as post:
 
-    def take() -> bool:
-        if remaining[0] == 0:
-            return False
-        remaining[0] -= 1
-        return True
+        async def worker() -> None:
+            nonlocal done, errors
+            for path, body in pending:
+                errors += not await post(path, body)
+                done += 1
 
-    started = time.perf_counter()
-    await make_caller(url, body, lambda: errors.__setitem__(0, errors[0] + 1), in_flight, take)  # type: ignore[call-arg]
-    return time.perf_counter() - started, errors[0]
+        started = time.perf_counter()
+        with anyio.move_on_after(budget_s):
+            async with anyio.create_task_group() as group:
+                for _ in range(in_flight):
+                    group.start_soon(worker)
+        return done / (time.perf_counter() - started), errors
 
 
-async def _aiohttp_caller(
-    url: str, body: bytes, error: Callable[[], None], in_flight: int, take: Callable[[], bool]
-) -> None:  # type: ignore[no-untyped-def]
+@asynccontextmanager
+async def _bare_aiohttp(url: str) -> AsyncIterator[Post]:
     connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS)
-    headers = {"content-type": "application/json"}
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def worker() -> None:
-            while take():
-                try:
-                    async with session.post(
-                        url + "/v1/chat/completions", data=body, headers=headers
-                    ) as response:
-                        payload = await response.read()
-                        if response.status != 200:
-                            error()
-                        msgspec.json.decode(payload)
-                except aiohttp.ClientError:
-                    error()
+        async def post(path: str, body: bytes) -> bool:
+            try:
+                async with session.post(url + path, data=body, headers=_HEADERS) as response:
+                    msgspec.json.decode(await response.read())
+                    return response.status == 200
+            except aiohttp.ClientError:
+                return False
 
-        async with anyio.create_task_group() as group:
-            for _ in range(in_flight):
-                group.start_soon(worker)
+        yield post
 
 
-async def _httpx_caller(
-    url: str, body: bytes, error: Callable[[], None], in_flight: int, take: Callable[[], bool]
-) -> None:  # type: ignore[no-untyped-def]
-    limits = httpx.Limits(
-        max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
-    )
-    headers = {"content-type": "application/json"}
+@asynccontextmanager
+async def _bare_httpx(url: str) -> AsyncIterator[Post]:
+    limits = httpx.Limits(max_connections=MAX_CONNECTIONS)
     async with httpx.AsyncClient(limits=limits, timeout=120) as client:
 
-        async def worker() -> None:
-            while take():
-                try:
-                    response = await client.post(
-                        url + "/v1/chat/completions", content=body, headers=headers
-                    )
-                    if response.status_code != 200:
-                        error()
-                    msgspec.json.decode(response.content)
-                except httpx.HTTPError:
-                    error()
+        async def post(path: str, body: bytes) -> bool:
+            try:
+                response = await client.post(url + path, content=body, headers=_HEADERS)
+                msgspec.json.decode(response.content)
+                return response.status_code == 200
+            except httpx.HTTPError:
+                return False
 
-        async with anyio.create_task_group() as group:
-            for _ in range(in_flight):
-                group.start_soon(worker)
+        yield post
 
 
-async def run_engine_bench(levels: tuple[int, ...] = (1000, 10000)) -> list[EngineBenchResult]:
+async def run_engine_bench(
+    levels: Sequence[int] = (1000, 10000), min_trajectories: int = 4000
+) -> list[EngineBenchResult]:
+    """One zero-latency server for all levels; each level runs at least ``min_trajectories``."""
     results = []
     with running_emulator(EmulatorConfig(latency=LatencyModel.zero())) as url:
         for concurrency in levels:
-            results.append(await bench_engine(url, concurrency, max(concurrency, 4000)))
+            trajectories = max(concurrency, min_trajectories)
+            results.append(await bench_engine(url, concurrency, trajectories))
     return results
 
 

@@ -111,6 +111,7 @@ class Env(ABC):
 
     @classmethod
     def tool_schemas(cls) -> list[dict[str, Any]]:
+        """The tools in the OpenAI function schema (built once per class; don't mutate)."""
         return [spec.schema for spec in cls._tool_specs.values()]
 
     @property

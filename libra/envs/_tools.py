@@ -12,6 +12,7 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeVar, get_type_hints
 
 import pydantic
@@ -39,7 +40,7 @@ def is_tool(obj: object) -> bool:
     return callable(obj) and getattr(obj, _TOOL_MARK, False)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ToolSpec:
     """One tool: its name, its OpenAI schema and the model that validates its arguments."""
 
@@ -48,7 +49,7 @@ class ToolSpec:
     arguments: type[pydantic.BaseModel]
     is_async: bool
 
-    @property
+    @cached_property
     def schema(self) -> dict[str, Any]:
         parameters = self.arguments.model_json_schema()
         parameters.pop("title", None)

@@ -1,0 +1,55 @@
+"""``libra bench``: measurements printed side by side, measured in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+
+from libra.bench._engine import as_json, run_engine_bench
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser("bench", help="benchmarks")
+    benches = parser.add_subparsers(title="benchmarks", metavar="BENCH", required=True)
+    engine = benches.add_parser("engine", help="engine overhead vs bare aiohttp and httpx")
+    engine.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1000, 10000],
+        help="concurrent trajectories per level (default 1000 10000)",
+    )
+    engine.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    engine.set_defaults(run=run_engine)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    results = anyio.run(
+        run_engine_bench, tuple(args.concurrency), backend_options={"use_uvloop": True}
+    )
+    if args.json:
+        print(json.dumps(as_json(results)))
+        return 0
+    table = Table(title="libra bench engine: zero-latency emulated server on a real port")
+    for column in (
+        "concurrent",
+        "trajectories/s",
+        "calls/s",
+        "bare aiohttp calls/s",
+        "engine/aiohttp",
+        "bare httpx calls/s",
+        "errors",
+    ):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            f"{r.concurrency:,}", f"{r.trajectories_s:,.0f}", f"{r.calls_s:,.0f}",
+            f"{r.bare_aiohttp_calls_s:,.0f}", f"{r.calls_s / r.bare_aiohttp_calls_s:.2f}",
+            f"{r.bare_httpx_calls_s:,.0f}", f"{r.errors}",
+        )  # fmt: skip
+    Console().print(table)
+    return 0
