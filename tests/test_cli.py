@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -75,3 +77,22 @@ def test_config_precedence(tmp_path: Path) -> None:
     file.write_text("env = ")
     with pytest.raises(ConfigError, match=r"run\.toml"):
         load_config(RolloutConfig, file)
+
+
+def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
+    out = tmp_path / "guess.jsonl"
+    command = [sys.executable, "-m", "libra", "rollout", "--env", "guess", "-n", "5000"]
+    options = ["--concurrency", "20", "--out", str(out), "--no-progress"]
+    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait until trajectories are running
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    records = [
+        msgspec.json.decode(line, type=TrajectoryRecord) for line in out.read_bytes().splitlines()
+    ]
+    cancelled = [r for r in records if r.stop_reason == "cancelled"]
+    assert len(cancelled) == 20  # exactly the ones in flight, each recorded once
+    assert len({r.id for r in records}) == len(records) < 5000

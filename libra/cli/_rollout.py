@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 from pathlib import Path
 
 import anyio
@@ -85,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
     stats = anyio.run(run_rollout, config, backend_options={"use_uvloop": True})
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")
-    return 0 if stats.done == stats.total else 1
+    if stats.interrupted:
+        print(
+            "libra: interrupted; trajectories in flight were recorded as cancelled", file=sys.stderr
+        )
+        return 130
+    return 0
 
 
 async def run_rollout(config: RolloutConfig) -> RolloutStats:
@@ -115,4 +122,17 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
                 out.flush()
                 tick()
 
-            return await rollout(jobs, engine, on_record=write, stats=stats)
+            async with anyio.create_task_group() as group:
+                group.start_soon(_stop_on_signal, group.cancel_scope, stats)
+                await rollout(jobs, engine, on_record=write, stats=stats)
+                group.cancel_scope.cancel()
+    return stats
+
+
+async def _stop_on_signal(scope: anyio.CancelScope, stats: RolloutStats) -> None:
+    """Ctrl-C or SIGTERM cancels the rollout; every trajectory in flight is still recorded."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stats.interrupted = True
+            scope.cancel()
+            return

@@ -42,6 +42,7 @@ class RolloutStats:
     sampled_tokens: int = 0
     started_at: float = 0.0
     elapsed_s: float = 0.0
+    interrupted: bool = False
 
     @property
     def done(self) -> int:

@@ -175,7 +175,14 @@ async def _generate(t: _Trajectory, engine: Engine, tools: list[dict[str, Any]])
 
 
 def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
-    request = RouteRequest(t.job.id, t.job.task_id, t.turns, len(t.tokens), t.last_endpoint)
+    request = RouteRequest(
+        t.job.id,
+        t.job.task_id,
+        t.turns,
+        len(t.tokens),
+        t.last_endpoint,
+        generated_tokens=t.tokens.sampled,
+    )
     try:
         return scheduler.route(request, frozenset(failed))
     except NoEndpointAvailable:
