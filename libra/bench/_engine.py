@@ -71,6 +71,9 @@ class EngineBenchResult:
     bare_httpx_calls_s: float
     errors: int
     bare_errors: int
+    # Client CPU per call: robust to other load on the machine, unlike calls/s.
+    cpu_us_per_call: float
+    bare_aiohttp_cpu_us_per_call: float
 
 
 async def bench_engine(
@@ -83,16 +86,16 @@ async def bench_engine(
     async with _Recording(http_transport("aiohttp", max_connections=MAX_CONNECTIONS)) as http:
         engine = Engine(OpenAIClient(http), LeastLoadedScheduler([endpoint]), config=config)
         jobs = jobs_for(Lookup, "lookup", trajectories, seed=concurrency)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         stats = await rollout(jobs, engine)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     calls = stats.turns
     # The bare clients replay the engine's own generation requests, body for body.
     requests = [(path, body) for path, body in http.sent if path.startswith("/v1/")]
     in_flight = min(concurrency, calls)
-    aiohttp_rate, aiohttp_errors = await _bare(_bare_aiohttp, url, requests, in_flight)
+    aiohttp_rate, aiohttp_cpu, aiohttp_errors = await _bare(_bare_aiohttp, url, requests, in_flight)
     # httpx's own transport is many times slower here: a time-boxed sample gives its rate.
-    httpx_rate, httpx_errors = await _bare(
+    httpx_rate, _, httpx_errors = await _bare(
         _bare_httpx, url, requests, in_flight, budget_s=HTTPX_BUDGET_S
     )
     return EngineBenchResult(
@@ -105,6 +108,8 @@ async def bench_engine(
         bare_httpx_calls_s=round(httpx_rate, 1),
         errors=stats.statuses["failed"],
         bare_errors=aiohttp_errors + httpx_errors,
+        cpu_us_per_call=round(cpu / calls * 1e6, 1),
+        bare_aiohttp_cpu_us_per_call=round(aiohttp_cpu * 1e6, 1),
     )
 
 
@@ -143,9 +148,9 @@ async def _bare(
     requests: list[tuple[str, bytes]],
     in_flight: int,
     budget_s: float = math.inf,
-) -> tuple[float, int]:
+) -> tuple[float, float, int]:
     """Calls per second of ``in_flight`` workers sending ``requests`` (stopping after
-    ``budget_s``), and how many of them failed."""
+    ``budget_s``), client CPU seconds per call, and how many calls failed."""
     pending = iter(requests)
     done, errors = 0, 0
     async with open_client(url) as post:
@@ -156,12 +161,13 @@ async def _bare(
                 errors += not await post(path, body)
                 done += 1
 
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         with anyio.move_on_after(budget_s):
             async with anyio.create_task_group() as group:
                 for _ in range(in_flight):
                     group.start_soon(worker)
-        return done / (time.perf_counter() - started), errors
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        return done / elapsed, cpu / max(done, 1), errors
 
 
 @asynccontextmanager

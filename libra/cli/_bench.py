@@ -35,21 +35,16 @@ def run_engine(args: argparse.Namespace) -> int:
         print(json.dumps(as_json(results)))
         return 0
     table = Table(title="libra bench engine: zero-latency emulated server on a real port")
-    for column in (
-        "concurrent",
-        "trajectories/s",
-        "calls/s",
-        "bare aiohttp calls/s",
-        "engine/aiohttp",
-        "bare httpx calls/s",
-        "errors",
-    ):
+    columns = ("concurrent", "traj/s", "calls/s", "aiohttp calls/s", "ratio", "httpx calls/s",
+               "CPU µs/call", "aiohttp CPU µs/call", "errors")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(
             f"{r.concurrency:,}", f"{r.trajectories_s:,.0f}", f"{r.calls_s:,.0f}",
             f"{r.bare_aiohttp_calls_s:,.0f}", f"{r.calls_s / r.bare_aiohttp_calls_s:.2f}",
-            f"{r.bare_httpx_calls_s:,.0f}", f"{r.errors}",
+            f"{r.bare_httpx_calls_s:,.0f}", f"{r.cpu_us_per_call:,.0f}",
+            f"{r.bare_aiohttp_cpu_us_per_call:,.0f}", f"{r.errors}",
         )  # fmt: skip
     Console().print(table)
     return 0

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from libra import openai
-from libra.engine._config import SamplingConfig
+from libra.engine._config import SamplingConfig, TurnSampling
 from libra.engine._http import HTTPTransport, TransportError
 from libra.sched import Endpoint
 
@@ -62,19 +62,19 @@ class OpenAIClient:
         messages: list[openai.Message],
         tools: list[dict[str, Any]] | None,
         sampling: SamplingConfig,
-        priority: int | None = None,
+        turn: TurnSampling,
     ) -> Generation:
         request = openai.ChatCompletionRequest(
             model=endpoint.model,
             messages=messages,
             tools=tools or None,
-            max_tokens=sampling.max_tokens_per_turn,
+            max_tokens=turn.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            seed=sampling.seed,
+            seed=turn.seed,
             logprobs=True,
             return_token_ids=True,
-            priority=priority,
+            priority=turn.priority,
         )
         response = await self._post(
             endpoint, "/v1/chat/completions", request, openai.ChatCompletion
@@ -95,18 +95,18 @@ class OpenAIClient:
         endpoint: Endpoint,
         prompt_ids: list[int],
         sampling: SamplingConfig,
-        priority: int | None = None,
+        turn: TurnSampling,
     ) -> Generation:
         request = openai.CompletionRequest(
             model=endpoint.model,
             prompt=prompt_ids,
-            max_tokens=sampling.max_tokens_per_turn,
+            max_tokens=turn.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            seed=sampling.seed,
+            seed=turn.seed,
             logprobs=0,
             return_token_ids=True,
-            priority=priority,
+            priority=turn.priority,
         )
         response = await self._post(endpoint, "/v1/completions", request, openai.Completion)
         choice = _first(response.choices)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 
@@ -32,3 +34,12 @@ class EngineConfig(_Config):
     max_attempts: PositiveInt = Field(4, description="tries per generation call")
     retry_backoff_s: float = Field(0.25, ge=0, description="doubles after each failed try")
     sampling: SamplingConfig = SamplingConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSampling:
+    """What varies per generation call on top of ``SamplingConfig``."""
+
+    max_tokens: int
+    seed: int | None
+    priority: int | None

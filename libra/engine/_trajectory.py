@@ -30,7 +30,7 @@ from libra.engine._client import (
     OpenAIClient,
     ServerUnavailable,
 )
-from libra.engine._config import EngineConfig, SamplingConfig
+from libra.engine._config import EngineConfig, TurnSampling
 from libra.engine._records import Status, Timings, ToolReturnRecord, TrajectoryRecord
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.envs import Env, SandboxError, SandboxProvider, ToolCall, ToolError, ToolReturn
@@ -195,13 +195,14 @@ async def _call(
 ) -> Generation:
     endpoint, client = route.endpoint, engine.client
     started = anyio.current_time()
+    sampling = engine.config.sampling
     if await _speaks_tokens(t, endpoint, client):
         await _render_pending(t, engine.renderer, endpoint, tools)
-        sampling = _sampling_within_context(t, engine.config)
-        generation = await client.complete(endpoint, t.tokens.ids, sampling, route.priority)
+        turn = _turn_sampling(t, engine.config, route)
+        generation = await client.complete(endpoint, t.tokens.ids, sampling, turn)
     else:
-        sampling = _sampling_within_context(t, engine.config)
-        generation = await client.chat(endpoint, t.messages, tools, sampling, route.priority)
+        turn = _turn_sampling(t, engine.config, route)
+        generation = await client.chat(endpoint, t.messages, tools, sampling, turn)
         t.tokens.absorb_prompt(generation.prompt_token_ids)
     t.timings.generation_s += anyio.current_time() - started
     t.last_endpoint = endpoint
@@ -226,18 +227,15 @@ async def _render_pending(
     t.pending = []
 
 
-def _sampling_within_context(t: _Trajectory, config: EngineConfig) -> SamplingConfig:
-    """This turn's sampling: capped by the room left in the context, seeded per turn."""
+def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route) -> TurnSampling:
+    """This turn's limits: capped by the room left in the context, seeded per turn."""
     room = config.max_context_tokens - len(t.tokens)
     if room <= 0:
         raise _End("truncated", "max_context_tokens")
-    sampling = config.sampling
-    changes: dict[str, int] = {}
-    if room < sampling.max_tokens_per_turn:
-        changes["max_tokens_per_turn"] = room
-    if sampling.seed is not None:  # reproducible, yet different for every sample and turn
-        changes["seed"] = zlib.crc32(f"{sampling.seed}/{t.job.id}/{t.turns}".encode())
-    return sampling.model_copy(update=changes) if changes else sampling
+    seed = config.sampling.seed
+    if seed is not None:  # reproducible, yet different for every sample and turn
+        seed = zlib.crc32(f"{seed}/{t.job.id}/{t.turns}".encode())
+    return TurnSampling(min(room, config.sampling.max_tokens_per_turn), seed, route.priority)
 
 
 # ---------------------------------------------------------------------------- tools
