@@ -41,6 +41,7 @@ class Generation:
 
     text: str
     finish_reason: str
+    completion_tokens: int = 0
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None
@@ -84,6 +85,7 @@ class OpenAIClient:
         return Generation(
             text=choice.message.content or "",
             finish_reason=choice.finish_reason or "stop",
+            completion_tokens=_completion_tokens(response.usage, choice.token_ids),
             token_ids=choice.token_ids,
             logprobs=[t.logprob for t in logprobs] if logprobs is not None else None,
             prompt_token_ids=response.prompt_token_ids,
@@ -116,6 +118,7 @@ class OpenAIClient:
         return Generation(
             text=choice.text,
             finish_reason=choice.finish_reason or "stop",
+            completion_tokens=len(choice.token_ids),
             token_ids=choice.token_ids,
             logprobs=[lp or 0.0 for lp in logprobs] if logprobs is not None else None,
         )
@@ -172,6 +175,12 @@ def _status_error(endpoint: Endpoint, path: str, status: int, content: bytes) ->
     message = f"{endpoint.name}{path}: HTTP {status}: {detail}"
     retryable = status >= 500 or status in (408, 429)
     return ServerUnavailable(message) if retryable else RequestRejected(message)
+
+
+def _completion_tokens(usage: openai.Usage | None, token_ids: list[int] | None) -> int:
+    if token_ids is not None:
+        return len(token_ids)
+    return usage.completion_tokens if usage is not None else 0
 
 
 def _first(choices: list[T]) -> T:

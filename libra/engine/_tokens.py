@@ -40,10 +40,6 @@ class TokenLog:
     def __len__(self) -> int:
         return len(self.ids)
 
-    @property
-    def sampled(self) -> int:
-        return sum(self.mask)
-
     def add_context(self, ids: list[int]) -> None:
         """Prompt, tool or env tokens: the trainer does not learn from them."""
         self.ids += ids
@@ -76,9 +72,6 @@ class TokenLog:
             self.add_context(prompt_ids[len(self.ids) :])
         else:
             self.source = "drift"
-
-    def clear(self) -> None:
-        self.ids, self.mask, self.logprobs, self.spans = [], [], [], []
 
 
 class TemplateRenderer:
