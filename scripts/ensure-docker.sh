@@ -27,7 +27,7 @@ apt_install() {
         apt_updated=1
     fi
     log "installing $*"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" >/dev/null
+    NEEDRESTART_SUSPEND=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null
 }
 
 ensure_sandbox_tools() {

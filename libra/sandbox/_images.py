@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -329,27 +330,31 @@ def _try_pull(reference: str, name: str, timeout_s: float) -> bool:
 def _import_rootfs(client: docker.DockerClient, rootfs: Path, name: str) -> None:
     """`tar -C rootfs -c . | docker import - name`, streamed through the Engine API."""
     repository, tag = _split_reference(name)
-    tar = subprocess.Popen(
-        ["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert tar.stdout is not None
-    stdout = tar.stdout
-
-    def chunks() -> Iterator[bytes]:
-        while chunk := stdout.read(1 << 20):
-            yield chunk
-
-    try:
-        client.api.import_image_from_data(
-            chunks(), repository=repository, tag=tag, changes=list(_IMPORT_CHANGES)
+    # stderr to a file: a pipe nobody reads while the archive streams could fill and stall tar.
+    with tempfile.TemporaryFile() as errors:
+        tar = subprocess.Popen(
+            ["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."],
+            stdout=subprocess.PIPE,
+            stderr=errors,
         )
-    finally:
-        stdout.close()
-        _, err = tar.communicate()
-    if tar.returncode != 0:
-        raise ImageBuildError(f"tar of {rootfs} failed: {err.decode(errors='replace')[-500:]}")
+        assert tar.stdout is not None
+        stdout = tar.stdout
+
+        def chunks() -> Iterator[bytes]:
+            while chunk := stdout.read(1 << 20):
+                yield chunk
+
+        try:
+            client.api.import_image_from_data(
+                chunks(), repository=repository, tag=tag, changes=list(_IMPORT_CHANGES)
+            )
+        finally:
+            stdout.close()
+            tar.wait()
+        if tar.returncode != 0:
+            errors.seek(0)
+            detail = errors.read().decode(errors="replace")[-500:]
+            raise ImageBuildError(f"tar of {rootfs} failed: {detail}")
     if not image_exists(client, name):
         raise ImageBuildError(f"docker import of {rootfs} did not create {name}")
 

@@ -1,0 +1,619 @@
+"""Bubblewrap sandboxes, for machines without Docker.
+
+Every :meth:`BwrapSandbox.exec` is one ``bwrap`` process: new user, pid, network, ipc and uts
+namespaces (``--unshare-all``; ``--share-net`` only when the spec asks for network), a fresh
+root holding read-only binds of the image's root filesystem (``$LIBRA_HOME/images/<image>``,
+the same one Docker imports) or of the host's ``/usr``, ``/lib*``, ``/bin``, ``/sbin`` and a few
+files of ``/etc``, plus ``/proc``, a minimal ``/dev`` and the trajectory's work dir and ``/tmp``.
+The work dir and ``/tmp`` live in one host directory per trajectory (a size-capped tmpfs when
+running as root), so files persist across calls; processes do not (the pid namespace dies with
+the command). The directory is removed when the trajectory ends; directories of dead runs are
+reaped when a provider starts.
+
+Users and limits. As root, each trajectory runs as an unprivileged host uid of its own (seen as
+65534 inside), so the ``prlimit`` process limit (RLIMIT_NPROC, counted per host uid) is per
+trajectory, and files the env writes as root with mode 0o600 stay unreadable to commands.
+Memory is capped per process with RLIMIT_AS (a memory bomb gets ``MemoryError``), CPU time with
+RLIMIT_CPU, file size with RLIMIT_FSIZE. ``spec.cpus`` is not enforced (that needs cgroups).
+Without root, commands run as the calling user: the pids limit is the user's current task
+count plus ``spec.pids``, the work dir has no total size cap, and mode 0o600 does not hide a
+file from commands (same uid).
+
+On timeout the whole bwrap process group is killed; ``--die-with-parent`` and the pid namespace
+take every process of the command with it. Without ``bwrap`` the provider refuses to run; it
+never runs a command unsandboxed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import posixpath
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec
+from libra.sandbox._common import CappedOutput, process_start_time
+from libra.sandbox._images import rootfs_dir
+
+__all__ = ["BwrapSandbox", "BwrapSandboxProvider", "reap_stale_workdirs"]
+
+_log = logging.getLogger(__name__)
+
+INSIDE_UID = 65534  # what commands see as their uid and gid, as in the Docker sandboxes
+_TMP_SIZE_MB = 16
+_KILL_DRAIN_S = 1.0  # after killing a timed-out command, how long its exit may take to show
+_READ_FILE_LIMIT = 256 * 1024 * 1024
+_SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Top-level entries of a root filesystem that commands need; anything else stays invisible.
+_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# From the host's /etc only what programs need to start and resolve names (no secrets).
+_HOST_ETC_FILES = (
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "hosts",
+    "resolv.conf",
+    "host.conf",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "alternatives",
+    "ssl",
+    "ca-certificates",
+)
+
+RootChoice = Literal["auto", "image", "host"] | Path
+
+
+def _require_tools() -> None:
+    for tool, package in (("bwrap", "bubblewrap"), ("prlimit", "util-linux")):
+        if shutil.which(tool) is None:
+            raise SandboxError(
+                f"`{tool}` is not installed, and Libra never runs commands unsandboxed: "
+                f"install it with `apt-get install -y {package}` (or run scripts/ensure-docker.sh "
+                "as root), or use DockerSandboxProvider"
+            )
+
+
+def _workdirs_parent() -> Path:
+    """Where trajectory directories live: traversable (bwrap resolves bind paths as the
+    sandbox uid) but not listable."""
+    parent = Path(tempfile.gettempdir()) / f"libra-bwrap-{os.geteuid()}"
+    parent.mkdir(mode=0o711, exist_ok=True)
+    os.chmod(parent, 0o711)
+    return parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-trajectory host directory
+
+
+@dataclass(frozen=True, slots=True)
+class _Scratch:
+    """A trajectory's host directory: ``work`` and ``tmp`` are bound into every command, and
+    ``rootfs`` (when set) is a bind of the image's root filesystem that the sandbox uid can
+    reach (the image itself may lie under a root-only home)."""
+
+    base: Path
+    mounted: bool
+    rootfs: Path | None
+
+    @property
+    def work(self) -> Path:
+        return self.base / "work"
+
+    @property
+    def tmp(self) -> Path:
+        return self.base / "tmp"
+
+
+def _make_scratch(spec: SandboxSpec, host_uid: int | None, rootfs: Path | None) -> _Scratch:
+    pid = os.getpid()
+    base = _workdirs_parent() / f"{pid}-{process_start_time(pid)}-{secrets.token_hex(4)}"
+    base.mkdir(mode=0o700)
+    mounted = False
+    try:
+        if host_uid is not None:
+            mounted = _mount_tmpfs(base, spec.workdir_size_mb + _TMP_SIZE_MB)
+            # Only root and the trajectory's own uid (through its group) may pass through.
+            os.chown(base, 0, host_uid)
+            os.chmod(base, 0o710)
+        for sub in ("work", "tmp"):
+            (base / sub).mkdir()
+            os.chmod(base / sub, 0o1777)  # like /tmp: commands add files, cannot drop the env's
+        if rootfs is not None and mounted:
+            rootfs = _bind_rootfs(rootfs, base / "rootfs")
+    except BaseException:
+        _remove_scratch(base, mounted)
+        raise
+    return _Scratch(base, mounted, rootfs)
+
+
+def _mount_tmpfs(base: Path, size_mb: int) -> bool:
+    """Mount a size-capped tmpfs on ``base``; False (and a warning) where mounting is denied."""
+    options = f"size={size_mb}m,mode=0700,nosuid,nodev"
+    argv = ["mount", "-t", "tmpfs", "-o", options, "libra-sandbox", str(base)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        _log.warning("no tmpfs for sandbox dirs (%s): work dir size is not capped", done.stderr)
+    return done.returncode == 0
+
+
+def _bind_rootfs(rootfs: Path, target: Path) -> Path:
+    target.mkdir()
+    argv = ["mount", "--bind", "-o", "ro", str(rootfs), str(target)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SandboxError(f"cannot bind the root filesystem {rootfs}: {done.stderr.strip()}")
+    return target
+
+
+def _remove_scratch(base: Path, mounted: bool) -> None:
+    # No command runs by now (each died with its pid namespace): nothing races these calls.
+    if mounted:  # lazily detaches the tmpfs and the root filesystem bind inside it
+        subprocess.run(["umount", "-l", str(base)], capture_output=True, check=False)
+    if os.geteuid() != 0:
+        _make_dirs_writable(base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _make_dirs_writable(base: Path) -> None:
+    """A command may leave directories it cannot write; as the same non-root uid, fix that."""
+    for parent, dirnames, _ in os.walk(base):
+        for name in dirnames:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):  # chmod follows links: never touch a link's target
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
+
+
+def reap_stale_workdirs() -> list[Path]:
+    """Remove the trajectory directories of dead processes (e.g. a killed run); return them."""
+    parent = _workdirs_parent()
+    mounts = _mount_points()
+    reaped: list[Path] = []
+    for base in parent.iterdir():
+        pid_text, _, rest = base.name.partition("-")
+        started = rest.rsplit("-", 1)[0]
+        if pid_text.isdigit() and process_start_time(int(pid_text)) == started:
+            continue  # its owner is alive
+        with contextlib.suppress(OSError):
+            _remove_scratch(base, str(base) in mounts)
+            reaped.append(base)
+    return reaped
+
+
+def _mount_points() -> set[str]:
+    with open("/proc/self/mounts") as mounts:
+        return {fields[1] for fields in (line.split() for line in mounts) if len(fields) > 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side file access that a command's symlinks cannot redirect
+
+
+def _open_parent(root: Path, parts: Sequence[str], *, create: bool) -> int:
+    """An fd of the directory holding ``parts[-1]``, never following a symlink on the way."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    for part in parts[:-1]:
+        fd = _enter(fd, part, create=create)
+    return fd
+
+
+def _enter(parent_fd: int, name: str, *, create: bool) -> int:
+    """Open directory ``name`` under ``parent_fd`` (made with mode 1777 if missing); closes
+    ``parent_fd``."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            return os.open(name, flags, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+        child = os.open(name, flags, dir_fd=parent_fd)
+        os.fchmod(child, 0o1777)
+        return child
+    finally:
+        os.close(parent_fd)
+
+
+def _write_beneath(root: Path, parts: Sequence[str], data: bytes, mode: int) -> None:
+    dir_fd = _open_parent(root, parts, create=True)
+    try:
+        temporary = f".{parts[-1]}.libra-{secrets.token_hex(4)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        file_fd = os.open(temporary, flags, 0o600, dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(file_fd, view) :]
+            os.fchmod(file_fd, mode)
+        finally:
+            os.close(file_fd)
+        # rename replaces whatever a command left at the name, a symlink included.
+        os.rename(temporary, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_beneath(root: Path, parts: Sequence[str]) -> bytes:
+    dir_fd = _open_parent(root, parts, create=False)
+    try:
+        # O_NONBLOCK: a FIFO planted by a command must not hang the env.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        file_fd = os.open(parts[-1], flags, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(file_fd, "rb") as handle:
+        info = os.fstat(file_fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SandboxError(f"{parts[-1]!r} is not a regular file")
+        if info.st_size > _READ_FILE_LIMIT:
+            raise SandboxError(f"{parts[-1]!r} is larger than {_READ_FILE_LIMIT} bytes")
+        return handle.read(_READ_FILE_LIMIT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _mount_args(scratch: _Scratch, workdir: str) -> list[str]:
+    """bwrap's mounts: read-only system dirs, /proc, /dev, the work dir and /tmp."""
+    args: list[str] = []
+    source = scratch.rootfs or Path("/")
+    for name in _SYSTEM_DIRS:
+        args += _ro_bind(source / name, f"/{name}")
+    if scratch.rootfs is not None:
+        args += _ro_bind(scratch.rootfs / "etc", "/etc")
+    else:
+        args += ["--dir", "/etc"]
+        for name in _HOST_ETC_FILES:
+            args += _ro_bind(Path("/etc") / name, f"/etc/{name}")
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--bind", str(scratch.work), workdir, "--bind", str(scratch.tmp), "/tmp"]
+    return args
+
+
+def _ro_bind(host: Path, inside: str) -> list[str]:
+    if host.is_symlink():  # e.g. /bin -> usr/bin on merged-/usr systems
+        return ["--symlink", os.readlink(host), inside]
+    if host.exists():
+        return ["--ro-bind", str(host), inside]
+    return []
+
+
+def _limits(spec: SandboxSpec, timeout_s: float, own_uid: bool) -> list[str]:
+    # bwrap itself takes two tasks of the budget (its parent and its pid-1 reaper).
+    tasks = spec.pids + 2 if own_uid else _tasks_of_uid(os.getuid()) + spec.pids
+    return [
+        "prlimit",
+        f"--as={spec.memory_mb * 1024 * 1024}",
+        f"--nproc={tasks}",
+        f"--cpu={math.ceil(timeout_s) + 1}",
+        f"--fsize={spec.workdir_size_mb * 1024 * 1024}",
+        "--core=0",
+        "--",
+    ]
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """How many tasks (threads) ``uid`` runs now: what RLIMIT_NPROC counts."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Sandbox
+
+
+class BwrapSandbox:
+    """A trajectory's bubblewrap sandbox: its files persist across calls, processes do not."""
+
+    def __init__(self, spec: SandboxSpec, scratch: _Scratch, host_uid: int | None) -> None:
+        self.spec = spec
+        self.host_uid = host_uid
+        self._scratch = scratch
+
+    @property
+    def rootfs(self) -> Path | None:
+        """The root filesystem the commands see (None: the host's system dirs)."""
+        return self._scratch.rootfs
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout_s: float,
+        stdin: bytes | None = None,
+        workdir: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` in a fresh bwrap; on timeout kill it and every process it started."""
+        if not argv:
+            raise ValueError("argv must name a command")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        command = self._command(argv, timeout_s, workdir, env or {})
+        return await self._run(command, timeout_s, stdin)
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` (owned by the env's user, with ``mode``) under the work dir or /tmp."""
+        root, parts = self._host_location(path)
+        try:
+            await anyio.to_thread.run_sync(_write_beneath, root, parts, data, mode & 0o7777)
+        except OSError as error:
+            raise SandboxError(f"cannot write {path!r} in the sandbox: {error}") from error
+
+    async def read_file(self, path: str) -> bytes:
+        """The bytes of a file under the work dir or /tmp (symlinks are refused)."""
+        root, parts = self._host_location(path)
+        try:
+            return await anyio.to_thread.run_sync(_read_beneath, root, parts)
+        except FileNotFoundError:
+            raise FileNotFoundError(path) from None
+        except OSError as error:
+            raise SandboxError(f"cannot read {path!r} from the sandbox: {error}") from error
+
+    def _host_location(self, path: str) -> tuple[Path, list[str]]:
+        """The host directory and path parts behind a sandbox path (work dir or /tmp only)."""
+        absolute = posixpath.normpath(posixpath.join(self.spec.workdir, path))
+        for inside, host in ((self.spec.workdir, self._scratch.work), ("/tmp", self._scratch.tmp)):
+            relative = posixpath.relpath(absolute, posixpath.normpath(inside))
+            if relative not in (".", "..") and not relative.startswith("../"):
+                return host, relative.split("/")
+        raise SandboxError(
+            f"{path!r}: bwrap sandboxes read and write files only under {self.spec.workdir} or /tmp"
+        )
+
+    def _command(
+        self, argv: Sequence[str], timeout_s: float, workdir: str | None, env: Mapping[str, str]
+    ) -> list[str]:
+        spec = self.spec
+        variables = {"PATH": _SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "nobody"}
+        variables |= dict(spec.env) | dict(env)
+        network = ["--share-net"] if spec.network else []
+        identity = ["--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--hostname", "sandbox"]
+        return [
+            *_limits(spec, timeout_s, own_uid=self.host_uid is not None),
+            "bwrap",
+            "--unshare-all",
+            *network,
+            "--die-with-parent",
+            "--new-session",
+            *identity,
+            *_mount_args(self._scratch, spec.workdir),
+            "--chdir",
+            posixpath.normpath(posixpath.join(spec.workdir, workdir or ".")),
+            "--clearenv",
+            *[arg for key, value in variables.items() for arg in ("--setenv", key, value)],
+            "--",
+            *argv,
+        ]
+
+    async def _run(self, command: list[str], timeout_s: float, stdin: bytes | None) -> ExecResult:
+        output = CappedOutput(self.spec.output_limit_bytes)
+        started = time.monotonic()
+        process = await anyio.open_process(
+            command,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group, killed as one on timeout
+            env={"PATH": os.environ.get("PATH", _SANDBOX_PATH)},  # no host secrets in bwrap
+            user=self.host_uid,
+            group=self.host_uid,
+            extra_groups=[] if self.host_uid is not None else None,
+        )
+        try:
+            # The pipes reach end of stream once the pid namespace, and with it every process
+            # of the command, is gone.
+            with anyio.move_on_after(timeout_s) as deadline:
+                await _communicate(process, stdin, output)
+                await process.wait()
+            timed_out = deadline.cancelled_caught
+        finally:  # also when the caller is cancelled
+            with anyio.CancelScope(shield=True):
+                if process.returncode is None:  # once reaped, its pid may name someone else
+                    await _kill_sandbox(process)
+                await process.aclose()
+        return _result(process.returncode, output, timed_out, time.monotonic() - started)
+
+
+def _result(
+    returncode: int | None, output: CappedOutput, timed_out: bool, duration: float
+) -> ExecResult:
+    stderr = output.stderr.decode(errors="replace")
+    if returncode == 1 and stderr.startswith("bwrap: ") and not timed_out:
+        raise SandboxError(f"bubblewrap could not set up the sandbox: {stderr.strip()}")
+    if returncode is None or returncode < 0:  # killed by a signal: report it as a shell does
+        returncode = 128 + (-(returncode or 0) or signal.SIGKILL)
+    return ExecResult(
+        exit_code=returncode,
+        stdout=output.stdout.decode(errors="replace"),
+        stderr=stderr,
+        timed_out=timed_out,
+        truncated=output.truncated,
+        duration_s=duration,
+    )
+
+
+async def _communicate(
+    process: anyio.abc.Process, stdin: bytes | None, output: CappedOutput
+) -> None:
+    async with anyio.create_task_group() as group:
+        group.start_soon(_drain, process.stdout, 1, output)
+        group.start_soon(_drain, process.stderr, 2, output)
+        if stdin is not None:
+            group.start_soon(_feed, process.stdin, stdin)
+
+
+async def _drain(
+    stream: anyio.abc.ByteReceiveStream | None, number: int, output: CappedOutput
+) -> None:
+    if stream is None:
+        return
+    with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
+        while True:
+            output.add(number, await stream.receive())
+
+
+async def _feed(stream: anyio.abc.ByteSendStream | None, data: bytes) -> None:
+    """Send stdin and close it; a command that exits without reading it is no error."""
+    if stream is None:
+        return
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        await stream.send(data)
+        await stream.aclose()
+
+
+async def _kill_sandbox(process: anyio.abc.Process) -> None:
+    """Kill a running command and wait until every process of its pid namespace is gone.
+
+    Killing the namespace's init (bwrap's child) makes the kernel kill and reap everything in
+    it before the outer bwrap sees the init exit; killing the outer bwrap first would return
+    before that, while the dying processes still count against the uid's process limit.
+    """
+    for child in _children(process.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+    with anyio.move_on_after(_KILL_DRAIN_S):
+        await process.wait()
+    if process.returncode is None:
+        _kill_group(process.pid)
+        with anyio.move_on_after(_KILL_DRAIN_S):
+            await process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [
+            int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        ]
+    return []
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Provider
+
+
+class BwrapSandboxProvider:
+    """Sandboxes made with bubblewrap (see the module docstring).
+
+    ``root`` picks the root filesystem: "image" the image's directory under ``$LIBRA_HOME``
+    (an error when it is not built), "host" the host's system dirs, "auto" the image when it is
+    built and the host otherwise, or an explicit directory.
+    """
+
+    def __init__(self, *, root: RootChoice = "auto", reap_stale: bool = True) -> None:
+        self.root = root
+        self._reap_stale = reap_stale
+        self._started = False
+        self._closed = False
+        self._uids_in_use: set[int] = set()
+        # Host uids no account uses (a random base: two runs on one host rarely share any).
+        self._uid_base = 1_000_000 + secrets.randbelow(1_000_000_000)
+        self._open: dict[Path, _Scratch] = {}
+
+    async def start(self) -> None:
+        """Check the tools and reap directories of dead runs (done once; also done lazily)."""
+        if self._closed:
+            raise SandboxError("the sandbox provider is closed")
+        if self._started:
+            return
+        _require_tools()
+        if self._reap_stale:
+            await anyio.to_thread.run_sync(reap_stale_workdirs)
+        self._started = True
+
+    async def __aenter__(self) -> BwrapSandboxProvider:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def rootfs_for(self, spec: SandboxSpec) -> Path | None:
+        """The root filesystem directory used for ``spec`` (None: the host's system dirs)."""
+        if isinstance(self.root, Path):
+            return self.root
+        if self.root == "host":
+            return None
+        built = rootfs_dir(spec.image)
+        if (built / ".libra-image").is_file():
+            return built
+        if self.root == "image":
+            raise SandboxError(
+                f"the root filesystem of {spec.image!r} is not built at {built}; build it with "
+                f"`python -m libra.sandbox build-rootfs {spec.image}` (root, debootstrap)"
+            )
+        return None
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, spec: SandboxSpec) -> AsyncIterator[BwrapSandbox]:
+        """A sandbox for one trajectory; its directory is removed on exit."""
+        await self.start()
+        rootfs = self.rootfs_for(spec)
+        with self._host_uid() as host_uid:
+            scratch = await anyio.to_thread.run_sync(_make_scratch, spec, host_uid, rootfs)
+            self._open[scratch.base] = scratch
+            try:
+                yield BwrapSandbox(spec, scratch, host_uid)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if self._open.pop(scratch.base, None) is not None:
+                        await anyio.to_thread.run_sync(
+                            _remove_scratch, scratch.base, scratch.mounted
+                        )
+
+    @contextlib.contextmanager
+    def _host_uid(self) -> Iterator[int | None]:
+        """A host uid of its own for the trajectory when running as root, else None."""
+        if os.geteuid() != 0:
+            yield None
+            return
+        uid = self._uid_base
+        while uid in self._uids_in_use:
+            uid += 1
+        self._uids_in_use.add(uid)
+        try:
+            yield uid
+        finally:
+            self._uids_in_use.discard(uid)
+
+    async def aclose(self) -> None:
+        """Remove the directories of sandboxes still open."""
+        self._closed = True
+        leftovers = list(self._open.values())
+        self._open.clear()
+        with anyio.CancelScope(shield=True):
+            for scratch in leftovers:
+                await anyio.to_thread.run_sync(_remove_scratch, scratch.base, scratch.mounted)

@@ -1,0 +1,734 @@
+"""Docker sandboxes: a warm pool of locked-down, long-lived containers.
+
+Each :class:`SandboxSpec` maps to a pool of started containers (``sleep infinity`` under
+Docker's init). A trajectory borrows one, runs tools in it with ``exec``, and gives it back;
+the container is then reset (the sandbox user's processes killed, the work dir, ``/tmp`` and
+``/dev/shm`` wiped) and reused, or destroyed and replaced when the reset fails.
+
+Defaults are the safe ones: no network unless the spec asks, a read-only root with a tmpfs work
+dir, all capabilities dropped, ``no-new-privileges``, memory (no swap), CPU and pids limits.
+
+Users. The container's own processes run as root *without capabilities*; commands run as an
+unprivileged user (65534 by default), which therefore can neither signal them nor read files
+the env wrote as root. Files from :meth:`DockerSandbox.write_file` are owned by root and the
+mode says what the sandboxed user may do: 0o644 read, 0o666 read and write, 0o600 nothing (a
+hidden unit test). The work dir is root's with mode 1777, like ``/tmp``: the sandboxed user
+adds files but cannot delete or replace the env's.
+
+Timeouts. A command runs under ``timeout -s KILL`` inside the container, which kills the
+command's whole process group; the host stops waiting ``timeout + 0.5 s`` after the start in
+any case and then kills every process of the sandbox user (descendants that left the process
+group, or hold the output pipe, die too). A command that exits while a background process
+it started still holds stdout returns after Docker's 2 s output grace; redirect the output of
+background processes.
+
+Images need ``sh``, ``sleep``, ``find`` and coreutils' ``timeout`` (``libra/python`` has them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import posixpath
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec
+from libra.sandbox._common import CappedOutput, process_start_time
+
+if TYPE_CHECKING:
+    import docker
+
+__all__ = [
+    "DockerSandbox",
+    "DockerSandboxProvider",
+    "PoolStats",
+    "connect_docker",
+    "reap_stale_containers",
+]
+
+T = TypeVar("T")
+
+LABEL_SANDBOX = "libra.sandbox"
+LABEL_RUN = "libra.run"
+LABEL_PID = "libra.pid"
+LABEL_PID_START = "libra.pid_start"
+LABEL_HOST = "libra.host"
+
+SANDBOX_USER = "65534:65534"
+ROOT_USER = "0:0"
+_KILL_GRACE_S = 0.5  # after the in-container timeout fires, time for its output to drain
+_READ_FILE_LIMIT = 256 * 1024 * 1024
+_TMP_SIZE_MB = 16
+_EXIT_MISSING_FILE = 3
+
+# Runs as root (without capabilities) with stdin = the file's bytes. Parent directories made here
+# get mode 1777 like the work dir; the temporary file is private until it is renamed in place.
+_WRITE_FILE_SCRIPT = """
+set -e
+mode=$1; target=$2; shift 2
+for dir in "$@"; do [ -d "$dir" ] || mkdir -m 1777 -- "$dir"; done
+umask 077
+tmp=$(mktemp -- "$target.libra-XXXXXX")
+cat > "$tmp"
+chmod "$mode" -- "$tmp"
+mv -f -- "$tmp" "$target"
+"""
+
+_READ_FILE_SCRIPT = f'[ -e "$1" ] || exit {_EXIT_MISSING_FILE}; exec cat -- "$1"'
+
+# First pass, as the sandbox user: kill all its processes (twice: a fork in flight may escape
+# the first sweep), make its own files deletable, delete them.
+_RESET_AS_SANDBOX_USER = """
+kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+for dir in "$@"; do
+  chmod -R u+rwX -- "$dir" 2>/dev/null
+  find "$dir" -mindepth 1 -delete 2>/dev/null
+done
+exit 0
+"""
+
+# Second pass, as root: delete the env's files; fail unless every directory is empty now.
+_RESET_AS_ROOT = """
+for dir in "$@"; do find "$dir" -mindepth 1 -delete 2>/dev/null; done
+for dir in "$@"; do
+  if [ -n "$(find "$dir" -mindepth 1 -print 2>/dev/null | head -n 1)" ]; then exit 1; fi
+done
+exit 0
+"""
+
+
+def connect_docker(*, timeout_s: float = 120.0, max_pool_size: int = 64) -> docker.DockerClient:
+    """A Docker client for the engine of ``DOCKER_HOST`` (or the local socket), checked alive."""
+    try:
+        import docker
+        import docker.errors
+    except ImportError as missing:
+        raise SandboxError(
+            "the Docker SDK is not installed: pip install 'libra[sandbox]' (or `docker`)"
+        ) from missing
+    try:
+        client = docker.from_env(timeout=round(timeout_s), max_pool_size=max_pool_size)
+        client.ping()
+    except docker.errors.DockerException as error:
+        raise SandboxError(
+            f"no Docker engine is reachable ({error}); start one with scripts/ensure-docker.sh "
+            "(as root), or use libra.sandbox.BwrapSandboxProvider"
+        ) from error
+    return client
+
+
+# ---------------------------------------------------------------------------------------------
+# Reaper
+
+
+def reap_stale_containers(client: docker.DockerClient | None = None) -> list[str]:
+    """Remove Libra's sandbox containers whose owner process is gone; return their ids.
+
+    A container is stale when it was made on this host (its ``libra.host`` label) by a process
+    that no longer exists, or whose pid now belongs to a newer process (``libra.pid_start``).
+    Containers of other hosts sharing the engine, or without an owner label, are left alone.
+    """
+    client = client or connect_docker()
+    found = client.containers.list(all=True, filters={"label": f"{LABEL_SANDBOX}=1"})
+    reaped: list[str] = []
+    for container in found:
+        if _owner_alive(container.labels):
+            continue
+        with contextlib.suppress(Exception):  # already gone, or being removed by someone else
+            container.remove(force=True)
+            reaped.append(container.id)
+    return reaped
+
+
+def _owner_alive(labels: Mapping[str, str]) -> bool:
+    if labels.get(LABEL_HOST, socket.gethostname()) != socket.gethostname():
+        return True
+    try:
+        pid = int(labels[LABEL_PID])
+    except (KeyError, ValueError):
+        return True
+    started = process_start_time(pid)
+    if started is None:
+        return False
+    recorded = labels.get(LABEL_PID_START)
+    return not recorded or not started or recorded == started  # unknown start time: alive
+
+
+def _owner_labels(run_id: str) -> dict[str, str]:
+    pid = os.getpid()
+    return {
+        LABEL_SANDBOX: "1",
+        LABEL_RUN: run_id,
+        LABEL_PID: str(pid),
+        LABEL_PID_START: process_start_time(pid) or "",
+        LABEL_HOST: socket.gethostname(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# exec over the Engine API
+
+
+@dataclass(frozen=True, slots=True)
+class _RawExec:
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    deadline_hit: bool
+
+
+def _exec_blocking(
+    api: docker.APIClient,
+    container_id: str,
+    cmd: Sequence[str],
+    *,
+    user: str,
+    workdir: str,
+    env: Mapping[str, str],
+    stdin: bytes | None,
+    output_limit: int,
+    deadline: float,
+) -> _RawExec:
+    """Run ``cmd`` in the container and collect its output until it ends or ``deadline``."""
+    exec_id = api.exec_create(
+        container_id,
+        list(cmd),
+        stdin=stdin is not None,
+        stdout=True,
+        stderr=True,
+        user=user,
+        workdir=workdir,
+        environment=[f"{key}={value}" for key, value in env.items()],
+    )["Id"]
+    response = _start_exec_hijacked(api, exec_id)
+    output = CappedOutput(output_limit)
+    try:
+        reader, sock = _hijacked_streams(response)
+        if stdin is not None:
+            _feed_stdin_in_background(sock, stdin)
+        finished = _read_frames(reader, sock, output, deadline)
+    finally:
+        response.close()
+    exit_code = _wait_exit_code(api, exec_id, deadline + 1.0) if finished else None
+    return _RawExec(
+        exit_code, bytes(output.stdout), bytes(output.stderr), output.truncated, not finished
+    )
+
+
+def _start_exec_hijacked(api: docker.APIClient, exec_id: str) -> Any:
+    """``POST /exec/{id}/start`` upgraded to a raw stream, as ``docker exec`` does.
+
+    The SDK's ``exec_start(socket=True)`` hands back the bare socket, losing any output already
+    buffered while the HTTP headers were read; here the response object is kept and read
+    through its buffered reader.
+    """
+    response = api._post_json(
+        api._url("/exec/{0}/start", exec_id),
+        headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+        data={"Tty": False, "Detach": False},
+        stream=True,
+    )
+    api._raise_for_status(response)
+    return response
+
+
+def _hijacked_streams(response: Any) -> tuple[IO[bytes], socket.socket]:
+    reader: IO[bytes] = response.raw._fp.fp
+    raw = reader.raw  # type: ignore[attr-defined]
+    sock = getattr(raw, "_sock", raw)
+    if not isinstance(sock, socket.socket):
+        raise SandboxError(f"unsupported Docker transport for exec streams: {type(sock)!r}")
+    return reader, sock
+
+
+def _feed_stdin_in_background(sock: socket.socket, data: bytes) -> None:
+    """Send stdin then half-close; a thread, so a command that never reads it cannot block us."""
+
+    def feed() -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=feed, name="libra-sandbox-stdin", daemon=True).start()
+
+
+def _read_frames(
+    reader: IO[bytes], sock: socket.socket, output: CappedOutput, deadline: float
+) -> bool:
+    """Demultiplex Docker's framed stream; True at end of stream, False at the deadline."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        sock.settimeout(remaining)
+        try:
+            header = reader.read(8)
+            if len(header) < 8:
+                return True
+            stream, length = struct.unpack(">BxxxL", header)
+            payload = reader.read(length)
+        except (TimeoutError, OSError):
+            return False
+        output.add(stream, payload)
+        if len(payload) < length:
+            return True
+
+
+def _wait_exit_code(api: docker.APIClient, exec_id: str, deadline: float) -> int | None:
+    """The exec's exit code; the engine may report it a moment after the stream closes."""
+    while True:
+        state = api.exec_inspect(exec_id)
+        if not state.get("Running") and state.get("ExitCode") is not None:
+            return int(state["ExitCode"])
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sandbox
+
+
+class DockerSandbox:
+    """One pooled container lent to one trajectory (see the module docstring for the rules)."""
+
+    def __init__(self, provider: DockerSandboxProvider, container_id: str, spec: SandboxSpec):
+        self._provider = provider
+        self.container_id = container_id
+        self.spec = spec
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout_s: float,
+        stdin: bytes | None = None,
+        workdir: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` as the sandbox user; on timeout kill its process tree."""
+        if not argv:
+            raise ValueError("argv must name a command")
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        cmd = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv]
+        started = time.monotonic()
+        raw = await self._run(
+            cmd,
+            user=self._provider.user,
+            stdin=stdin,
+            workdir=self._absolute(workdir or self.spec.workdir),
+            env=env or {},
+            output_limit=self.spec.output_limit_bytes,
+            deadline=started + timeout_s + _KILL_GRACE_S,
+        )
+        duration = time.monotonic() - started
+        if raw.deadline_hit:
+            await self._provider.kill_sandbox_processes(self.container_id)
+        timed_out = raw.deadline_hit or (raw.exit_code == 137 and duration >= timeout_s)
+        return ExecResult(
+            exit_code=137 if raw.exit_code is None else raw.exit_code,
+            stdout=raw.stdout.decode(errors="replace"),
+            stderr=raw.stderr.decode(errors="replace"),
+            timed_out=timed_out,
+            truncated=raw.truncated,
+            duration_s=duration,
+        )
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` as a root-owned file with ``mode`` (0o600 hides it from commands)."""
+        target = self._absolute(path)
+        parents = _missing_parent_candidates(target, self.spec.workdir)
+        raw = await self._run(
+            ["sh", "-c", _WRITE_FILE_SCRIPT, "sh", f"{mode & 0o7777:o}", target, *parents],
+            user=ROOT_USER,
+            stdin=data,
+            workdir="/",
+            env={},
+            output_limit=4096,
+            deadline=time.monotonic() + 60.0,
+        )
+        if raw.exit_code != 0:
+            detail = raw.stderr.decode(errors="replace").strip()
+            raise SandboxError(f"cannot write {target} in the sandbox: {detail or raw.exit_code}")
+
+    async def read_file(self, path: str) -> bytes:
+        """The bytes of ``path``, read as root, or as the sandbox user for its private files."""
+        target = self._absolute(path)
+        raw: _RawExec | None = None
+        for user in (ROOT_USER, self._provider.user):
+            raw = await self._run(
+                ["sh", "-c", _READ_FILE_SCRIPT, "sh", target],
+                user=user,
+                stdin=None,
+                workdir="/",
+                env={},
+                output_limit=_READ_FILE_LIMIT,
+                deadline=time.monotonic() + 60.0,
+            )
+            if raw.exit_code == _EXIT_MISSING_FILE:
+                raise FileNotFoundError(target)
+            if raw.exit_code == 0 and not raw.truncated:
+                return raw.stdout
+        assert raw is not None
+        detail = raw.stderr.decode(errors="replace").strip()
+        raise SandboxError(f"cannot read {target} from the sandbox: {detail or raw.exit_code}")
+
+    def _absolute(self, path: str) -> str:
+        """``path`` made absolute: relative paths are under the work dir."""
+        return posixpath.normpath(posixpath.join(self.spec.workdir, path))
+
+    async def _run(self, cmd: Sequence[str], **kwargs: Any) -> _RawExec:
+        call = functools.partial(
+            _exec_blocking, self._provider.api, self.container_id, cmd, **kwargs
+        )
+        return await self._provider.call_in_thread(call, abandon_on_cancel=True)
+
+
+def _missing_parent_candidates(target: str, workdir: str) -> list[str]:
+    """Directories between the work dir (or /) and ``target``, outermost first."""
+    parents: list[str] = []
+    directory = posixpath.dirname(target)
+    stop = {"/", posixpath.normpath(workdir)}
+    while directory not in stop:
+        parents.append(directory)
+        directory = posixpath.dirname(directory)
+    return parents[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Provider and pool
+
+
+@dataclass(frozen=True, slots=True)
+class _PoolKey:
+    """The part of a spec that shapes the container (exec-time settings are left out)."""
+
+    image: str
+    network: bool
+    memory_mb: int
+    cpus: float
+    pids: int
+    workdir: str
+    workdir_size_mb: int
+    env: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, spec: SandboxSpec) -> _PoolKey:
+        return cls(
+            spec.image,
+            spec.network,
+            spec.memory_mb,
+            spec.cpus,
+            spec.pids,
+            posixpath.normpath(spec.workdir),
+            spec.workdir_size_mb,
+            tuple(sorted(spec.env.items())),
+        )
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters of a provider's pool, for benchmarks and tests."""
+
+    created: int = 0
+    reused: int = 0
+    destroyed: int = 0
+    reset_failures: int = 0
+
+
+class DockerSandboxProvider:
+    """Sandboxes as Docker containers from per-spec warm pools.
+
+    ``pool_size`` is the most idle containers kept per spec (0: a fresh container for every
+    trajectory). ``network`` is the Docker network given to specs with ``network=True``; by
+    default "bridge" when the engine has it, else "host" (an engine started with
+    ``--bridge=none``). The provider reaps stale containers of dead runs when it starts.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool_size: int = 8,
+        user: str = SANDBOX_USER,
+        run_id: str | None = None,
+        network: str | None = None,
+        runtime: str | None = None,
+        reap_stale: bool = True,
+        max_threads: int = 64,
+        client: docker.DockerClient | None = None,
+    ) -> None:
+        if pool_size < 0:
+            raise ValueError("pool_size must be >= 0")
+        self.pool_size = pool_size
+        self.user = user
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.runtime = runtime
+        self.stats = PoolStats()
+        self._network = network
+        self._reap_stale = reap_stale
+        self._client = client
+        self._limiter = anyio.CapacityLimiter(max_threads)
+        self._start_lock = anyio.Lock()
+        self._started = False
+        self._closed = False
+        self._idle: dict[_PoolKey, list[str]] = {}
+        self._live: set[str] = set()
+        self._serial = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to the engine and reap stale containers (done once; also done lazily)."""
+        async with self._start_lock:
+            if self._started:
+                return
+            if self._closed:
+                raise SandboxError("the sandbox provider is closed")
+            if self._client is None:
+                self._client = await self.call_in_thread(connect_docker)
+            if self._reap_stale:
+                await self.call_in_thread(functools.partial(reap_stale_containers, self._client))
+            if self._network is None:
+                self._network = await self.call_in_thread(self._default_network)
+            self._started = True
+
+    async def __aenter__(self) -> DockerSandboxProvider:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Remove every container of this provider, idle or lent."""
+        self._closed = True
+        doomed = list(self._live)
+        self._idle.clear()
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as group:
+                for container_id in doomed:
+                    group.start_soon(self._destroy, container_id)
+
+    @property
+    def client(self) -> docker.DockerClient:
+        if self._client is None:
+            raise SandboxError("the provider has not started; call `await provider.start()`")
+        return self._client
+
+    @property
+    def api(self) -> docker.APIClient:
+        return self.client.api
+
+    # -- lending ----------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, spec: SandboxSpec) -> AsyncIterator[DockerSandbox]:
+        """A container for one trajectory; reset into the pool (or destroyed) on exit."""
+        await self.start()
+        container_id = await self._acquire(spec)
+        try:
+            yield DockerSandbox(self, container_id, spec)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._release(spec, container_id)
+
+    async def prewarm(self, spec: SandboxSpec, count: int) -> None:
+        """Start containers for ``spec`` until ``count`` of them are idle (at most pool_size)."""
+        await self.start()
+        idle = self._idle.setdefault(_PoolKey.of(spec), [])
+        missing = min(count, self.pool_size) - len(idle)
+
+        async def add_one() -> None:
+            idle.append(await self._create(spec))
+
+        async with anyio.create_task_group() as group:
+            for _ in range(max(missing, 0)):
+                group.start_soon(add_one)
+
+    def idle_count(self, spec: SandboxSpec) -> int:
+        return len(self._idle.get(_PoolKey.of(spec), []))
+
+    async def _acquire(self, spec: SandboxSpec) -> str:
+        idle = self._idle.get(_PoolKey.of(spec))
+        if idle:
+            self.stats.reused += 1
+            return idle.pop()
+        return await self._create(spec)
+
+    async def _release(self, spec: SandboxSpec, container_id: str) -> None:
+        idle = self._idle.setdefault(_PoolKey.of(spec), [])
+        if self._closed or len(idle) >= self.pool_size or container_id not in self._live:
+            await self._destroy(container_id)
+            return
+        if await self._reset(container_id, spec):
+            # Others may have filled the pool, or closed the provider, during the reset.
+            if self._closed or len(idle) >= self.pool_size:
+                await self._destroy(container_id)
+            else:
+                idle.append(container_id)
+            return
+        self.stats.reset_failures += 1
+        await self._destroy(container_id)
+        with contextlib.suppress(SandboxError):  # the replacement is a convenience, not a need
+            await self._add_replacement(spec, idle)
+
+    async def _add_replacement(self, spec: SandboxSpec, idle: list[str]) -> None:
+        replacement = await self._create(spec)
+        if self._closed:  # closed while the replacement was starting
+            await self._destroy(replacement)
+        else:
+            idle.append(replacement)
+
+    # -- container operations -----------------------------------------------------------------
+
+    async def call_in_thread(self, call: Callable[[], T], *, abandon_on_cancel: bool = False) -> T:
+        """Run a blocking SDK call in a worker thread, turning engine errors into SandboxError."""
+        import docker.errors
+        import requests
+
+        try:
+            return await anyio.to_thread.run_sync(
+                call, abandon_on_cancel=abandon_on_cancel, limiter=self._limiter
+            )
+        except (docker.errors.DockerException, requests.RequestException) as error:
+            raise SandboxError(f"Docker engine error: {error}") from error
+
+    async def _create(self, spec: SandboxSpec) -> str:
+        self._serial += 1
+        name = f"libra-{self.run_id}-{self._serial}"
+        container_id = await self.call_in_thread(
+            functools.partial(self._create_blocking, spec, name)
+        )
+        self.stats.created += 1
+        if self._closed:  # closed while it was starting: aclose() did not see it
+            await self._destroy(container_id)
+            raise SandboxError("the sandbox provider is closed")
+        return container_id
+
+    def _create_blocking(self, spec: SandboxSpec, name: str) -> str:
+        import docker.errors
+
+        try:
+            # create + start rather than run: run would try to pull a missing image.
+            container = self.client.containers.create(name=name, **self._container_config(spec))
+            self._live.add(container.id)
+            container.start()
+        except docker.errors.ImageNotFound as missing:
+            raise SandboxError(
+                f"sandbox image {spec.image!r} is not in Docker ({missing.explanation}); build it "
+                f"with `python -m libra.sandbox build-image {spec.image}` "
+                "(or libra.sandbox.build_image())"
+            ) from missing
+        except docker.errors.APIError as error:
+            self._destroy_named(name)
+            raise SandboxError(f"cannot start a sandbox from {spec.image!r}: {error}") from error
+        container.reload()
+        if container.status != "running":
+            logs = container.logs(tail=20).decode(errors="replace")
+            self._destroy_blocking(container.id)
+            raise SandboxError(
+                f"sandbox container from {spec.image!r} exited at start ({container.status}): "
+                f"{logs.strip()}"
+            )
+        return str(container.id)
+
+    def _container_config(self, spec: SandboxSpec) -> dict[str, Any]:
+        memory = f"{spec.memory_mb}m"
+        config: dict[str, Any] = {
+            "image": spec.image,
+            "entrypoint": ["sleep", "infinity"],
+            "init": True,
+            "user": ROOT_USER,  # keep-alive processes: root, but with no capabilities
+            "network_mode": self._network if spec.network else "none",
+            "read_only": True,
+            "tmpfs": {
+                spec.workdir: f"size={spec.workdir_size_mb}m,mode=1777,exec",
+                "/tmp": f"size={_TMP_SIZE_MB}m,mode=1777,exec",
+            },
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "nano_cpus": int(spec.cpus * 1e9),
+            "pids_limit": spec.pids,
+            # No working_dir: Docker would recreate the tmpfs work dir and drop its mode=1777.
+            "environment": {"HOME": "/tmp", **spec.env},
+            "labels": _owner_labels(self.run_id),
+            "hostname": "sandbox",
+        }
+        if self.runtime:
+            config["runtime"] = self.runtime
+        return config
+
+    def _default_network(self) -> str:
+        return "bridge" if self.client.networks.list(names=["bridge"]) else "host"
+
+    async def _reset(self, container_id: str, spec: SandboxSpec) -> bool:
+        """Make a used container like new; False when that could not be verified."""
+        dirs = [posixpath.normpath(spec.workdir), "/tmp", "/dev/shm"]
+        try:
+            for user, script in ((self.user, _RESET_AS_SANDBOX_USER), (ROOT_USER, _RESET_AS_ROOT)):
+                raw = await self._exec_plain(
+                    container_id, ["sh", "-c", script, "sh", *dirs], user, 30.0
+                )
+                if raw.exit_code != 0:
+                    return False
+        except SandboxError:
+            return False
+        return True
+
+    async def kill_sandbox_processes(self, container_id: str) -> None:
+        """Kill every process of the sandbox user (after a timeout that outlived its group)."""
+        with contextlib.suppress(SandboxError):
+            await self._exec_plain(container_id, ["sh", "-c", "kill -9 -1"], self.user, 5.0)
+
+    async def _exec_plain(
+        self, container_id: str, cmd: list[str], user: str, limit_s: float
+    ) -> _RawExec:
+        call = functools.partial(
+            _exec_blocking,
+            self.api,
+            container_id,
+            cmd,
+            user=user,
+            workdir="/",
+            env={},
+            stdin=None,
+            output_limit=4096,
+            deadline=time.monotonic() + limit_s,
+        )
+        return await self.call_in_thread(call, abandon_on_cancel=True)
+
+    async def _destroy(self, container_id: str) -> None:
+        with contextlib.suppress(SandboxError):
+            await self.call_in_thread(functools.partial(self._destroy_blocking, container_id))
+
+    def _destroy_named(self, name: str) -> None:
+        """Remove a container that was created but could not start."""
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.DockerException):
+            container_id = self.api.inspect_container(name)["Id"]
+            self._destroy_blocking(container_id)
+
+    def _destroy_blocking(self, container_id: str) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.NotFound):
+            self.api.remove_container(container_id, force=True, v=True)
+        if container_id in self._live:
+            self._live.discard(container_id)
+            self.stats.destroyed += 1
