@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import httpx
+import pytest
 
 from libra.emulation import (
     ByteTokenizer,
@@ -65,3 +67,11 @@ def assert_tokens_consistent(record: TrajectoryRecord, tools: list[dict[str, Any
 
 def sampled_spans(record: TrajectoryRecord) -> list[list[int]]:
     return [record.token_ids[span.start : span.end] for span in record.weight_versions]
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip a test whose real dependency (Docker, vLLM...) is missing; in CI, fail it:
+    CI installs and starts everything, so a missing part there is a broken set-up."""
+    if os.environ.get("CI"):
+        pytest.fail(f"required in CI: {reason}")
+    pytest.skip(reason)

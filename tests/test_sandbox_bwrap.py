@@ -19,6 +19,7 @@ import pytest
 from libra.envs import SandboxError, SandboxSpec
 from libra.sandbox import BwrapSandboxProvider, build_rootfs, reap_stale_workdirs
 from libra.sandbox._bwrap import _workdirs_parent
+from tests._helpers import unavailable
 
 pytestmark = pytest.mark.anyio
 
@@ -38,7 +39,7 @@ def anyio_backend() -> str:
 def root() -> Path | str:
     """The image's root filesystem when it can be built here, else the host's dirs."""
     if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+        unavailable("bubblewrap is not installed (apt-get install bubblewrap)")
     if AS_ROOT and shutil.which("debootstrap"):
         return build_rootfs("libra/python")  # idempotent: instant when already built
     return "host"
@@ -62,7 +63,7 @@ async def test_refuses_to_run_without_bwrap(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("root_kind", ["image", "host"])
 async def test_exec_round_trip(root: Path | str, root_kind: str) -> None:
     if root_kind == "image" and not isinstance(root, Path):
-        pytest.skip("the image root filesystem needs root and debootstrap to build")
+        unavailable("the image root filesystem needs root and debootstrap to build")
     chosen = root if root_kind == "image" else "host"
     async with BwrapSandboxProvider(root=chosen) as provider, provider.sandbox(SPEC) as box:
         assert box.rootfs is not None if root_kind == "image" else box.rootfs is None

@@ -19,6 +19,7 @@ import pytest
 
 from libra.envs import SandboxError, SandboxSpec
 from libra.sandbox import DockerSandboxProvider, build_image, connect_docker, reap_stale_containers
+from tests._helpers import unavailable
 
 if TYPE_CHECKING:
     import docker
@@ -46,7 +47,7 @@ def docker_client() -> Iterator[docker.DockerClient]:
     try:
         client = connect_docker()
     except SandboxError as error:
-        pytest.skip(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
+        unavailable(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
     build_image("libra/python", client=client)  # idempotent: seconds when already built
     yield client
     client.close()

@@ -20,6 +20,7 @@ from libra.sandbox import (
     rootfs_dir,
 )
 from libra.sandbox._images import _split_reference
+from tests._helpers import unavailable
 
 
 def _apt_dir(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -110,7 +111,7 @@ def test_unknown_images_have_no_recipe() -> None:
 @pytest.mark.slow
 def test_rootfs_has_python_with_its_standard_library() -> None:
     if os.geteuid() != 0 or shutil.which("debootstrap") is None:
-        pytest.skip("building a root filesystem needs root and debootstrap")
+        unavailable("building a root filesystem needs root and debootstrap")
     rootfs = build_rootfs("libra/python")  # once per machine (~1-2 min), then instant
     started = time.monotonic()
     assert build_rootfs("libra/python") == rootfs
@@ -127,7 +128,7 @@ def test_docker_image_is_built_once_and_runs_python() -> None:
     try:
         client = connect_docker()
     except SandboxError as error:
-        pytest.skip(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
+        unavailable(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
     first = build_image("libra/python", client=client)
     assert first.source in {"existing", "pull", "debootstrap"}
     again = build_image("libra/python", client=client)

@@ -9,10 +9,17 @@ from collections.abc import Sequence
 from libra.cli import _bench, _rollout
 from libra.cli._config import ConfigError
 from libra.cli._fleet import FleetError
-from libra.envs import UnknownEnvError, available_envs
+from libra.envs import SandboxError, UnknownEnvError, available_envs
 
 # Errors a user can fix from the message alone: print one line, not a traceback.
-_USER_ERRORS = (ConfigError, FleetError, UnknownEnvError, FileNotFoundError, PermissionError)
+_USER_ERRORS = (
+    ConfigError,
+    FleetError,
+    UnknownEnvError,
+    SandboxError,
+    FileNotFoundError,
+    PermissionError,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 from libra.cli._config import load_config
 from libra.cli._fleet import open_fleet
 from libra.cli._progress import rollout_progress, summary
+from libra.cli._sandboxes import SandboxKind, open_sandboxes
 from libra.emulation import EmulatorConfig
 from libra.engine import (
     Engine,
@@ -42,6 +43,8 @@ class RolloutConfig(BaseModel):
     transport: TransportName = "aiohttp"
     max_connections: PositiveInt = 1024
     progress: bool = True
+    sandbox: SandboxKind = "auto"
+    sandbox_pool: PositiveInt = 16
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
 
@@ -57,6 +60,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--seed", type=int, help="seed of the task sampler")
     parser.add_argument("--out", type=Path, help="output JSONL file (default rollout.jsonl)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--sandbox", choices=["auto", "docker", "bwrap"], help="where tools run code (auto)"
+    )
     parser.add_argument("--config", type=Path, help="TOML file with these settings")
     parser.add_argument(
         "--set",
@@ -79,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "out": args.out,
         "engine.concurrency": args.concurrency,
         "progress": False if args.no_progress else None,
+        "sandbox": args.sandbox,
     }
     config = load_config(RolloutConfig, args.config, flags, args.set)
     if config.engine.sampling.seed is None:  # --seed makes the whole rollout reproducible
@@ -102,17 +109,21 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
         env_cls, env_name, config.n, samples_per_prompt=config.samples_per_prompt, seed=config.seed
     )
     encoder = msgspec.json.Encoder()
-    async with open_fleet(
-        config.server,
-        model=config.model,
-        transport=config.transport,
-        max_connections=config.max_connections,
-        emulator=config.emulator,
-    ) as fleet:
+    async with (
+        open_fleet(
+            config.server,
+            model=config.model,
+            transport=config.transport,
+            max_connections=config.max_connections,
+            emulator=config.emulator,
+        ) as fleet,
+        open_sandboxes(env_cls, config.sandbox, config.sandbox_pool) as sandboxes,
+    ):
         engine = Engine(
             OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
             LeastLoadedScheduler(fleet.endpoints),
             config=config.engine,
+            sandboxes=sandboxes,
         )
         stats = RolloutStats(total=len(jobs))
         with config.out.open("wb") as out, rollout_progress(stats, enabled=config.progress) as tick:

@@ -1,0 +1,112 @@
+"""``python_math``: number problems that reward computing, with Python in a sandbox.
+
+Each task is generated from its seed (sums of primes, divisibility counts, modular
+powers, Fibonacci numbers, digit sums); the answer is computed here, on the host. The
+model may run Python in a locked-down container (no network, read-only root, non-root
+user, memory/CPU/pids limits); the reward is 1 when the last whole number in its final
+answer is exactly right.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+
+from libra.envs import Env, SandboxSpec, tool
+
+_INTEGER = re.compile(r"-?\d+")
+_OUTPUT_CHARS = 4000
+
+
+def _primes_below(n: int) -> list[int]:
+    sieve = bytearray([1]) * n
+    sieve[:2] = b"\x00\x00"
+    for i in range(2, int(n**0.5) + 1):
+        if sieve[i]:
+            sieve[i * i :: i] = bytearray(len(sieve[i * i :: i]))
+    return [i for i, is_prime in enumerate(sieve) if is_prime]
+
+
+def _fibonacci(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+def _task_prime_sum(rng: random.Random) -> tuple[str, int]:
+    n = rng.randint(1_000, 200_000)
+    return f"What is the sum of all prime numbers below {n}?", sum(_primes_below(n))
+
+
+def _task_divisible(rng: random.Random) -> tuple[str, int]:
+    n, a, b = rng.randint(10_000, 10_000_000), rng.randint(3, 40), rng.randint(3, 40)
+    count = n // a + n // b - n // (a * b // _gcd(a, b))
+    return f"How many integers from 1 to {n} are divisible by {a} or by {b}?", count
+
+
+def _task_modpow(rng: random.Random) -> tuple[str, int]:
+    base, exponent, modulus = (
+        rng.randint(2, 999),
+        rng.randint(10**5, 10**9),
+        rng.randint(10**3, 10**6),
+    )
+    return f"What is {base}^{exponent} mod {modulus}?", pow(base, exponent, modulus)
+
+
+def _task_fibonacci_digits(rng: random.Random) -> tuple[str, int]:
+    n = rng.randint(200, 3_000)
+    return f"What is the sum of the decimal digits of the {n}th Fibonacci number (F(1) = 1)?", sum(
+        map(int, str(_fibonacci(n)))
+    )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+_TASKS: list[Callable[[random.Random], tuple[str, int]]] = [
+    _task_prime_sum,
+    _task_divisible,
+    _task_modpow,
+    _task_fibonacci_digits,
+]
+
+
+class PythonMath(Env):
+    """Number problems; the model may run Python in a sandbox."""
+
+    system_prompt = (
+        "Solve the problem. You can run Python 3 with the run_python tool: it returns what"
+        " the program prints. End with 'The answer is N.'"
+    )
+    max_turns = 6
+    tool_timeout_s = 20.0
+    sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
+
+    def reset(self, seed: int) -> str:
+        rng = random.Random(seed)
+        question, self.expected = rng.choice(_TASKS)(rng)
+        return question
+
+    @tool
+    async def run_python(self, code: str) -> str:
+        """Run a Python 3 program and return what it prints (stdout, then stderr).
+
+        Args:
+            code: the program; print the values you want to see
+        """
+        result = await self.sandbox.exec(["python3", "-"], stdin=code.encode(), timeout_s=10)
+        output = (result.stdout + result.stderr)[-_OUTPUT_CHARS:]
+        if result.timed_out:
+            return f"{output}\nError: the program ran longer than 10 s and was killed"
+        if result.exit_code != 0:
+            return f"{output}\n(exit code {result.exit_code})"
+        return output or "(the program printed nothing)"
+
+    def reward(self, answer: str) -> float:
+        numbers = _INTEGER.findall(answer.replace(",", ""))
+        return 1.0 if numbers and int(numbers[-1]) == self.expected else 0.0
