@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from libra.cli import _bench, _rollout
+from libra.cli import _bench, _images, _rollout
 from libra.cli._config import ConfigError
 from libra.cli._fleet import FleetError
 from libra.envs import SandboxError, UnknownEnvError, available_envs
@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _rollout.add_parser(commands)
     _bench.add_parser(commands)
+    _images.add_parser(commands)
     envs = commands.add_parser("envs", help="list the installed envs")
     envs.set_defaults(run=lambda args: print("\n".join(available_envs())) or 0)
     return parser

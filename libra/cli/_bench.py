@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from libra.bench._engine import as_json, run_engine_bench
+from libra.sandbox import bench_sandbox
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -25,6 +26,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     engine.add_argument("--json", action="store_true", help="print JSON instead of a table")
     engine.set_defaults(run=run_engine)
+    sandbox = benches.add_parser("sandbox", help="tool-call latency and throughput in sandboxes")
+    sandbox.add_argument("--provider", choices=["docker", "bwrap"], default="docker")
+    sandbox.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    sandbox.add_argument("--calls", type=int, default=256, help="calls per concurrency level")
+    sandbox.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sandbox.set_defaults(run=run_sandbox)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -46,5 +53,24 @@ def run_engine(args: argparse.Namespace) -> int:
             f"{r.bare_httpx_calls_s:,.0f}", f"{r.cpu_us_per_call:,.0f}",
             f"{r.bare_aiohttp_cpu_us_per_call:,.0f}", f"{r.errors}",
         )  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def run_sandbox(args: argparse.Namespace) -> int:
+    report = anyio.run(bench_sandbox, args.provider, tuple(args.concurrency), args.calls)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    table = Table(title=f"libra bench sandbox: {report['call']} in {report['provider']}")
+    for column in ("measure", "calls/s", "p50 s", "p95 s"):
+        table.add_column(column, justify="right")
+    table.add_row("cold sandbox + call", "", f"{report['cold_s']['p50_s']:.3f}",
+                  f"{report['cold_s']['p95_s']:.3f}")  # fmt: skip
+    table.add_row("warm pool call", "", f"{report['warm_exec_s']['p50_s']:.3f}",
+                  f"{report['warm_exec_s']['p95_s']:.3f}")  # fmt: skip
+    for level, row in report["throughput"].items():
+        table.add_row(f"{level} concurrent", f"{row['calls_per_s']:.1f}", f"{row['p50_s']:.3f}",
+                      f"{row['p95_s']:.3f}")  # fmt: skip
     Console().print(table)
     return 0
