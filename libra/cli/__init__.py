@@ -6,10 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from libra.cli import _bench, _images, _rollout
+from libra.cli import _bench, _images, _rollout, _serve
 from libra.cli._config import ConfigError
 from libra.cli._fleet import FleetError
 from libra.envs import SandboxError, UnknownEnvError, available_envs
+from libra.serving import ModelError, VLLMServerError
 
 # Errors a user can fix from the message alone: print one line, not a traceback.
 _USER_ERRORS = (
@@ -17,6 +18,8 @@ _USER_ERRORS = (
     FleetError,
     UnknownEnvError,
     SandboxError,
+    ModelError,
+    VLLMServerError,
     FileNotFoundError,
     PermissionError,
 )
@@ -47,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _rollout.add_parser(commands)
     _bench.add_parser(commands)
     _images.add_parser(commands)
+    _serve.add_parsers(commands)
     envs = commands.add_parser("envs", help="list the installed envs")
     envs.set_defaults(run=lambda args: print("\n".join(available_envs())) or 0)
     return parser

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from libra.bench._engine import as_json, run_engine_bench
+from libra.bench._sched import add_arguments as add_sched_arguments
+from libra.bench._sched import main_sched
 from libra.sandbox import bench_sandbox
 
 
@@ -26,6 +28,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     engine.add_argument("--json", action="store_true", help="print JSON instead of a table")
     engine.set_defaults(run=run_engine)
+    sched = benches.add_parser(
+        "sched", help="scheduling policies (C-MLFQ and baselines) on an emulated fleet"
+    )
+    add_sched_arguments(sched)
+    sched.set_defaults(run=main_sched)
     sandbox = benches.add_parser("sandbox", help="tool-call latency and throughput in sandboxes")
     sandbox.add_argument("--provider", choices=["docker", "bwrap"], default="docker")
     sandbox.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])

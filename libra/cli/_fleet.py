@@ -1,23 +1,28 @@
 """Where generation calls go: the ``--server`` option turned into endpoints and a client.
 
 ``emulated`` runs the emulated OpenAI server in-process (through ``httpx.ASGITransport``,
-no sockets); a URL, or several separated by commas, names any OpenAI-compatible servers.
+no sockets); ``embedded`` is real vLLM serving the embedded model (a running ``libra
+serve``, or one started for this command); a URL, or several separated by commas, names
+any OpenAI-compatible servers.
 This is the one place that composes a fleet: runtime code only ever sees endpoints and
 an HTTP client.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 import httpx
 import msgspec
 
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
 from libra.sched import Endpoint
+from libra.serving import EMBEDDED_MODEL_NAME
 
 
 class FleetError(RuntimeError):
@@ -49,12 +54,37 @@ async def open_fleet(
         async with http_transport(httpx.ASGITransport(app=app)) as http:
             yield Fleet(http, [Endpoint("http://emulated", model=model or config.model_name)])
         return
+    if server == "embedded":
+        async with (
+            _embedded_url() as url,
+            http_transport(transport, max_connections=max_connections) as http,
+        ):
+            yield Fleet(http, [Endpoint(url, model=EMBEDDED_MODEL_NAME, name="embedded")])
+        return
     urls = [url.strip() for url in server.split(",") if url.strip()]
     if not all(url.startswith(("http://", "https://")) for url in urls):
-        raise FleetError(f"--server must be 'emulated' or http(s) URLs, got {server!r}")
+        raise FleetError(f"--server must be 'emulated', 'embedded' or http(s) URLs, got {server!r}")
     async with http_transport(transport, max_connections=max_connections) as http:
         endpoints = [Endpoint(url, model=model or await _first_model(http, url)) for url in urls]
         yield Fleet(http, endpoints)
+
+
+@asynccontextmanager
+async def _embedded_url() -> AsyncIterator[str]:
+    """A running ``libra serve`` of the embedded model, or a server for this command."""
+    from libra.cli._serve import running_embedded_url, server_config
+    from libra.serving import VLLMServer, prepare_model
+
+    url = await anyio.to_thread.run_sync(running_embedded_url)
+    if url is not None:
+        yield url
+        return
+    model = await anyio.to_thread.run_sync(prepare_model)
+    print(f"starting vLLM on the embedded model ({model})", file=sys.stderr)
+    async with VLLMServer(
+        model, served_model_name=EMBEDDED_MODEL_NAME, config=server_config()
+    ) as vllm:
+        yield vllm.url
 
 
 async def _first_model(http: HTTPTransport, url: str) -> str:

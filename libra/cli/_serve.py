@@ -1,0 +1,93 @@
+"""``libra model prepare`` and ``libra serve``: the embedded model on a real vLLM server.
+
+``libra serve`` runs a vLLM server in the foreground and records it in
+``$LIBRA_HOME/run/embedded.json``, so that ``libra rollout --server embedded`` reuses it
+instead of starting (and stopping) a server of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+
+from libra.serving import (
+    EMBEDDED_MODEL_NAME,
+    VLLMServer,
+    VLLMServerConfig,
+    libra_home,
+    prepare_model,
+    resolve_model,
+)
+
+
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    model = commands.add_parser("model", help="the embedded default model")
+    actions = model.add_subparsers(title="actions", metavar="ACTION", required=True)
+    prepare = actions.add_parser("prepare", help="build the embedded model folder (once)")
+    prepare.add_argument("--force", action="store_true", help="rebuild it")
+    prepare.set_defaults(run=lambda args: print(prepare_model(force=args.force)) or 0)
+
+    serve = commands.add_parser("serve", help="serve a model with vLLM (OpenAI-compatible)")
+    serve.add_argument("--model", default="embedded", help="'embedded' or a local HF folder")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--threads", type=int, help="CPU threads for the server")
+    serve.add_argument("--max-model-len", type=int, default=8192)
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority")
+    serve.add_argument("--dev-mode", action="store_true", help="allow weight reloads")
+    serve.set_defaults(run=run_serve)
+
+
+def server_config(**overrides: object) -> VLLMServerConfig:
+    """Libra's defaults for a CPU vLLM server (priority scheduling for the scheduler)."""
+    defaults: dict[str, object] = {"max_model_len": 8192, "scheduling_policy": "priority"}
+    return VLLMServerConfig.model_validate({**defaults, **overrides})
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
+    name = EMBEDDED_MODEL_NAME if args.model == "embedded" else Path(model).name
+    config = server_config(
+        host=args.host,
+        port=args.port,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
+        dev_mode=args.dev_mode,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with VLLMServer(model, served_model_name=name, config=config) as server:
+        if args.model == "embedded":
+            _state_file().write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
+        print(f"serving {name} at {server.url} (log: {server.log_file}); Ctrl-C stops it")
+        try:
+            while not stop.wait(1.0) and server.is_running:
+                pass
+        finally:
+            _state_file().unlink(missing_ok=True)
+    return 0
+
+
+def running_embedded_url() -> str | None:
+    """The URL of a healthy ``libra serve`` of the embedded model, if one runs."""
+    try:
+        state = json.loads(_state_file().read_text())
+        os.kill(int(state["pid"]), 0)
+        healthy = httpx.get(state["url"] + "/health", timeout=2).status_code == 200
+    except (OSError, ValueError, KeyError, httpx.HTTPError):
+        return None
+    return str(state["url"]) if healthy else None
+
+
+def _state_file() -> Path:
+    run_dir = libra_home() / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir / "embedded.json"
