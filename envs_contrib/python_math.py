@@ -12,11 +12,34 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
+from typing import Any
 
-from libra.envs import Env, SandboxSpec, tool
+from libra.envs import Env, HermesToolCallParser, SandboxSpec, ToolCall, tool
 
 _INTEGER = re.compile(r"-?\d+")
 _OUTPUT_CHARS = 4000
+_CODE_BLOCK = re.compile(r"```(?:python|py)\s*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+class CodeBlockParser(HermesToolCallParser):
+    """Hermes ``<tool_call>`` blocks, and fenced Python code as a ``run_python`` call.
+
+    Small models write a Markdown code block far more reliably than a JSON tool call;
+    running it is what they mean.
+    """
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = super().parse(text)
+        if calls:
+            return calls
+        blocks = _CODE_BLOCK.findall(text)
+        return [ToolCall(f"code_{i}", "run_python", {"code": b}) for i, b in enumerate(blocks)]
+
+    def describe(self, tools: list[dict[str, Any]]) -> str:
+        return (
+            "To run Python, write a program in a ```python code block; you will see what it"
+            " prints.\n\n" + super().describe(tools)
+        )
 
 
 def _primes_below(n: int) -> list[int]:
@@ -80,12 +103,13 @@ class PythonMath(Env):
     """Number problems; the model may run Python in a sandbox."""
 
     system_prompt = (
-        "Solve the problem. You can run Python 3 with the run_python tool: it returns what"
-        " the program prints. End with 'The answer is N.'"
+        "Solve the problem by writing a Python 3 program that prints the answer, in a"
+        " ```python code block; you will see its output. Then end with 'The answer is N.'"
     )
     max_turns = 6
     tool_timeout_s = 20.0
     sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
+    tool_call_parser = CodeBlockParser()
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)

@@ -8,6 +8,7 @@ import pytest
 
 from envs_contrib.calc import Calc, evaluate
 from envs_contrib.guess import Guess
+from envs_contrib.python_math import PythonMath
 from libra.envs import ToolError
 
 
@@ -58,3 +59,18 @@ def test_guess_answers_and_ends() -> None:
     assert env.reward("") == 1.0
     with pytest.raises(ToolError):
         env.guess(0)
+
+
+def test_python_math_reads_code_blocks_as_calls() -> None:
+    parse = PythonMath.tool_call_parser.parse
+    [call] = parse("Let me compute.\n```python\nprint(6 * 7)\n```\nDone.")
+    assert (call.name, call.arguments) == ("run_python", {"code": "print(6 * 7)\n"})
+    [hermes] = parse('<tool_call>{"name": "run_python", "arguments": {"code": "1"}}</tool_call>')
+    assert hermes.arguments == {"code": "1"}
+    assert parse("The answer is 42.") == []
+
+
+def test_python_math_tasks_are_seeded() -> None:
+    env = PythonMath()
+    assert env.reset(1) == PythonMath().reset(1)
+    assert env.reward(f"so the answer is {env.expected:,}.") == 1.0

@@ -56,6 +56,7 @@ class OpenAIClient:
         self.http = http
         self.timeout_s = timeout_s
         self._tokenize_support: dict[str, bool] = {}
+        self._renders_tools: dict[str, bool] = {}
 
     async def chat(
         self,
@@ -150,6 +151,23 @@ class OpenAIClient:
             except RequestRejected:
                 self._tokenize_support[endpoint.url] = False
         return self._tokenize_support[endpoint.url]
+
+    async def renders_tools(self, endpoint: Endpoint) -> bool:
+        """Whether the server's chat template shows the request's ``tools`` to the model.
+
+        Probed once per server by rendering a message with and without a tool; a server
+        without ``/tokenize`` (a hosted API) is trusted to handle ``tools`` itself.
+        """
+        if endpoint.url not in self._renders_tools:
+            probe = [openai.Message(role="user", content="hi")]
+            tool = openai.tool_schema("probe", "", {"type": "object", "properties": {}})
+            try:
+                plain = await self.tokenize(endpoint, probe, add_generation_prompt=True)
+                with_tool = await self.tokenize(endpoint, probe, [tool], add_generation_prompt=True)
+                self._renders_tools[endpoint.url] = plain != with_tool
+            except RequestRejected:
+                self._renders_tools[endpoint.url] = True
+        return self._renders_tools[endpoint.url]
 
     async def _post(self, endpoint: Endpoint, path: str, body: object, into: type[T]) -> T:
         headers = {**_JSON, **endpoint.headers} if endpoint.headers else _JSON

@@ -33,7 +33,16 @@ from libra.engine._client import (
 from libra.engine._config import EngineConfig, TurnSampling
 from libra.engine._records import Status, Timings, ToolReturnRecord, TrajectoryRecord
 from libra.engine._tokens import TemplateRenderer, TokenLog
-from libra.envs import Env, SandboxError, SandboxProvider, ToolCall, ToolError, ToolReturn
+from libra.envs import (
+    Env,
+    HermesToolCallParser,
+    SandboxError,
+    SandboxProvider,
+    ToolCall,
+    ToolCallParser,
+    ToolError,
+    ToolReturn,
+)
 from libra.envs import status_of_output as _status_of_output
 from libra.envs._tool_calls import from_openai
 from libra.sched import (
@@ -123,12 +132,11 @@ async def run_trajectory(job: TrajectoryJob, engine: Engine) -> TrajectoryRecord
 async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
     prompt: str | list[openai.Message] = await _maybe_await(env.reset(t.job.seed))
     t.start(env, prompt)
-    tools = env.tool_schemas()
     max_turns = engine.config.max_turns or env.max_turns
     while True:
         if t.turns >= max_turns:
             raise _End("truncated", "max_turns")
-        generation = await _generate(t, engine, tools)
+        generation = await _generate(t, engine)
         t.add_model_turn(generation)
         if generation.finish_reason == "length":
             full = len(t.tokens) >= engine.config.max_context_tokens
@@ -151,7 +159,7 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
 # ------------------------------------------------------------------------- generation
 
 
-async def _generate(t: _Trajectory, engine: Engine, tools: list[dict[str, Any]]) -> Generation:
+async def _generate(t: _Trajectory, engine: Engine) -> Generation:
     """One model turn: route, call, and on a server failure retry (elsewhere if possible)."""
     config = engine.config
     failed: set[str] = set()
@@ -160,7 +168,7 @@ async def _generate(t: _Trajectory, engine: Engine, tools: list[dict[str, Any]])
         route = _route(t, engine.scheduler, failed)
         generation: Generation | None = None
         try:
-            generation = await _call(t, engine, route, tools)
+            generation = await _call(t, engine, route)
             return generation
         except ServerUnavailable:
             failed.add(route.endpoint.name)
@@ -190,19 +198,19 @@ def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
         return scheduler.route(request)
 
 
-async def _call(
-    t: _Trajectory, engine: Engine, route: Route, tools: list[dict[str, Any]]
-) -> Generation:
+async def _call(t: _Trajectory, engine: Engine, route: Route) -> Generation:
     endpoint, client = route.endpoint, engine.client
+    if t.turns == 0 and t.tools and not await client.renders_tools(endpoint):
+        t.describe_tools_in_system_message()
     started = anyio.current_time()
     sampling = engine.config.sampling
     if await _speaks_tokens(t, endpoint, client):
-        await _render_pending(t, engine.renderer, endpoint, tools)
+        await _render_pending(t, engine.renderer, endpoint)
         turn = _turn_sampling(t, engine.config, route)
         generation = await client.complete(endpoint, t.tokens.ids, sampling, turn)
     else:
         turn = _turn_sampling(t, engine.config, route)
-        generation = await client.chat(endpoint, t.messages, tools, sampling, turn)
+        generation = await client.chat(endpoint, t.messages, t.tools, sampling, turn)
         t.tokens.absorb_prompt(generation.prompt_token_ids)
     t.timings.generation_s += anyio.current_time() - started
     t.last_endpoint = endpoint
@@ -215,12 +223,10 @@ async def _speaks_tokens(t: _Trajectory, endpoint: Endpoint, client: OpenAIClien
     return endpoint.api == "tokens" or await client.supports_tokens(endpoint)
 
 
-async def _render_pending(
-    t: _Trajectory, renderer: TemplateRenderer, endpoint: Endpoint, tools: list[dict[str, Any]]
-) -> None:
+async def _render_pending(t: _Trajectory, renderer: TemplateRenderer, endpoint: Endpoint) -> None:
     """Append the messages that arrived since the last model turn as token ids."""
     if not t.tokens.ids:
-        t.tokens.add_context(await renderer.prompt(endpoint, t.messages, tools))
+        t.tokens.add_context(await renderer.prompt(endpoint, t.messages, t.tools))
     elif t.pending:
         end_of_turn = t.tokens.ids[-1]
         t.tokens.add_context(await renderer.continuation(endpoint, t.pending, end_of_turn))
@@ -355,6 +361,8 @@ class _Trajectory:
     def __init__(self, job: TrajectoryJob) -> None:
         self.job = job
         self.messages: list[openai.Message] = []
+        self.tools: list[dict[str, Any]] = []  # sent with requests; [] once in the prompt
+        self.parser: ToolCallParser = HermesToolCallParser()
         self.pending: list[openai.Message] = []  # messages not yet in ``tokens``
         self.tokens = TokenLog()
         self.tool_returns: list[ToolReturnRecord] = []
@@ -369,6 +377,8 @@ class _Trajectory:
         self.reward: float | None = None
 
     def start(self, env: Env, prompt: str | list[openai.Message]) -> None:
+        self.tools = env.tool_schemas()
+        self.parser = env.tool_call_parser
         messages = (
             [openai.Message(role="user", content=prompt)] if isinstance(prompt, str) else prompt
         )
@@ -376,6 +386,17 @@ class _Trajectory:
             messages = [openai.Message(role="system", content=env.system_prompt), *messages]
         self.messages = list(messages)
         env.messages = self.messages
+
+    def describe_tools_in_system_message(self) -> None:
+        """For servers whose chat template drops ``tools`` (SmolLM2's does): teach the
+        model the tools and the call format in the system message instead."""
+        guide = self.parser.describe(self.tools)
+        self.tools = []
+        first = self.messages[0] if self.messages else None
+        if first is not None and first.role == "system":
+            self.messages[0] = openai.Message(role="system", content=f"{first.content}\n\n{guide}")
+        else:
+            self.messages.insert(0, openai.Message(role="system", content=guide))
 
     @property
     def answer(self) -> str:

@@ -34,12 +34,29 @@ class ToolCallParser(Protocol):
         """Every tool call written in ``text``, malformed ones included (with ``error``)."""
         ...
 
+    def describe(self, tools: list[dict[str, Any]]) -> str:
+        """Instructions that show a model the tools and how to call them, for servers
+        whose chat template does not render tools itself."""
+        ...
+
 
 class HermesToolCallParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen)."""
 
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
     example = '<tool_call>{"name": "NAME", "arguments": {"ARG": VALUE}}</tool_call>'
+
+    def describe(self, tools: list[dict[str, Any]]) -> str:
+        # The wording of Qwen2.5's and Hermes' chat templates, which models know.
+        listing = "\n".join(json.dumps(tool) for tool in tools)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listing}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = []
