@@ -64,7 +64,7 @@ def _task_prime_sum(rng: random.Random) -> tuple[str, int]:
 
 
 def _task_divisible(rng: random.Random) -> tuple[str, int]:
-    n, a, b = rng.randint(10_000, 10_000_000), rng.randint(3, 40), rng.randint(3, 40)
+    n, (a, b) = rng.randint(10_000, 10_000_000), rng.sample(range(3, 41), 2)
     count = n // a + n // b - n // (a * b // _gcd(a, b))
     return f"How many integers from 1 to {n} are divisible by {a} or by {b}?", count
 
