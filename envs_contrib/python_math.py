@@ -1,10 +1,11 @@
 """``python_math``: number problems that reward computing, with Python in a sandbox.
 
 Each task is generated from its seed (sums of primes, divisibility counts, modular
-powers, Fibonacci numbers, digit sums); the answer is computed here, on the host. The
-model may run Python in a locked-down container (no network, read-only root, non-root
-user, memory/CPU/pids limits); the reward is 1 when the last whole number in its final
-answer is exactly right.
+powers, Fibonacci digit sums) and asks for a program that prints the answer; the answer
+is computed here, on the host. The model's programs (fenced code blocks, or
+``run_python`` tool calls) run in a locked-down container (no network, read-only root,
+non-root user, memory/CPU/pids limits); the reward is 1 when the last whole number in
+its final answer is exactly right.
 """
 
 from __future__ import annotations
@@ -36,10 +37,8 @@ class CodeBlockParser(HermesToolCallParser):
         return [ToolCall(f"code_{i}", "run_python", {"code": b}) for i, b in enumerate(blocks)]
 
     def describe(self, tools: list[dict[str, Any]]) -> str:
-        return (
-            "To run Python, write a program in a ```python code block; you will see what it"
-            " prints.\n\n" + super().describe(tools)
-        )
+        # Short on purpose: a 135M-parameter model follows this, not a JSON tool schema.
+        return "You can run Python: write a program in a ```python code block and you will see what it prints."
 
 
 def _primes_below(n: int) -> list[int]:
@@ -60,13 +59,13 @@ def _fibonacci(n: int) -> int:
 
 def _task_prime_sum(rng: random.Random) -> tuple[str, int]:
     n = rng.randint(1_000, 200_000)
-    return f"What is the sum of all prime numbers below {n}?", sum(_primes_below(n))
+    return f"the sum of all prime numbers below {n}", sum(_primes_below(n))
 
 
 def _task_divisible(rng: random.Random) -> tuple[str, int]:
     n, (a, b) = rng.randint(10_000, 10_000_000), rng.sample(range(3, 41), 2)
     count = n // a + n // b - n // (a * b // _gcd(a, b))
-    return f"How many integers from 1 to {n} are divisible by {a} or by {b}?", count
+    return f"how many integers from 1 to {n} are divisible by {a} or by {b}", count
 
 
 def _task_modpow(rng: random.Random) -> tuple[str, int]:
@@ -75,13 +74,14 @@ def _task_modpow(rng: random.Random) -> tuple[str, int]:
         rng.randint(10**5, 10**9),
         rng.randint(10**3, 10**6),
     )
-    return f"What is {base}^{exponent} mod {modulus}?", pow(base, exponent, modulus)
+    return f"{base} to the power {exponent}, modulo {modulus}", pow(base, exponent, modulus)
 
 
 def _task_fibonacci_digits(rng: random.Random) -> tuple[str, int]:
     n = rng.randint(200, 3_000)
-    return f"What is the sum of the decimal digits of the {n}th Fibonacci number (F(1) = 1)?", sum(
-        map(int, str(_fibonacci(n)))
+    digits = str(_fibonacci(n))
+    return f"the sum of the decimal digits of Fibonacci number F({n}), with F(1) = 1", sum(
+        map(int, digits)
     )
 
 
@@ -102,10 +102,6 @@ _TASKS: list[Callable[[random.Random], tuple[str, int]]] = [
 class PythonMath(Env):
     """Number problems; the model may run Python in a sandbox."""
 
-    system_prompt = (
-        "Solve the problem by writing a Python 3 program that prints the answer, in a"
-        " ```python code block; you will see its output. Then end with 'The answer is N.'"
-    )
     max_turns = 6
     tool_timeout_s = 20.0
     sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
@@ -113,8 +109,11 @@ class PythonMath(Env):
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
-        question, self.expected = rng.choice(_TASKS)(rng)
-        return question
+        what, self.expected = rng.choice(_TASKS)(rng)
+        return (
+            f"Write a Python program that prints {what}. When you have seen its output,"
+            " answer with 'The answer is N.'"
+        )
 
     @tool
     async def run_python(self, code: str) -> str:
