@@ -38,7 +38,10 @@ class CodeBlockParser(HermesToolCallParser):
 
     def describe(self, tools: list[dict[str, Any]]) -> str:
         # Short on purpose: a 135M-parameter model follows this, not a JSON tool schema.
-        return "You can run Python: write a program in a ```python code block and you will see what it prints."
+        return (
+            "You can run Python: write a program in a ```python code block and you will see"
+            " what it prints."
+        )
 
 
 def _primes_below(n: int) -> list[int]:

@@ -62,7 +62,7 @@ async def test_python_math_runs_code_in_the_container(sandboxes: DockerSandboxPr
     record = await run(
         PythonMath, 3, [call("run_python", code), f"The answer is {env.expected}."], sandboxes
     )
-    tool_output = record.messages[3].content or ""
+    [tool_output] = [m.content or "" for m in record.messages if m.role == "tool"]
     assert tool_output.startswith("65534\n")  # not root
     assert "OSError" in tool_output  # no network
     assert (record.status, record.reward) == ("completed", 1.0)
