@@ -88,9 +88,6 @@ def run(args: argparse.Namespace) -> int:
         "sandbox": args.sandbox,
     }
     config = load_config(RolloutConfig, args.config, flags, args.set)
-    if config.engine.sampling.seed is None:  # --seed makes the whole rollout reproducible
-        sampling = config.engine.sampling.model_copy(update={"seed": config.seed})
-        config.engine = config.engine.model_copy(update={"sampling": sampling})
     stats = anyio.run(run_rollout, config, backend_options={"use_uvloop": True})
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")

