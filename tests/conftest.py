@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from libra.serving import VLLMServer, VLLMServerConfig, prepare_model
+from tests._helpers import unavailable
 
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+# ------------------------------------------------ real vLLM on the embedded model (slow)
+
+REAL_MODEL_NAME = "smollm2"
+
+
+def require_vllm() -> None:
+    # find_spec, not importorskip: importing vllm here would cost seconds and memory, and
+    # the server runs in its own process anyway.
+    for module in ("vllm", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            unavailable(f"{module} is not installed (make setup-serving)")
+
+
+def real_config(**overrides: Any) -> VLLMServerConfig:
+    settings: dict[str, Any] = {"startup_timeout_s": 400.0, "max_model_len": 2048}
+    return VLLMServerConfig(**(settings | overrides))
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    require_vllm()
+    return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def real_server(
+    embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    """One real vLLM server for the whole session: starting one costs ~40 s here."""
+    log_file = tmp_path_factory.mktemp("vllm-logs") / "server.log"
+    config = real_config(dev_mode=True, scheduling_policy="priority", log_file=log_file)
+    with VLLMServer(embedded_model, served_model_name=REAL_MODEL_NAME, config=config) as server:
+        yield server

