@@ -55,6 +55,7 @@ demo: setup-serving setup-sandbox
 bench: setup-serving setup-sandbox
 	$(BIN)/libra bench engine
 	$(BIN)/libra bench sandbox
+	$(BIN)/libra bench sched
 
 clean:
 	rm -rf $(VENV) $(RUNS) .mypy_cache .ruff_cache .pytest_cache

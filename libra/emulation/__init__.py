@@ -10,7 +10,7 @@ never imports it: a fleet, emulated or real, is handed to the engine as endpoint
 HTTP transport.
 """
 
-from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._app import EmulatorApp, EmulatorConfig, PrefixCache, create_app
 from libra.emulation._latency import BatchingEngine, LatencyModel
 from libra.emulation._scripts import (
     AgentScript,
@@ -48,6 +48,7 @@ __all__ = [
     "EmulatorApp",
     "EmulatorConfig",
     "LatencyModel",
+    "PrefixCache",
     "Reply",
     "Script",
     "ScriptedReplies",

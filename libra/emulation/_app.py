@@ -23,6 +23,7 @@ import re
 import secrets
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal, TypeVar
 
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from libra.emulation._latency import BatchingEngine, LatencyModel
 from libra.emulation._scripts import AgentScript, Conversation, Reply, Script, builtin_script
-from libra.emulation._tokenizer import EOS_ID, VOCAB_SIZE, ByteTokenizer
+from libra.emulation._tokenizer import EOS_ID, VOCAB_SIZE, ByteTokenizer, pack_ids
 from libra.openai import (
     ChatChoice,
     ChatCompletion,
@@ -97,6 +98,17 @@ class EmulatorConfig(BaseModel):
         le=1,
         description="Fraction of generation requests answered with HTTP 500 (injected).",
     )
+    prefix_caching: bool = Field(
+        default=False,
+        description="Reuse the KV of prompt prefixes seen before (vLLM's automatic prefix "
+        "caching): only the uncached part of a prompt is prefilled.",
+    )
+    prefix_block_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Granularity of the prefix cache in tokens (vLLM's blocks are 16; "
+        "coarser blocks keep the emulator cheap and round hits down by less than one block).",
+    )
     check_model_name: bool = Field(
         default=True, description="Answer 404 to requests for another model, like vLLM."
     )
@@ -130,6 +142,10 @@ class EmulatorApp:
         self.engine = None if config.latency.is_zero else BatchingEngine(config.latency)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_caching:
+            capacity = config.latency.kv_capacity_tokens
+            self.prefix_cache = PrefixCache(capacity, config.prefix_block_tokens)
         self._failures = random.Random(f"failures:{config.seed}")
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
@@ -209,7 +225,7 @@ class EmulatorApp:
         return {"object": "list", "data": [card]}
 
     async def _metrics(self, body: bytes, receive: Receive) -> _Response:
-        engine = self.engine
+        engine, cache = self.engine, self.prefix_cache
         gauges = {
             "vllm:num_requests_running": engine.num_running if engine else 0,
             "vllm:num_requests_waiting": engine.num_waiting if engine else 0,
@@ -218,6 +234,8 @@ class EmulatorApp:
         counters = {
             "vllm:prompt_tokens_total": self.prompt_tokens_total,
             "vllm:generation_tokens_total": self.generation_tokens_total,
+            "vllm:prefix_cache_queries_total": cache.queries if cache else 0,
+            "vllm:prefix_cache_hits_total": cache.hits if cache else 0,
         }
         name = self.config.model_name.replace("\\", "\\\\").replace('"', '\\"')
         label = f'{{model_name="{name}"}}'
@@ -271,7 +289,7 @@ class EmulatorApp:
         )
         reply = self._run_script(conversation)
         generated, finish_reason = self._reply_tokens(reply.text, request.stop, max_new_tokens)
-        await self._generate(len(prompt), len(generated), request.priority, receive)
+        await self._generate(prompt, generated, request.priority, receive)
 
         text = self.tokenizer.decode(generated, skip_special=True)
         message = Message(role="assistant", content=text)
@@ -311,18 +329,20 @@ class EmulatorApp:
             prompt = self.tokenizer.encode(request.prompt)
         else:
             prompt = request.prompt
-            self._check_token_ids(prompt)
+        packed = pack_ids(prompt)  # once: the checks, the seed, the cache and the decoding
+        self._check_token_ids(prompt, packed)
         if not prompt:
             raise _HTTPError(400, "The prompt cannot be empty.")
         if request.logprobs is not None and not 0 <= request.logprobs <= _MAX_LOGPROBS:
             raise _HTTPError(400, f"logprobs must be between 0 and {_MAX_LOGPROBS}.")
         max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
         self._maybe_fail()
-        key = self._seed_key(prompt, request.seed)
-        conversation = Conversation.from_prompt(prompt, random.Random(key), self.tokenizer)
+        key = self._seed_key(prompt, request.seed, packed)
+        rng = random.Random(key)
+        conversation = Conversation.from_prompt(prompt, rng, self.tokenizer, packed)
         reply = self._run_script(conversation)
         generated, finish_reason = self._reply_tokens(reply.text, request.stop, max_new_tokens)
-        await self._generate(len(prompt), len(generated), request.priority, receive)
+        await self._generate(prompt, generated, request.priority, receive, packed)
 
         skip_special = request.skip_special_tokens is not False
         logprobs = None
@@ -350,23 +370,37 @@ class EmulatorApp:
         return 200, self._encoder.encode(response), _JSON
 
     async def _generate(
-        self, prompt_tokens: int, new_tokens: int, priority: int | None, receive: Receive
+        self,
+        prompt: list[int],
+        generated: list[int],
+        priority: int | None,
+        receive: Receive,
+        packed: bytes | None = None,
     ) -> None:
-        """Spend the emulated GPU time of a request; abort it if the client goes away."""
-        self.prompt_tokens_total += prompt_tokens
-        self.generation_tokens_total += new_tokens
-        engine = self.engine
+        """Spend the emulated GPU time of a request; abort it if the client goes away.
+
+        With prefix caching, the cached part of the prompt costs no prefill, and the
+        prompt and reply are cached for the next request that starts with them.
+        """
+        self.prompt_tokens_total += len(prompt)
+        self.generation_tokens_total += len(generated)
+        engine, cache = self.engine, self.prefix_cache
         if engine is None:
             return
+        cached, chain, digests = (0, None, []) if cache is None else cache.lookup(prompt, packed)
         finished = False
         async with anyio.create_task_group() as group:
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             # A stop string at the very start still cost the model one decode step.
-            await engine.generate(prompt_tokens, max(1, new_tokens), priority=priority or 0)
+            await engine.generate(
+                len(prompt), max(1, len(generated)), priority=priority or 0, cached_tokens=cached
+            )
             finished = True
             group.cancel_scope.cancel()
         if not finished:
             raise _ClientDisconnected
+        if cache is not None and chain is not None:
+            cache.store(digests + chain.extend(generated))
 
     # --------------------------------------------------------------------- helpers
 
@@ -379,11 +413,10 @@ class EmulatorApp:
         if stream:
             raise _HTTPError(400, "Streaming is not supported by the emulated server.")
 
-    @staticmethod
-    def _check_token_ids(ids: list[int]) -> None:
-        for token_id in ids:
-            if not 0 <= token_id < VOCAB_SIZE:
-                raise _HTTPError(400, f"Token id {token_id} is out of vocabulary.")
+    def _check_token_ids(self, ids: list[int], packed: bytes | None = None) -> None:
+        if not self.tokenizer.in_vocabulary(ids, packed):
+            bad = next(token_id for token_id in ids if not 0 <= token_id < VOCAB_SIZE)
+            raise _HTTPError(400, f"Token id {bad} is out of vocabulary.")
 
     def _max_new_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """The most tokens a request may generate; 400 when it cannot fit the context."""
@@ -413,10 +446,12 @@ class EmulatorApp:
         if rate and self._failures.random() < rate:
             raise _HTTPError(500, f"Injected failure (error_rate={rate}).", "InternalServerError")
 
-    def _seed_key(self, prompt: list[int], request_seed: int | None) -> int:
+    def _seed_key(
+        self, prompt: list[int], request_seed: int | None, packed: bytes | None = None
+    ) -> int:
         """The reply's random seed: server seed, request seed and the prompt's ids."""
         digest = hashlib.blake2b(f"{self.config.seed}:{request_seed}:".encode(), digest_size=8)
-        digest.update(array("H", prompt).tobytes())  # ids are < 2**16 (checked before)
+        digest.update(packed if packed is not None else array("H", prompt).tobytes())
         return int.from_bytes(digest.digest(), "little")
 
     def _run_script(self, conversation: Conversation) -> Reply:
@@ -453,6 +488,83 @@ class EmulatorApp:
 
     def _new_id(self, kind: str) -> str:
         return f"{kind}-{self._id_prefix}{next(self._ids):016x}"
+
+
+class PrefixCache:
+    """vLLM-style automatic prefix caching, by blocks of ``block_tokens`` tokens.
+
+    Block ``k`` of a sequence is known by a hash of the sequence's first ``k`` blocks, so
+    a prompt hits the cache for as many leading blocks as some earlier prompt or reply
+    shared with it (GRPO samples share their prompt; a trajectory's next turn starts
+    with its previous turn). Blocks are evicted least recently used beyond
+    ``capacity_tokens`` (the KV cache: vLLM keeps cached blocks in free KV memory; that
+    they compete with running requests is not modelled).
+    """
+
+    def __init__(self, capacity_tokens: int, block_tokens: int = 256) -> None:
+        self.capacity_blocks = max(1, capacity_tokens // block_tokens)
+        self.block_tokens = block_tokens
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of which found in the cache
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, ids: list[int]) -> int:
+        """Leading tokens of ``ids`` already cached (whole blocks; always leaves one out)."""
+        return self.lookup(ids)[0]
+
+    def insert(self, ids: list[int]) -> None:
+        """Cache the whole blocks of ``ids``."""
+        self.store(_BlockChain(self.block_tokens).extend(ids))
+
+    def lookup(
+        self, ids: list[int], packed: bytes | None = None
+    ) -> tuple[int, _BlockChain, list[bytes]]:
+        """Cached leading tokens of ``ids``, and the block chain over ``ids`` (to extend
+        with the reply and :meth:`store`, without hashing the prompt twice); ``packed``
+        is ``pack_ids(ids)`` if the caller has it."""
+        chain = _BlockChain(self.block_tokens)
+        digests = chain.extend(ids, packed)
+        usable = (len(ids) - 1) // self.block_tokens  # vLLM computes at least one token
+        hit = 0
+        for digest in digests[:usable]:
+            if digest not in self._blocks:
+                break
+            self._blocks.move_to_end(digest)
+            hit += self.block_tokens
+        self.queries += len(ids)
+        self.hits += hit
+        return hit, chain, digests
+
+    def store(self, digests: list[bytes]) -> None:
+        blocks = self._blocks
+        for digest in digests:
+            blocks[digest] = None
+            blocks.move_to_end(digest)
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+
+class _BlockChain:
+    """Chained hashes of whole blocks: block ``k``'s digest covers blocks ``0..k``.
+    Tokens short of a whole block wait for the next :meth:`extend`."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_bytes = 2 * block_tokens
+        self.chain = hashlib.blake2b(digest_size=16)
+        self.pending = b""
+
+    def extend(self, ids: list[int], packed: bytes | None = None) -> list[bytes]:
+        if packed is None:
+            packed = array("H", ids).tobytes()  # ids are < 2**16 (checked before)
+        data = self.pending + packed if self.pending else packed
+        view, step, chain = memoryview(data), self.block_bytes, self.chain
+        digests = []
+        end = len(data) - len(data) % step
+        for start in range(0, end, step):
+            chain.update(view[start : start + step])
+            digests.append(chain.copy().digest())
+        self.pending = data[end:]
+        return digests
 
 
 def create_app(config: EmulatorConfig | None = None, script: Script | None = None) -> EmulatorApp:

@@ -53,21 +53,36 @@ class Conversation:
     token prompt (empty for a prompt that is not ChatML); ``tools`` are the request's
     tools or those listed in the prompt's ``<tools>`` block; ``turn`` is the number of
     assistant turns so far; ``rng`` is seeded from the server seed and the prompt ids.
+    A token prompt is parsed only if a script asks for its messages or tools.
     """
 
     def __init__(
         self,
         prompt_token_ids: list[int],
-        messages: list[Message],
-        tools: list[dict[str, Any]],
+        messages: list[Message] | None,
+        tools: list[dict[str, Any]] | None,
         rng: random.Random,
         tokenizer: ByteTokenizer,
     ) -> None:
         self.prompt_token_ids = prompt_token_ids
-        self.messages = messages
-        self.tools = tools
         self.rng = rng
         self._tokenizer = tokenizer
+        if messages is not None:  # else parsed from the prompt on first use
+            self.__dict__["messages"] = messages
+        if tools is not None:
+            self.__dict__["tools"] = tools
+
+    @cached_property
+    def messages(self) -> list[Message]:
+        return self._parsed[0]
+
+    @cached_property
+    def tools(self) -> list[dict[str, Any]]:
+        return self._parsed[1]
+
+    @cached_property
+    def _parsed(self) -> tuple[list[Message], list[dict[str, Any]]]:
+        return parse_chatml(self.prompt_text)
 
     @cached_property
     def prompt_text(self) -> str:
@@ -92,11 +107,12 @@ class Conversation:
         prompt_token_ids: list[int],
         rng: random.Random,
         tokenizer: ByteTokenizer,
+        packed: bytes | None = None,
     ) -> Conversation:
-        """A conversation recovered from a (ChatML) token prompt."""
-        text = tokenizer.decode(prompt_token_ids)
-        messages, tools = parse_chatml(text)
-        conversation = cls(prompt_token_ids, messages, tools, rng, tokenizer)
+        """A conversation recovered from a (ChatML) token prompt (``packed``: the ids
+        already packed, see :meth:`ByteTokenizer.decode`)."""
+        text = tokenizer.decode(prompt_token_ids, packed=packed)
+        conversation = cls(prompt_token_ids, None, None, rng, tokenizer)
         conversation.__dict__["prompt_text"] = text  # already decoded: seed the cache
         return conversation
 

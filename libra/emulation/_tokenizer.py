@@ -13,9 +13,10 @@ append only the tokens of new messages to a trajectory.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -72,10 +73,13 @@ class ByteTokenizer:
         ids.extend(text[position:].encode("utf-8"))
         return ids
 
-    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+    def decode(
+        self, ids: Iterable[int], *, skip_special: bool = False, packed: bytes | None = None
+    ) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD, as in byte-level BPE decoders.
 
-        Raises ``ValueError`` for an id outside the vocabulary.
+        ``packed`` is ``pack_ids(ids)`` when the caller has it already (long prompts are
+        packed once per request). Raises ``ValueError`` for an id outside the vocabulary.
         """
         ids = ids if isinstance(ids, list) else list(ids)
         try:
@@ -83,18 +87,26 @@ class ByteTokenizer:
             return bytes(ids).decode("utf-8", errors="replace")
         except ValueError:
             pass
-        if min(ids) < 0 or max(ids) >= VOCAB_SIZE:
+        planes = _byte_planes(ids if packed is None else packed)
+        if planes is None:
             bad = next(i for i in ids if not 0 <= i < VOCAB_SIZE)
             raise ValueError(f"token id {bad} is out of vocabulary (0..{VOCAB_SIZE - 1})")
+        low, high = planes
         pieces: list[str] = []
         start = 0
-        for position in _special_positions(ids):
-            pieces.append(bytes(ids[start:position]).decode("utf-8", errors="replace"))
+        position = high.find(1)  # the special tokens (256..258) are the ids with a high byte
+        while position >= 0:
+            pieces.append(low[start:position].decode("utf-8", errors="replace"))
             if not skip_special:
                 pieces.append(_SPECIAL_TEXT[ids[position]])
             start = position + 1
-        pieces.append(bytes(ids[start:]).decode("utf-8", errors="replace"))
+            position = high.find(1, start)
+        pieces.append(low[start:].decode("utf-8", errors="replace"))
         return "".join(pieces)
+
+    def in_vocabulary(self, ids: list[int], packed: bytes | None = None) -> bool:
+        """Whether every id is a token (checked at C speed: prompts are long)."""
+        return _byte_planes(ids if packed is None else packed) is not None
 
     def token_text(self, token_id: int) -> str:
         """How one token reads in logprobs: its character, special text, or ``\\xNN``."""
@@ -115,17 +127,30 @@ class ByteTokenizer:
         return self.encode(render_chat_text(messages, tools, add_generation_prompt))
 
 
-def _special_positions(ids: list[int]) -> list[int]:
-    """Indices of the special tokens in ``ids``, found with C-speed ``list.index``."""
-    positions: list[int] = []
-    for special_id in _SPECIAL_TEXT:
-        start = 0
-        with contextlib.suppress(ValueError):  # raised once no occurrence is left
-            while True:
-                start = ids.index(special_id, start) + 1
-                positions.append(start - 1)
-    positions.sort()
-    return positions
+def pack_ids(ids: list[int]) -> bytes | None:
+    """The ids as 16-bit integers in native byte order; None if one does not fit."""
+    try:
+        return array("H", ids).tobytes()
+    except OverflowError:  # negative, or 2**16 and above
+        return None
+
+
+def _byte_planes(ids: list[int] | bytes) -> tuple[bytes, bytes] | None:
+    """The low and the high byte of every id (given as a list, or packed), split at C
+    speed; None if any id is outside the vocabulary."""
+    data = ids if isinstance(ids, bytes) else pack_ids(ids)
+    if data is None:
+        return None
+    first, second = data[0::2], data[1::2]
+    low, high = (first, second) if sys.byteorder == "little" else (second, first)
+    if high.translate(None, b"\x00\x01"):  # a high byte above 1: an id of 512 or more
+        return None
+    position = high.find(1)
+    while position >= 0:
+        if low[position] >= VOCAB_SIZE - 256:  # 259..511
+            return None
+        position = high.find(1, position + 1)
+    return low, high
 
 
 def render_chat_text(

@@ -52,22 +52,33 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """What a scheduler knows about the next generation call of a trajectory."""
+    """What a scheduler knows about the next generation call of a trajectory.
+
+    ``context_tokens`` is the conversation so far (the call's prompt); ``generated_tokens``
+    is how many of them the model itself sampled in earlier turns (its attained service);
+    ``previous`` is the endpoint of the trajectory's last turn, where its prefix is cached.
+    """
 
     trajectory_id: str
     prompt_id: str
     turn: int
     context_tokens: int
     previous: Endpoint | None = None
+    generated_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where the next generation call goes; ``priority`` is vLLM's (lower runs first)."""
+    """Where the next generation call goes; ``priority`` is vLLM's (lower runs first).
+
+    ``trajectory_id`` names the trajectory the call serves, so that :meth:`Scheduler.release`
+    can account the call's tokens to it.
+    """
 
     endpoint: Endpoint
     priority: int | None = None
     bucket: str = ""
+    trajectory_id: str = ""
 
 
 class NoEndpointAvailable(RuntimeError):

@@ -1,0 +1,158 @@
+"""The two ends of an emulated workload: an env whose tools play the script, and a
+model (an emulator :class:`~libra.emulation.Script`) that plays the same script.
+
+The prompt carries a tag, ``[libra-workload NAME step=S task=T sample=K]``, so the
+emulated server, which sees only the conversation, knows which trajectory it is writing
+and which turn it is on: it replies with exactly the scripted number of tokens and the
+scripted tool call. The env's tools answer each call with the scripted output (its
+status and size) after the scripted latency; a scripted timeout sleeps past the tool
+timeout, so the engine times it out as it would a real tool. Nothing here is mocked:
+the engine, the HTTP client, the scheduler and the batching server all run unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import ClassVar
+
+import anyio
+
+from libra.emulation import Conversation, Reply
+from libra.envs import Env, tool
+from libra.workloads import ScriptBook, ScriptTurn, TrajectoryScript, Workload
+
+_TAG = re.compile(r"\[libra-workload (\S+) step=(\d+) task=(\d+) sample=(\d+)\]")
+_FILLER = "the model reasons about the task and the last tool result step by step. " * 64
+_TRACEBACK = "Traceback (most recent call last):\n"
+
+
+def _filler(length: int) -> str:
+    """Exactly ``length`` characters (= tokens for the emulator's byte tokenizer)."""
+    if length <= 0:
+        return ""
+    repeats = length // len(_FILLER) + 1
+    return (_FILLER * repeats)[:length]
+
+
+def prompt_text(script: TrajectoryScript) -> str:
+    tag = (
+        f"[libra-workload {script.workload} step={script.step} "
+        f"task={script.task_seed} sample={script.sample}]\n"
+    )
+    return tag + _filler(script.prompt_tokens - len(tag))
+
+
+def tool_call_text(name: str, turn: int) -> str:
+    body = json.dumps({"name": name, "arguments": {"turn": turn}})
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def tool_output(turn: ScriptTurn) -> str:
+    """The tool's answer: a traceback for a failure (the engine reads it as one)."""
+    if turn.status == "failure":
+        return _TRACEBACK + _filler(turn.output_chars - len(_TRACEBACK))
+    return _filler(turn.output_chars)
+
+
+_ASSISTANT = "<|im_start|>assistant\n"
+
+
+def _turns_so_far(prompt: str) -> int:
+    """Assistant turns in a ChatML prompt (the open generation prompt does not count);
+    the same as ``Conversation.turn`` without parsing every message of a long chat."""
+    return prompt.count(_ASSISTANT) - prompt.endswith(_ASSISTANT)
+
+
+class WorkloadScript:
+    """The emulated model of a workload: replies as the trajectory's script says."""
+
+    def __init__(self, book: ScriptBook) -> None:
+        self.book = book
+
+    def __call__(self, conversation: Conversation, /) -> Reply:
+        script = self.script_of(conversation)
+        index = _turns_so_far(conversation.prompt_text)
+        if index >= len(script.turns):  # the engine gave it another turn: just answer
+            return Reply("The answer is 0.")
+        turn = script.turns[index]
+        if turn.tool is None:
+            return Reply(_filler(turn.output_tokens - 1))  # the server appends the EOS
+        call = tool_call_text(turn.tool, index)
+        return Reply(_filler(turn.output_tokens - 1 - len(call)) + call)
+
+    def script_of(self, conversation: Conversation) -> TrajectoryScript:
+        # The tag opens the first user message: found without parsing the whole chat.
+        match = _TAG.search(conversation.prompt_text)
+        if match is None or match.group(1) != self.book.workload.name:
+            raise ValueError("the prompt carries no tag of this workload")
+        step, task, sample = (int(group) for group in match.groups()[1:])
+        return self.book.script(step, task, sample)
+
+
+class WorkloadEnv(Env):
+    """Plays one trajectory of a workload (subclasses fix the workload, step, sample)."""
+
+    book: ClassVar[ScriptBook]
+    step: ClassVar[int]
+    sample: ClassVar[int]
+
+    def reset(self, seed: int) -> str:
+        self.script = self.book.script(self.step, seed, self.sample)
+        return prompt_text(self.script)
+
+    async def play(self, name: str, turn: int) -> str:
+        """The scripted answer to the tool call of model turn ``turn``."""
+        if not 0 <= turn < len(self.script.turns) or self.script.turns[turn].tool != name:
+            return f"Error: {name} was not expected on turn {turn}"
+        scripted = self.script.turns[turn]
+        if scripted.status == "timeout":
+            await anyio.sleep(self.tool_timeout_s * 2)  # the engine cuts it at the timeout
+        await anyio.sleep(scripted.latency_s)
+        return tool_output(scripted)
+
+    def reward(self, answer: str) -> float:
+        return 1.0 if self.script.solved else 0.0
+
+
+ToolMethod = Callable[[WorkloadEnv, int], Awaitable[str]]
+
+
+def _tool_method(name: str, description: str) -> ToolMethod:
+    async def call(self: WorkloadEnv, turn: int) -> str:
+        return await self.play(name, turn)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"{description}\n\nArgs:\n    turn: the model turn making the call"
+    call.__annotations__ = {"turn": int, "return": str}
+    return tool(call)
+
+
+class EnvClasses:
+    """One env class per (step, sample) of a workload, made once."""
+
+    def __init__(self, book: ScriptBook) -> None:
+        self.book = book
+        self._classes: dict[tuple[int, int], type[WorkloadEnv]] = {}
+        workload = book.workload
+        descriptions = {tool.name: tool.description for tool in workload.explore}
+        descriptions.setdefault(workload.check.name, workload.check.description)
+        self._tools = {name: _tool_method(name, text) for name, text in descriptions.items()}
+
+    def __call__(self, step: int, sample: int) -> type[WorkloadEnv]:
+        key = (step, sample)
+        if key not in self._classes:
+            workload: Workload = self.book.workload
+            attributes = {
+                "name": workload.name,
+                "book": self.book,
+                "step": step,
+                "sample": sample,
+                "max_turns": workload.limits.max_turns,
+                "tool_timeout_s": workload.limits.tool_timeout_s,
+                **self._tools,
+            }
+            class_name = f"{workload.name.replace('-', '_')}_step{step}_sample{sample}"
+            self._classes[key] = type(class_name, (WorkloadEnv,), attributes)
+        return self._classes[key]

@@ -1,0 +1,290 @@
+"""C-MLFQ: route each generation call by what the trajectory's tool returns predict.
+
+Every trajectory starts at the top level (the shortest bucket). After each tool return
+the causal prefix forest gives the residual distribution of its remaining output, and
+one of three rules picks the instance of its next call:
+
+``simple`` (the reference's rule)
+    Target the smallest bucket whose token ceiling covers the residual mean; move only
+    when the mean and the upper quantile (p90) name the same bucket, else stay. Inside
+    the bucket, least-loaded with stickiness; fallback when the bucket is full or down.
+``cost`` (the reference's cost form)
+    For every ready instance, the expected decode seconds of the residual on that
+    instance's TP, plus the cost of moving (re-prefilling the context elsewhere);
+    instances with a full queue are skipped; ties prefer staying, then the least loaded.
+``finish`` (Libra's, beyond the reference)
+    The cost form ignores load, so every predicted straggler piles onto the fastest
+    instances and they stop being fast. ``finish`` estimates, for every ready instance,
+    when it would be done with everything that lives there plus this trajectory: the
+    larger of draining their expected work at the batch's throughput, and the longest
+    upper-quantile residual among them at the batch's per-token latency (a straggler is
+    slowed by everyone it shares a batch with). It picks the instance that finishes
+    first, plus the cost of moving. Likely stragglers thus get the fastest, least
+    crowded instances and short trajectories fill the rest: bucket sizing follows from
+    the load instead of being fixed.
+
+Any rule can add vLLM's per-request priority inside an instance. ``shortest_first``
+(the default) admits the calls of trajectories expected to finish soon before those of
+likely stragglers when a server's queue forms, so that short trajectories are not stuck
+behind long ones and their KV space frees early; ``longest_first`` does the opposite.
+(On the shipped workloads shortest-first measured as good or better for the makespan:
+the ``finish`` rule already keeps stragglers off the crowded instances where queues
+form.) New trajectories are placed by the same rule from the tree's root estimate;
+``start_in_shortest`` restores the reference's "every trajectory starts in the shortest
+bucket", which leaves the larger buckets idle during the first turn. Every decision is
+logged with its reason (see :class:`~libra.sched.Decision`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from libra.sched._buckets import Bucket, Instance, Router
+from libra.sched._policy import Choice, RoutedPolicy, Track
+from libra.sched._predict import Predictor, TreePredictor
+from libra.sched._prefix_tree import PrefixForest, Residual, TreeConfig
+from libra.sched._protocol import NoEndpointAvailable, RouteRequest
+from libra.sched._signals import SignalMap
+
+Rule = Literal["simple", "cost", "finish"]
+PriorityOrder = Literal["none", "longest_first", "shortest_first"]
+
+
+class CMLFQConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rule: Rule = "finish"
+    priority: PriorityOrder = Field(
+        "shortest_first",
+        description="vLLM priority inside an instance (the servers need "
+        "--scheduling-policy priority; 'none' sends no priority)",
+    )
+    priority_tokens: PositiveInt = Field(256, description="expected tokens per priority level")
+    start_in_shortest: bool = Field(
+        False,
+        description="first calls go to the shortest bucket (the reference's rule); else "
+        "the rule places them too, from the tree's root estimate",
+    )
+    tie_tolerance: float = Field(0.02, ge=0, description="relative cost difference that ties")
+    tree: TreeConfig = TreeConfig()
+    signals: SignalMap = SignalMap()
+
+
+class CMLFQ(RoutedPolicy):
+    name: ClassVar[str] = "cmlfq"
+
+    def __init__(
+        self,
+        router: Router,
+        config: CMLFQConfig | None = None,
+        *,
+        predictor: Predictor | None = None,
+    ) -> None:
+        self.config = config or CMLFQConfig()
+        super().__init__(router, signals=self.config.signals)
+        self.predictor: Predictor = predictor or TreePredictor(PrefixForest(self.config.tree))
+
+    @property
+    def forest(self) -> PrefixForest | None:
+        """The prefix forest (to save with the run), when the predictor is one."""
+        return self.predictor.forest if isinstance(self.predictor, TreePredictor) else None
+
+    # ------------------------------------------------------------------- deciding
+
+    def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
+        estimate = self._estimate(track)
+        if self.config.rule == "simple":
+            instance, reason = self._simple(request, track, estimate, exclude)
+        else:
+            instance, reason = self._by_cost(request, track, estimate, exclude)
+        return Choice(instance, self._priority(estimate), reason)
+
+    def learn(self, track: Track, output_tokens: int) -> None:
+        self.predictor.learn(track, output_tokens)
+
+    def _estimate(self, track: Track) -> Residual:
+        """The residual, with a floor for trajectories the history cannot place: new ones
+        fit the top level; ones longer than anything seen are taken to be stragglers."""
+        estimate = self.predictor.residual(track)
+        track.estimated_at = track.generated
+        if estimate.samples == 0:
+            buckets = self.router.buckets
+            guess = buckets[0].max_tokens if track.generated == 0 else buckets[-1].max_tokens
+            estimate = Residual(float(guess), float(guess), 0, estimate.depth, "none")
+        track.estimate = estimate
+        return estimate
+
+    def _priority(self, estimate: Residual) -> int | None:
+        order = self.config.priority
+        if order == "none":
+            return None
+        if order == "longest_first":
+            return -int(estimate.upper // self.config.priority_tokens)
+        return int(estimate.mean // self.config.priority_tokens)
+
+    # ------------------------------------------------------------- the simple rule
+
+    def _simple(
+        self, request: RouteRequest, track: Track, estimate: Residual, exclude: frozenset[str]
+    ) -> tuple[Instance, str]:
+        router = self.router
+        current = router.bucket_of[track.bucket] if track.bucket is not None else None
+        if current is None:
+            target = router.shortest if self.config.start_in_shortest else None
+            reason = "start"
+            if target is None:
+                target = router.bucket_for_tokens(estimate.mean)
+        elif track.decided_path == len(track.path):
+            target, reason = current, "no_new_signal"
+        else:
+            target, reason = self._bucket_rule(current, estimate)
+        track.decided_path = len(track.path)
+        instance, how = router.pick(target, request, exclude)
+        return instance, reason if how == "ok" else f"{reason}+{how}"
+
+    def _bucket_rule(self, current: Bucket, estimate: Residual) -> tuple[Bucket, str]:
+        if estimate.samples == 0:
+            return current, "no_history"
+        by_mean = self.router.bucket_for_tokens(estimate.mean)
+        by_upper = self.router.bucket_for_tokens(estimate.upper)
+        if by_mean is not by_upper:
+            return current, "mean_p90_disagree"
+        if by_mean.index > current.index:
+            return by_mean, "to_longer"
+        if by_mean.index < current.index:
+            return by_mean, "to_shorter"
+        return current, "stay"
+
+    # ------------------------------------------------------------ the cost forms
+
+    def _by_cost(
+        self, request: RouteRequest, track: Track, estimate: Residual, exclude: frozenset[str]
+    ) -> tuple[Instance, str]:
+        router = self.router
+        previous = self.previous_instance(request, track)
+        candidates, reason = self._candidates(track, exclude)
+        if self.config.rule == "cost":
+            costs = [self._decode_cost(i, track, estimate, previous) for i in candidates]
+        else:
+            loads = self._loads(track)
+            costs = [
+                self._finish_cost(i, loads.get(i.name, _Load()), track, estimate, previous)
+                for i in candidates
+            ]
+        best = min(costs)
+        tolerance = self.config.tie_tolerance * max(best, 1e-9)
+        tied = [i for i, c in zip(candidates, costs, strict=True) if c <= best + tolerance]
+        if previous is not None and previous in tied:
+            chosen = previous
+        else:
+            chosen = router.least_loaded(tied)
+        track.decided_path = len(track.path)
+        if reason == "start":
+            return chosen, reason
+        if previous is None or chosen is previous:
+            return chosen, reason or "stay"
+        moved = router.bucket_of[chosen.bucket].index - router.bucket_of[previous.bucket].index
+        direction = "to_longer" if moved > 0 else "to_shorter" if moved < 0 else "rebalance"
+        return chosen, f"{direction}+{reason}" if reason else direction
+
+    def _candidates(self, track: Track, exclude: frozenset[str]) -> tuple[list[Instance], str]:
+        """Ready instances to compare: not down, not full (unless all are); on the first
+        call only those of the shortest bucket, when configured."""
+        router = self.router
+        available = router.available(exclude)
+        if not available:
+            raise NoEndpointAvailable(f"all {len(router.instances)} instances are down or excluded")
+        with_room = [i for i in available if not router.is_full(i)]
+        if track.instance is None and self.config.start_in_shortest:
+            top = [i for i in with_room if i.bucket == router.shortest.name]
+            if top:
+                return top, "start"
+        if with_room:
+            return with_room, ""
+        return available, "all_full"
+
+    def _move_cost(self, instance: Instance, track: Track, previous: Instance | None) -> float:
+        """Re-prefilling the context on another instance (its prefix is cached only where
+        its last call ran)."""
+        if previous is None or instance is previous:
+            return 0.0
+        return instance.cost.prefill_time(track.context)
+
+    def _decode_cost(
+        self, instance: Instance, track: Track, estimate: Residual, previous: Instance | None
+    ) -> float:
+        """The reference's cost: decode seconds of the residual on this TP, alone."""
+        tokens = estimate.mean
+        per_token = instance.cost.step_time(1, track.context + tokens / 2)
+        return tokens * per_token + self._move_cost(instance, track, previous)
+
+    def _loads(self, track: Track) -> dict[str, _Load]:
+        """What lives on each instance, this trajectory aside (one pass over them all):
+        estimates are aged by what each trajectory generated since it was made."""
+        loads: dict[str, _Load] = {}
+        for other in self.tracks.values():
+            if other.instance is None or other is track:
+                continue
+            load = loads.get(other.instance.name)
+            if load is None:
+                load = loads[other.instance.name] = _Load()
+            since = other.generated - other.estimated_at
+            estimate = other.estimate
+            if estimate is not None:
+                load.work += max(0.0, estimate.mean - since)
+                load.longest = max(load.longest, estimate.upper - since)
+            load.context += other.context + since
+            load.count += 1
+        return loads
+
+    def _finish_cost(
+        self,
+        instance: Instance,
+        load: _Load,
+        track: Track,
+        estimate: Residual,
+        previous: Instance | None,
+    ) -> float:
+        """When ``instance`` would be done with its residents plus this trajectory."""
+        work = load.work + estimate.mean
+        longest = max(load.longest, estimate.upper)
+        context = load.context + track.context
+        size = load.count + 1
+        fits = _batch_that_fits(instance, size, context)
+        step = instance.cost.step_time(fits, context * fits / size)
+        drain = work * step / fits
+        chain = longest * step * size / fits
+        return max(drain, chain) + self._move_cost(instance, track, previous)
+
+
+@dataclass(slots=True)
+class _Load:
+    """The trajectories living on an instance: how many, their expected remaining output,
+    the longest upper residual among them, and their context tokens."""
+
+    count: int = 0
+    work: float = 0.0
+    longest: float = 0.0
+    context: float = 0.0
+
+
+def _batch_that_fits(instance: Instance, size: int, context: float) -> int:
+    """How many of ``size`` sequences holding ``context`` tokens run at once."""
+    per_sequence = max(1.0, context / size)
+    fits = int(instance.spec.kv_capacity_tokens // per_sequence)
+    return max(1, min(size, instance.spec.max_num_seqs, fits))
+
+
+def reference_simple() -> CMLFQConfig:
+    """The reference implementation's rule: start in the shortest bucket, then bucket by
+    mean and p90; no priority."""
+    return CMLFQConfig(rule="simple", priority="none", start_in_shortest=True)
+
+
+def reference_cost() -> CMLFQConfig:
+    """The reference implementation's cost form: start in the shortest bucket; no
+    priority."""
+    return CMLFQConfig(rule="cost", priority="none", start_in_shortest=True)

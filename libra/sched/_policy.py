@@ -1,0 +1,162 @@
+"""What every routing policy shares: trajectory tracking and the decision log.
+
+A :class:`RoutedPolicy` implements the engine's :class:`~libra.sched.Scheduler` protocol
+on top of a :class:`~libra.sched.Router`. It follows each live trajectory (its path of
+tool-return states, the output tokens it has generated, where it runs) and asks the
+subclass one question per generation call, :meth:`RoutedPolicy.choose`: which instance,
+at which vLLM priority, and why. Every answer is logged as a :class:`Decision` (from
+where to where, and the reason), which the metrics and the benchmark read.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
+
+from libra.sched._buckets import Instance, Router
+from libra.sched._prefix_tree import Residual
+from libra.sched._protocol import Route, RouteRequest, ToolSignal
+from libra.sched._signals import SignalMap
+
+DECISION_LOG_SIZE = 100_000
+
+
+@dataclass
+class Track:
+    """What a policy knows of one live trajectory."""
+
+    trajectory_id: str
+    prompt_id: str
+    path: list[str] = field(default_factory=list)  # tool-return states so far
+    marks: list[int] = field(default_factory=list)  # tokens generated when each was reached
+    generated: int = 0  # output tokens so far
+    context: int = 0  # prompt tokens of its latest call
+    turn: int = 0
+    instance: Instance | None = None  # where its latest call ran
+    estimate: Residual | None = None  # what the policy expects is left
+    estimated_at: int = 0  # ``generated`` when the estimate was made
+    decided_path: int = -1  # path length at the last bucket decision
+
+    @property
+    def bucket(self) -> str | None:
+        return self.instance.bucket if self.instance is not None else None
+
+
+class Choice(NamedTuple):
+    instance: Instance
+    priority: int | None
+    reason: str
+
+
+class Decision(NamedTuple):
+    """One routing decision, for the metrics: where a call went and why."""
+
+    trajectory_id: str
+    turn: int
+    time: float
+    from_bucket: str | None
+    to_bucket: str
+    from_instance: str | None
+    to_instance: str
+    reason: str
+    expected: float | None = None  # remaining output the policy expected (mean), if any
+    expected_upper: float | None = None  # and its upper quantile
+
+    @property
+    def moved(self) -> bool:
+        return self.from_instance is not None and self.from_instance != self.to_instance
+
+    @property
+    def changed_bucket(self) -> bool:
+        return self.from_bucket is not None and self.from_bucket != self.to_bucket
+
+
+class RoutedPolicy(ABC):
+    """Base of the policies: implements the scheduler protocol, asks :meth:`choose`."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, router: Router, *, signals: SignalMap | None = None) -> None:
+        self.router = router
+        self.signals = signals or SignalMap()
+        self.tracks: dict[str, Track] = {}
+        self.decisions: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
+        self.reasons: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ what policies write
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
+        """Where the trajectory's next call goes (``track`` is up to date)."""
+
+    def learn(self, track: Track, output_tokens: int) -> None:  # noqa: B027 (optional)
+        """A trajectory finished with ``output_tokens`` in all; learn from it."""
+
+    # --------------------------------------------------------- the scheduler protocol
+
+    def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
+        track = self._track(request)
+        choice = self.choose(request, track, exclude)
+        route = self.router.acquire(choice.instance, request, choice.priority)
+        self._log(track, choice)
+        track.instance = choice.instance
+        return route
+
+    def release(self, route: Route, *, ok: bool, new_tokens: int) -> None:
+        self.router.release(route, ok=ok)
+        track = self.tracks.get(route.trajectory_id)
+        if track is not None and ok:
+            track.generated += new_tokens
+
+    def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
+        track = self.tracks.get(trajectory_id)
+        if track is None:
+            return
+        state = self.signals.state(track.prompt_id, signal)
+        if state is not None:
+            track.path.append(state)
+            track.marks.append(track.generated)
+
+    def on_finish(self, trajectory_id: str, prompt_id: str, *, output_tokens: int) -> None:
+        track = self.tracks.pop(trajectory_id, None)
+        self.router.forget(trajectory_id)
+        if track is not None:
+            self.learn(track, output_tokens)
+
+    # --------------------------------------------------------------------- helpers
+
+    def _track(self, request: RouteRequest) -> Track:
+        track = self.tracks.get(request.trajectory_id)
+        if track is None:
+            track = self.tracks[request.trajectory_id] = Track(
+                request.trajectory_id, request.prompt_id
+            )
+        track.turn = request.turn
+        track.context = request.context_tokens
+        # The engine's count is authoritative (a release may have been missed on a crash).
+        track.generated = max(track.generated, request.generated_tokens)
+        return track
+
+    def _log(self, track: Track, choice: Choice) -> None:
+        previous, estimate = track.instance, track.estimate
+        self.decisions.append(
+            Decision(
+                trajectory_id=track.trajectory_id,
+                turn=track.turn,
+                time=self.router.clock(),
+                from_bucket=previous.bucket if previous is not None else None,
+                to_bucket=choice.instance.bucket,
+                from_instance=previous.name if previous is not None else None,
+                to_instance=choice.instance.name,
+                reason=choice.reason,
+                expected=estimate.mean if estimate is not None else None,
+                expected_upper=estimate.upper if estimate is not None else None,
+            )
+        )
+        self.reasons[choice.reason] += 1
+
+    def previous_instance(self, request: RouteRequest, track: Track) -> Instance | None:
+        """Where the trajectory's prefix is cached: its last instance, if still known."""
+        return self.router.instance_of(request.previous) or track.instance

@@ -1,0 +1,67 @@
+"""From tool returns to causal states: the keys of C-MLFQ's prefix tree.
+
+By default a tool return's state is ``tool:size:status`` (e.g. ``run_tests:large:failure``),
+the reference's reduction. Envs differ in which parts carry information: a file viewer's
+output size says little about what is left, a test runner's status says a lot. A
+:class:`SignalMap` holds rules per env (the part of the prompt id before the first
+``/``, which is the env name in the engine's task ids); the first rule that matches a
+return decides: ``ignore`` it (the path does not grow), or ``keep`` it under a state
+name built from a template such as ``"{tool}:{status}"``. An env can also emit its own
+signal (``Env.signal``); the rules apply to whatever it emits.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from libra.sched._protocol import SizeClass, ToolSignal, ToolStatus
+
+DEFAULT_STATE = "{tool}:{size}:{status}"
+
+
+class SignalRule(BaseModel):
+    """Matches tool returns by tool name (a glob), size class and status (``*``: any)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tool: str = "*"
+    size_class: SizeClass | Literal["*"] = "*"
+    status: ToolStatus | Literal["*"] = "*"
+    action: Literal["keep", "ignore"] = "keep"
+    state: str = Field(
+        DEFAULT_STATE, description="the state's name; {tool}, {size} and {status} are filled in"
+    )
+
+    def matches(self, signal: ToolSignal) -> bool:
+        return (
+            fnmatchcase(signal.tool, self.tool)
+            and self.size_class in ("*", signal.size_class)
+            and self.status in ("*", signal.status)
+        )
+
+    def apply(self, signal: ToolSignal) -> str | None:
+        if self.action == "ignore":
+            return None
+        return self.state.format(tool=signal.tool, size=signal.size_class, status=signal.status)
+
+
+class SignalMap(BaseModel):
+    """Per-env rules (by env name), then ``default`` rules, then ``tool:size:status``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    envs: dict[str, list[SignalRule]] = Field(default_factory=dict)
+    default: list[SignalRule] = Field(default_factory=list)
+
+    def state(self, prompt_id: str, signal: ToolSignal) -> str | None:
+        """The state ``signal`` is reduced to in the trajectory of ``prompt_id``, or None
+        when the return is ignored."""
+        env = prompt_id.split("/", 1)[0]
+        rules: list[SignalRule] = [*self.envs.get(env, []), *self.default]
+        for rule in rules:
+            if rule.matches(signal):
+                return rule.apply(signal)
+        return DEFAULT_STATE.format(tool=signal.tool, size=signal.size_class, status=signal.status)

@@ -1,0 +1,49 @@
+"""Emulated agentic workloads: a TOML format, shipped workloads and their scripts.
+
+``load_workload("swe-agent")`` loads a shipped workload (``available_workloads()``
+lists them); ``load_workload("path/to/my.toml")`` loads one of yours. The format is
+documented in ``README.md`` beside this file. A :class:`ScriptBook` draws every
+trajectory's script (turns, tokens, tool outcomes) deterministically from the workload,
+the RL step, the task seed and the sample index.
+"""
+
+from libra.workloads._format import (
+    CheckTool,
+    ExploreTool,
+    Limits,
+    LogNormal,
+    Output,
+    Rollout,
+    SolveRate,
+    Turns,
+    Workload,
+)
+from libra.workloads._load import (
+    WorkloadError,
+    available_workloads,
+    load_workload,
+    package_file,
+    read_toml,
+)
+from libra.workloads._scripts import ScriptBook, ScriptTurn, TrajectoryScript, draw_script
+
+__all__ = [
+    "CheckTool",
+    "ExploreTool",
+    "Limits",
+    "LogNormal",
+    "Output",
+    "Rollout",
+    "ScriptBook",
+    "ScriptTurn",
+    "SolveRate",
+    "TrajectoryScript",
+    "Turns",
+    "Workload",
+    "WorkloadError",
+    "available_workloads",
+    "draw_script",
+    "load_workload",
+    "package_file",
+    "read_toml",
+]

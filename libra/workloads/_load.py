@@ -1,0 +1,70 @@
+"""Finding and reading workload (and fleet) TOML files: shipped ones by name, or paths."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from libra.workloads._format import Workload
+
+
+class WorkloadError(ValueError):
+    """A workload or fleet file is missing or invalid (the message says where and why)."""
+
+
+def available_workloads() -> list[str]:
+    """Names of the shipped workloads."""
+    return sorted(
+        entry.name.removesuffix(".toml")
+        for entry in resources.files(__package__).iterdir()
+        if entry.name.endswith(".toml")
+    )
+
+
+def package_file(name_or_path: str, folder: str = "") -> Path:
+    """A shipped file by name (``swe-agent``), or the path given, if it is a file."""
+    given = Path(name_or_path)
+    if given.suffix == ".toml" or given.exists():
+        if not given.is_file():
+            raise WorkloadError(f"no such file: {name_or_path}")
+        return given
+    shipped = resources.files(__package__)
+    if folder:
+        shipped = shipped / folder
+    candidate = shipped / f"{name_or_path}.toml"
+    if not candidate.is_file():
+        choices = sorted(
+            entry.name.removesuffix(".toml")
+            for entry in shipped.iterdir()
+            if entry.name.endswith(".toml")
+        )
+        raise WorkloadError(f"unknown name {name_or_path!r}; shipped: {', '.join(choices)}")
+    return Path(str(candidate))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except tomllib.TOMLDecodeError as exc:
+        raise WorkloadError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def load_workload(name_or_path: str) -> Workload:
+    """A shipped workload by name, or a workload file by path; validated."""
+    path = package_file(name_or_path)
+    try:
+        return Workload.model_validate(read_toml(path))
+    except pydantic.ValidationError as exc:
+        raise WorkloadError(f"{path}: invalid workload:\n{_brief(exc)}") from exc
+
+
+def _brief(exc: pydantic.ValidationError) -> str:
+    return "\n".join(
+        f"  {'.'.join(map(str, error['loc'])) or '(top level)'}: {error['msg']}"
+        for error in exc.errors()
+    )
