@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ _USER_ERRORS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _collect_garbage_less_often()
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -40,6 +42,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("libra: interrupted", file=sys.stderr)
         return 130
     return code
+
+
+def _collect_garbage_less_often() -> None:
+    # A rollout keeps many small objects alive (the messages and token lists of thousands
+    # of trajectories), and with CPython's default gen-0 threshold (700 allocations) the
+    # cyclic collector rescans them so often that it took ~45% of the engine's CPU at
+    # 10,000 concurrent trajectories (`libra bench engine`: 741 -> 410 us per call).
+    gc.freeze()  # what is alive after start-up lives for the whole command
+    gc.set_threshold(100_000, 50, 100)
 
 
 def _parser() -> argparse.ArgumentParser:
