@@ -113,6 +113,7 @@ class PythonMath(Env):
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
         what, self.expected = rng.choice(_TASKS)(rng)
+        self.ran_code = False
         return (
             f"Write a Python program that prints {what}. When you have seen its output,"
             " answer with 'The answer is N.'"
@@ -125,6 +126,7 @@ class PythonMath(Env):
         Args:
             code: the program; print the values you want to see
         """
+        self.ran_code = True
         result = await self.sandbox.exec(["python3", "-"], stdin=code.encode(), timeout_s=10)
         output = (result.stdout + result.stderr)[-_OUTPUT_CHARS:]
         if result.timed_out:
@@ -132,6 +134,11 @@ class PythonMath(Env):
         if result.exit_code != 0:
             return f"{output}\n(exit code {result.exit_code})"
         return output or "(the program printed nothing)"
+
+    def on_reply(self, text: str) -> str | None:
+        if self.ran_code:
+            return None  # the model has seen its program's output: this is its answer
+        return "Please write the program in a ```python code block, so that it can be run."
 
     def reward(self, answer: str) -> float:
         numbers = _INTEGER.findall(answer.replace(",", ""))
