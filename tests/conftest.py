@@ -5,12 +5,17 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from libra.envs import SandboxError
+from libra.sandbox import build_image, connect_docker
 from libra.serving import VLLMServer, VLLMServerConfig, prepare_model
 from tests._helpers import unavailable
+
+if TYPE_CHECKING:
+    import docker
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -51,3 +56,18 @@ def real_server(
     config = real_config(dev_mode=True, scheduling_policy="priority", log_file=log_file)
     with VLLMServer(embedded_model, served_model_name=REAL_MODEL_NAME, config=config) as server:
         yield server
+
+
+# ----------------------------------------------------- a real Docker engine and image
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[docker.DockerClient]:
+    """The Docker engine (started by `make test` as root) with the sandbox image built."""
+    try:
+        client = connect_docker()
+    except SandboxError as error:
+        unavailable(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
+    build_image("libra/python", client=client)  # idempotent: instant when already built
+    yield client
+    client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -19,12 +20,13 @@ from libra.engine import (
     jobs_for,
     rollout,
 )
-from libra.envs import SandboxError
-from libra.sandbox import DockerSandboxProvider, build_image, connect_docker
+from libra.sandbox import DockerSandboxProvider
 from libra.sched import Endpoint, LeastLoadedScheduler
 from libra.serving import VLLMServer
-from tests._helpers import unavailable
 from tests.conftest import REAL_MODEL_NAME
+
+if TYPE_CHECKING:
+    import docker
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 JSON = {"content-type": "application/json"}
@@ -36,13 +38,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-async def sandboxes() -> AsyncIterator[DockerSandboxProvider]:
-    try:
-        client = connect_docker()
-    except SandboxError as error:
-        unavailable(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
-    build_image("libra/python", client=client)
-    async with DockerSandboxProvider(pool_size=4, client=client) as provider:
+async def sandboxes(docker_client: docker.DockerClient) -> AsyncIterator[DockerSandboxProvider]:
+    async with DockerSandboxProvider(pool_size=4, client=docker_client) as provider:
         yield provider
 
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from envs_contrib.code_tests import CodeTests
 from envs_contrib.python_math import PythonMath
 from libra.engine import TrajectoryJob, TrajectoryRecord, run_trajectory
-from libra.envs import Env, SandboxError
-from libra.sandbox import DockerSandboxProvider, build_image, connect_docker
-from tests._helpers import emulated_engine, unavailable
+from libra.envs import Env
+from libra.sandbox import DockerSandboxProvider
+from tests._helpers import emulated_engine
 
 docker = pytest.importorskip("docker", reason="the Docker SDK is not installed")
 SEED_RUN_LENGTH = 0  # a task seed whose problem is run_length
@@ -20,17 +20,6 @@ SEED_RUN_LENGTH = 0  # a task seed whose problem is run_length
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def docker_client() -> Iterator[docker.DockerClient]:
-    try:
-        client = connect_docker()
-    except SandboxError as error:
-        unavailable(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
-    build_image("libra/python", client=client)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

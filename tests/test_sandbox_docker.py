@@ -11,15 +11,14 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import anyio
 import pytest
 
 from libra.envs import SandboxError, SandboxSpec
-from libra.sandbox import DockerSandboxProvider, build_image, connect_docker, reap_stale_containers
-from tests._helpers import unavailable
+from libra.sandbox import DockerSandboxProvider, reap_stale_containers
 
 if TYPE_CHECKING:
     import docker
@@ -40,17 +39,6 @@ PS = [
 def anyio_backend() -> str:
     # Docker's SDK runs in worker threads either way; one backend keeps one module-wide loop.
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def docker_client() -> Iterator[docker.DockerClient]:
-    try:
-        client = connect_docker()
-    except SandboxError as error:
-        unavailable(f"no Docker engine reachable (run scripts/ensure-docker.sh as root): {error}")
-    build_image("libra/python", client=client)  # idempotent: seconds when already built
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

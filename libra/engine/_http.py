@@ -47,8 +47,26 @@ class HTTPTransport(Protocol):
     ) -> None: ...
 
 
-class _Closing(ABC):
-    """``async with`` support for the transports below."""
+class _Transport(ABC):
+    """What the transports below share: ``post``/``get`` over one ``_request``."""
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        return await self._request("POST", url, body, headers, timeout_s)
+
+    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        return await self._request("GET", url, None, {}, timeout_s)
+
+    @abstractmethod
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> tuple[int, bytes]: ...
 
     @abstractmethod
     async def aclose(self) -> None: ...
@@ -62,7 +80,7 @@ class _Closing(ABC):
         await self.aclose()
 
 
-class AiohttpTransport(_Closing):
+class AiohttpTransport(_Transport):
     """``max_connections`` bounds the sockets to all servers together; callers beyond it
     wait for a free connection instead of overrunning the servers' accept backlogs."""
 
@@ -75,14 +93,6 @@ class AiohttpTransport(_Closing):
             connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
-
-    async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
-    ) -> tuple[int, bytes]:
-        return await self._request("POST", url, body, headers, timeout_s)
-
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        return await self._request("GET", url, None, {}, timeout_s)
 
     async def _request(
         self,
@@ -106,17 +116,9 @@ class AiohttpTransport(_Closing):
             await self._session.close()
 
 
-class HttpxTransport(_Closing):
+class HttpxTransport(_Transport):
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
-
-    async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
-    ) -> tuple[int, bytes]:
-        return await self._request("POST", url, body, headers, timeout_s)
-
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        return await self._request("GET", url, None, {}, timeout_s)
 
     async def _request(
         self,
