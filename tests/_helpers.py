@@ -19,6 +19,7 @@ from libra.emulation import (
     render_chat_text,
 )
 from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_transport
+from libra.envs import Sandbox
 from libra.sched import Endpoint, LeastLoadedScheduler
 
 MODEL = "libra-emulated"
@@ -75,3 +76,16 @@ def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"required in CI: {reason}")
     pytest.skip(reason)
+
+
+async def assert_hidden_file_is_unreadable(box: Sandbox) -> None:
+    """A 0600 file the env writes (as root) is neither readable nor removable by the
+    sandboxed user, yet the env still reads it: how hidden unit tests stay hidden."""
+    await box.write_file("tests/test_hidden.py", b"assert solve() == 42\n", mode=0o600)
+    script = "cat tests/test_hidden.py; rm -f tests/test_hidden.py; mv tests/test_hidden.py x"
+    attempt = await box.exec(["sh", "-c", script], timeout_s=10)
+    assert "assert" not in attempt.stdout
+    refusals = attempt.stderr.count("Permission denied")
+    refusals += attempt.stderr.count("Operation not permitted")
+    assert refusals == 3
+    assert await box.read_file("tests/test_hidden.py") == b"assert solve() == 42\n"

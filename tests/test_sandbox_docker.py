@@ -19,6 +19,7 @@ import pytest
 
 from libra.envs import SandboxError, SandboxSpec
 from libra.sandbox import DockerSandboxProvider, reap_stale_containers
+from tests._helpers import assert_hidden_file_is_unreadable
 
 if TYPE_CHECKING:
     import docker
@@ -134,23 +135,7 @@ async def test_hidden_file_is_not_readable_by_the_sandbox_user(
     provider: DockerSandboxProvider,
 ) -> None:
     async with provider.sandbox(SPEC) as box:
-        await box.write_file("tests/test_hidden.py", b"assert solve() == 42\n", mode=0o600)
-        attempt = await box.exec(
-            [
-                "sh",
-                "-c",
-                "cat tests/test_hidden.py; rm -f tests/test_hidden.py; mv tests/test_hidden.py x",
-            ],
-            timeout_s=10,
-        )
-        assert "assert" not in attempt.stdout
-        assert (
-            attempt.stderr.count("Permission denied")
-            + attempt.stderr.count("Operation not permitted")
-            == 3
-        )
-        # The env itself still reads it, and can run it as root later if it wants to.
-        assert await box.read_file("tests/test_hidden.py") == b"assert solve() == 42\n"
+        await assert_hidden_file_is_unreadable(box)
 
 
 async def test_timeout_kills_a_command_that_ignores_sigterm(
