@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,14 +27,15 @@ class CodeBlockParser(HermesToolCallParser):
     """Hermes ``<tool_call>`` blocks, and fenced Python code as a ``run_python`` call.
 
     Small models write a Markdown code block far more reliably than a JSON tool call;
-    running it is what they mean.
+    running it is what they mean. SmolLM2-135M also often drops the opening fence yet
+    closes the block: a reply that is a Python program followed by a lone fence runs too.
     """
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = super().parse(text)
         if calls:
             return calls
-        blocks = _CODE_BLOCK.findall(text)
+        blocks = _CODE_BLOCK.findall(text) or _unopened_block(text)
         return [ToolCall(f"code_{i}", "run_python", {"code": b}) for i, b in enumerate(blocks)]
 
     def describe(self, tools: list[dict[str, Any]]) -> str:
@@ -42,6 +44,20 @@ class CodeBlockParser(HermesToolCallParser):
             "You can run Python: write a program in a ```python code block and you will see"
             " what it prints."
         )
+
+
+def _unopened_block(text: str) -> list[str]:
+    """The program before a reply's only fence, its closing one, if it compiles."""
+    head, fence, tail = text.rstrip().rpartition("```")
+    if not fence or tail or "```" in head:
+        return []
+    try:
+        with warnings.catch_warnings():  # the model's odd escapes are not our warnings
+            warnings.simplefilter("ignore")
+            compile(head, "<reply>", "exec")  # parses only: nothing runs on the host
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []  # prose before a fence: more likely an opening fence than a program
+    return [head]
 
 
 def _primes_below(n: int) -> list[int]:
@@ -109,6 +125,9 @@ class PythonMath(Env):
     tool_timeout_s = 20.0
     sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
     tool_call_parser = CodeBlockParser()
+    # End the turn at the code block's closing fence: the program runs at once, and a
+    # small model does not go on to invent its output (or ramble into the token limit).
+    stop_strings = ("\n```\n",)
 
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)

@@ -57,6 +57,7 @@ class ChatCompletionRequest(_Wire):
     return_token_ids: bool | None = None
     priority: int | None = None
     stop: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
     stream: bool | None = None
 
 
@@ -71,6 +72,7 @@ class CompletionRequest(_Wire):
     return_token_ids: bool | None = None
     priority: int | None = None
     stop: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
     stream: bool | None = None
     skip_special_tokens: bool | None = None
 
@@ -111,6 +113,7 @@ class ChatChoice(_Wire):
     index: int
     message: Message
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token that ended it
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
@@ -134,6 +137,7 @@ class CompletionChoice(_Wire):
     index: int
     text: str
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None

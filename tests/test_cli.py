@@ -35,6 +35,9 @@ def test_rollout_writes_one_exact_record_per_trajectory(
             assert returned.status in ("success", "failure", "timeout")
     summary = capsys.readouterr().out
     assert "64 trajectories" in summary and f"wrote 64 records to {out}" in summary
+    calls = sum(len(r.tool_returns) for r in records)
+    with_calls = sum(bool(r.tool_returns) for r in records)
+    assert f"{calls} tool calls (" in summary and f"in {with_calls} of 64 trajectories" in summary
 
 
 @pytest.mark.parametrize(

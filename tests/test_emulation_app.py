@@ -218,12 +218,15 @@ async def test_max_tokens_equal_to_reply_plus_eos_stops_normally() -> None:
     assert completion.choices[0].token_ids == [*b"abc", EOS_ID]
 
 
-async def test_stop_strings_cut_the_reply() -> None:
-    async with emulator(ScriptedReplies(["one two three"])) as client:
+async def test_stop_strings_cut_the_reply_like_vllm() -> None:
+    # vLLM keeps the stop string's tokens, not its text (unless asked), and names it.
+    async with emulator(ScriptedReplies(["one two three"] * 2)) as client:
         completion = await chat(client, stop=[" three", " two"], return_token_ids=True)
+        included = await chat(client, stop=[" two"], include_stop_str_in_output=True)
     (choice,) = completion.choices
     assert (choice.message.content, choice.finish_reason) == ("one", "stop")
-    assert choice.token_ids == list(b"one")
+    assert (choice.token_ids, choice.stop_reason) == (list(b"one two"), " two")
+    assert included.choices[0].message.content == "one two"
 
 
 async def test_scripted_replies_follow_the_turn_number() -> None:

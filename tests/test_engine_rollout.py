@@ -68,18 +68,34 @@ async def test_injected_server_errors_are_retried() -> None:
     assert Counter(r.status for r in records)["failed"] == 0
 
 
+class FinishLog(LeastLoadedScheduler):
+    """Least-loaded routing that notes which trajectories it was told ended, and how."""
+
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        super().__init__(endpoints)
+        self.failed: dict[str, bool] = {}
+
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
+        self.failed[trajectory_id] = failed
+
+
 async def test_cancelling_a_rollout_records_every_trajectory() -> None:
     slow = LatencyModel(prefill_s_per_token=0.0, step_base_s=0.002)
     async with emulated_engine(latency=slow, config=EngineConfig(concurrency=8)) as (
         engine,
         records,
     ):
+        engine.scheduler = scheduler = FinishLog(engine.scheduler.endpoints)  # type: ignore[attr-defined]
         with anyio.move_on_after(0.5):
             await rollout(jobs_for(Guess, "guess", 200), engine)
     check_one_record_each(records, len(records))
     statuses = Counter(r.stop_reason for r in records)
     assert statuses["cancelled"] >= 1  # the ones in flight when cancelled
     assert len(records) < 200  # the ones never started are not recorded: they never entered
+    # The scheduler forgets every trajectory, and learns no length from a cancelled one.
+    assert scheduler.failed == {r.id: r.status == "failed" for r in records}
 
 
 def free_port() -> int:

@@ -218,3 +218,23 @@ async def test_on_reply_continues_the_conversation(api: str) -> None:
     assert record.tokens == "exact"  # plain text round-trips through the chat template
     assert record.reward == 1.0
     assert_tokens_consistent(record, Tutor.tool_schemas())
+
+
+@pytest.mark.parametrize("api", ["tokens", "chat"])
+async def test_a_stop_string_ends_the_turn_and_its_call_runs(api: str) -> None:
+    class Stopping(Toy):
+        stop_strings = ("</tool_call>",)
+
+    written = "Let me add. " + call("add", '{"a": 5, "b": 2}')
+    replies = [written + " and it prints 9, I bet", "The answer is 7"]
+    async with emulated_engine(replies, api=api) as (engine, _):
+        record = await run_trajectory(TrajectoryJob(Stopping, "toy", 5), engine)
+    # The turn ends at the stop string, tokens and all; the call runs.
+    assert record.messages[3].content == "7" and record.reward == 1.0
+    assert sampled_spans(record)[0] == tokenizer.encode(written)
+    assert_tokens_consistent(record, Stopping.tool_schemas())
+    if api == "tokens":  # (the chat API's server split the call out of the text)
+        assert record.messages[2].content == written and record.tokens == "exact"
+        # No end-of-turn token was sampled: the template's one follows, not learnt from.
+        end = record.weight_versions[0].end
+        assert (record.token_ids[end], record.loss_mask[end]) == (258, 0)

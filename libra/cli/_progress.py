@@ -54,5 +54,7 @@ def summary(stats: RolloutStats) -> str:
         f"{stats.done} trajectories in {stats.elapsed_s:.1f} s "
         f"({stats.trajectories_per_s:.1f} trajectories/s): {statuses}\n"
         f"reward mean {'n/a' if reward is None else f'{reward:.3f}'} · {per:.1f} turns/trajectory"
-        f" · {stats.tool_calls} tool calls · {stats.sampled_tokens} sampled tokens"
+        f" · {stats.sampled_tokens} sampled tokens\n"
+        f"{stats.tool_calls} tool calls ({stats.tool_successes} succeeded)"
+        f" in {stats.with_tool_calls} of {stats.done} trajectories"
     )

@@ -25,6 +25,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -126,6 +127,15 @@ class _HTTPError(Exception):
 
 class _ClientDisconnected(Exception):
     """The client went away while its request was generating; nobody to answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """The tokens a request generates, why they end, and the stop string that ended them."""
+
+    tokens: list[int]
+    finish_reason: Literal["stop", "length"]
+    stop_string: str | None = None
 
 
 _Response = tuple[int, bytes, bytes]  # status, body, content type
@@ -288,10 +298,12 @@ class EmulatorApp:
             prompt, request.messages, request.tools or [], rng, self.tokenizer
         )
         reply = self._run_script(conversation)
-        generated, finish_reason = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generation = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generated = generation.tokens
+        finish_reason: str = generation.finish_reason
         await self._generate(prompt, generated, request.priority, receive)
 
-        text = self.tokenizer.decode(generated, skip_special=True)
+        text = self._reply_text(generation, request.include_stop_str_in_output, True)
         message = Message(role="assistant", content=text)
         if request.tools:
             parsed = _parse_hermes_tool_calls(text, rng)
@@ -308,6 +320,7 @@ class EmulatorApp:
             index=0,
             message=message,
             finish_reason=finish_reason,
+            stop_reason=generation.stop_string,
             logprobs=logprobs,
             token_ids=generated if with_ids else None,
         )
@@ -341,7 +354,8 @@ class EmulatorApp:
         rng = random.Random(key)
         conversation = Conversation.from_prompt(prompt, rng, self.tokenizer, packed)
         reply = self._run_script(conversation)
-        generated, finish_reason = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generation = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generated = generation.tokens
         await self._generate(prompt, generated, request.priority, receive, packed)
 
         skip_special = request.skip_special_tokens is not False
@@ -354,8 +368,9 @@ class EmulatorApp:
         with_ids = bool(request.return_token_ids)
         choice = CompletionChoice(
             index=0,
-            text=self.tokenizer.decode(generated, skip_special=skip_special),
-            finish_reason=finish_reason,
+            text=self._reply_text(generation, request.include_stop_str_in_output, skip_special),
+            finish_reason=generation.finish_reason,
+            stop_reason=generation.stop_string,
             logprobs=logprobs,
             token_ids=generated if with_ids else None,
             prompt_token_ids=prompt if with_ids else None,
@@ -461,23 +476,28 @@ class EmulatorApp:
             message = f"Script failed: {type(error).__name__}: {error}"
             raise _HTTPError(500, message, "InternalServerError") from error
 
-    def _reply_tokens(
-        self, text: str, stop: list[str] | None, max_new_tokens: int
-    ) -> tuple[list[int], str]:
+    def _reply_tokens(self, text: str, stop: list[str] | None, max_new_tokens: int) -> _Reply:
         """The tokens the model emits for ``text``, and why it stopped.
 
-        Ends with EOS unless a stop string cut the text (vLLM leaves the stop string out)
-        or ``max_new_tokens`` truncated it (finish reason ``"length"``).
+        Ends with EOS unless a stop string ended the text (its tokens are kept, as vLLM
+        keeps them) or ``max_new_tokens`` truncated it (finish reason ``"length"``).
         """
-        cut = min((i for i in (text.find(s) for s in stop or ()) if i >= 0), default=-1)
-        if cut >= 0:
-            tokens = self.tokenizer.encode(text[:cut])
+        matches = [(i, s) for s in stop or () if (i := text.find(s)) >= 0]
+        if matches:
+            cut, stop_string = min(matches)
+            tokens = self.tokenizer.encode(text[: cut + len(stop_string)])
         else:
-            tokens = self.tokenizer.encode(text)
-            tokens.append(EOS_ID)
+            stop_string, tokens = None, [*self.tokenizer.encode(text), EOS_ID]
         if len(tokens) > max_new_tokens:
-            return tokens[:max_new_tokens], "length"
-        return tokens, "stop"
+            return _Reply(tokens[:max_new_tokens], "length")
+        return _Reply(tokens, "stop", stop_string)
+
+    def _reply_text(self, reply: _Reply, include_stop: bool | None, skip_special: bool) -> str:
+        """What vLLM returns as text: the stop string left out unless asked for."""
+        text = self.tokenizer.decode(reply.tokens, skip_special=skip_special)
+        if reply.stop_string is not None and not include_stop:
+            return text.removesuffix(reply.stop_string)
+        return text
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
         return Usage(

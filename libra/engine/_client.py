@@ -77,6 +77,7 @@ class OpenAIClient:
             logprobs=True,
             return_token_ids=True,
             priority=turn.priority,
+            stop=turn.stop,
         )
         response = await self._post(
             endpoint, "/v1/chat/completions", request, openai.ChatCompletion
@@ -84,7 +85,9 @@ class OpenAIClient:
         choice = _first(response.choices)
         logprobs = choice.logprobs.content if choice.logprobs else None
         return Generation(
-            text=choice.message.content or "",
+            text=_with_stop_string(choice.message.content or "", choice.stop_reason)
+            if not choice.message.tool_calls  # the server split the call, stop string and all
+            else choice.message.content or "",
             finish_reason=choice.finish_reason or "stop",
             completion_tokens=_completion_tokens(response.usage, choice.token_ids),
             token_ids=choice.token_ids,
@@ -110,6 +113,7 @@ class OpenAIClient:
             logprobs=0,
             return_token_ids=True,
             priority=turn.priority,
+            stop=turn.stop,
         )
         response = await self._post(endpoint, "/v1/completions", request, openai.Completion)
         choice = _first(response.choices)
@@ -117,7 +121,7 @@ class OpenAIClient:
             raise RequestRejected(f"{endpoint.name} returned no token ids from /v1/completions")
         logprobs = choice.logprobs.token_logprobs if choice.logprobs else None
         return Generation(
-            text=choice.text,
+            text=_with_stop_string(choice.text, choice.stop_reason),
             finish_reason=choice.finish_reason or "stop",
             completion_tokens=len(choice.token_ids),
             token_ids=choice.token_ids,
@@ -193,6 +197,14 @@ def _status_error(endpoint: Endpoint, path: str, status: int, content: bytes) ->
     message = f"{endpoint.name}{path}: HTTP {status}: {detail}"
     retryable = status >= 500 or status in (408, 429)
     return ServerUnavailable(message) if retryable else RequestRejected(message)
+
+
+def _with_stop_string(text: str, stop_reason: int | str | None) -> str:
+    """The reply as the model wrote it: vLLM leaves a matched stop string out of the
+    text (though not out of the token ids), and says which one it was."""
+    if isinstance(stop_reason, str) and not text.endswith(stop_reason):
+        return text + stop_reason
+    return text
 
 
 def _completion_tokens(usage: openai.Usage | None, token_ids: list[int] | None) -> int:

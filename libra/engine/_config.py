@@ -45,3 +45,4 @@ class TurnSampling:
     max_tokens: int
     seed: int | None
     priority: int | None
+    stop: list[str] | None = None

@@ -39,6 +39,8 @@ class RolloutStats:
     rewarded: int = 0
     turns: int = 0
     tool_calls: int = 0
+    tool_successes: int = 0
+    with_tool_calls: int = 0  # trajectories that made at least one
     sampled_tokens: int = 0
     started_at: float = 0.0
     elapsed_s: float = 0.0
@@ -60,6 +62,8 @@ class RolloutStats:
         self.statuses[record.status] += 1
         self.turns += record.turns
         self.tool_calls += len(record.tool_returns)
+        self.tool_successes += sum(r.status == "success" for r in record.tool_returns)
+        self.with_tool_calls += bool(record.tool_returns)
         self.sampled_tokens += sum(record.loss_mask)
         if record.reward is not None:
             self.reward_sum += record.reward

@@ -9,11 +9,13 @@ and then the trainer would learn from tokens the model never sampled.
 
 The new messages are rendered with the server's own chat template (``/tokenize``) after
 a fixed two-message base conversation, and the base's tokens are cut off right after
-its end-of-turn token, so the template's separator after that token is kept.
+its end-of-turn token, so the template's separator after that token is kept. A turn that
+a stop string ended gets the end-of-turn token the model did not sample.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from libra import openai
@@ -25,6 +27,7 @@ _BASE = [
     openai.Message(role="user", content="."),
     openai.Message(role="assistant", content="."),
 ]
+_OTHER = [_BASE[0], openai.Message(role="assistant", content="!")]
 
 
 class TokenLog:
@@ -79,7 +82,7 @@ class TemplateRenderer:
 
     def __init__(self, client: OpenAIClient) -> None:
         self.client = client
-        self._base: dict[tuple[str, str], list[int]] = {}
+        self._templates: dict[tuple[str, str], _TurnEnd] = {}
 
     async def prompt(
         self, endpoint: Endpoint, messages: list[openai.Message], tools: list[dict[str, Any]]
@@ -87,32 +90,53 @@ class TemplateRenderer:
         return await self.client.tokenize(endpoint, messages, tools, add_generation_prompt=True)
 
     async def continuation(
-        self, endpoint: Endpoint, new_messages: list[openai.Message], end_of_turn: int
+        self, endpoint: Endpoint, new_messages: list[openai.Message], last_sampled: int
     ) -> list[int]:
-        """Tokens that follow a model turn ending in ``end_of_turn``: the new messages
-        and the prompt for the next assistant turn."""
-        base = await self._base_ids(endpoint)
+        """Tokens that follow a model turn whose last token is ``last_sampled``: the new
+        messages and the prompt for the next assistant turn.
+
+        A turn cut by a stop string has no end-of-turn token; it is closed here the way
+        the template closes turns (a context token: the model did not sample it).
+        """
+        template = await self._turn_end(endpoint)
         full = await self.client.tokenize(
             endpoint, [*_BASE, *new_messages], add_generation_prompt=True
         )
-        if full[: len(base)] != base:
+        if full[: len(template.base)] != template.base:
             raise RequestRejected(
                 f"{endpoint.name}: the chat template is not prefix-stable, so tool results"
                 " cannot be appended as tokens; use api = 'chat'"
             )
-        try:
-            cut = len(base) - base[::-1].index(end_of_turn)
-        except ValueError:
-            raise RequestRejected(
-                f"{endpoint.name}: the model's turn ended with token {end_of_turn}, which the"
-                " chat template does not use to close a turn"
-            ) from None
-        return full[cut:]
+        closing = [] if last_sampled == template.end_of_turn else [template.end_of_turn]
+        return closing + full[template.cut :]
 
-    async def _base_ids(self, endpoint: Endpoint) -> list[int]:
+    async def _turn_end(self, endpoint: Endpoint) -> _TurnEnd:
         key = (endpoint.url, endpoint.model)
-        if key not in self._base:
-            self._base[key] = await self.client.tokenize(
-                endpoint, _BASE, add_generation_prompt=False
+        if key not in self._templates:
+            base = await self.client.tokenize(endpoint, _BASE, add_generation_prompt=False)
+            other = await self.client.tokenize(endpoint, _OTHER, add_generation_prompt=False)
+            self._templates[key] = _TurnEnd.of(endpoint, base, other)
+        return self._templates[key]
+
+
+@dataclass(frozen=True, slots=True)
+class _TurnEnd:
+    """How a chat template closes an assistant turn, learnt from two renderings that
+    differ only in the reply: what follows the reply in both is the closing."""
+
+    base: list[int]  # _BASE rendered
+    end_of_turn: int  # the closing's first token (``<|im_end|>``), which models sample
+    cut: int  # where, in ``base``, the tokens after the end-of-turn token start
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, base: list[int], other: list[int]) -> _TurnEnd:
+        common = 0
+        while common < min(len(base), len(other)) and base[-1 - common] == other[-1 - common]:
+            common += 1
+        if common == 0 or common == len(base):
+            raise RequestRejected(
+                f"{endpoint.name}: the chat template closes assistant turns with no token"
+                " of its own, so tool results cannot be appended as tokens; use api = 'chat'"
             )
-        return self._base[key]
+        start = len(base) - common
+        return cls(base, base[start], start + 1)

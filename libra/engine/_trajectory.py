@@ -117,16 +117,13 @@ async def run_trajectory(job: TrajectoryJob, engine: Engine) -> TrajectoryRecord
     except anyio.get_cancelled_exc_class():
         t.fail("cancelled", "the rollout was cancelled")
         with anyio.CancelScope(shield=True):
-            await _close(env)
-            _emit(engine, t, started)
+            await _finish(env, t, engine, started)
         raise
     except Exception as exc:  # a bug in the env: report it, never crash the rollout
         t.fail("env_error", _describe(exc))
     if t.status != "failed":
         await _score(env, t)
-    await _close(env)
-    engine.scheduler.on_finish(job.id, job.task_id, output_tokens=t.output_tokens)
-    return _emit(engine, t, started)
+    return await _finish(env, t, engine, started)
 
 
 async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
@@ -228,8 +225,7 @@ async def _render_pending(t: _Trajectory, renderer: TemplateRenderer, endpoint: 
     if not t.tokens.ids:
         t.tokens.add_context(await renderer.prompt(endpoint, t.messages, t.tools))
     elif t.pending:
-        end_of_turn = t.tokens.ids[-1]
-        t.tokens.add_context(await renderer.continuation(endpoint, t.pending, end_of_turn))
+        t.tokens.add_context(await renderer.continuation(endpoint, t.pending, t.tokens.ids[-1]))
     t.pending = []
 
 
@@ -241,7 +237,8 @@ def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route) -> TurnSa
     seed = config.sampling.seed
     if seed is not None:  # reproducible, yet different for every sample and turn
         seed = zlib.crc32(f"{seed}/{t.job.id}/{t.turns}".encode())
-    return TurnSampling(min(room, config.sampling.max_tokens_per_turn), seed, route.priority)
+    max_tokens = min(room, config.sampling.max_tokens_per_turn)
+    return TurnSampling(max_tokens, seed, route.priority, t.stop_strings)
 
 
 # ---------------------------------------------------------------------------- tools
@@ -333,7 +330,13 @@ async def _close(env: Env) -> None:
         traceback.print_exc()
 
 
-def _emit(engine: Engine, t: _Trajectory, started: float) -> TrajectoryRecord:
+async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> TrajectoryRecord:
+    """Release the env, let the scheduler forget the trajectory, hand out its record."""
+    await _close(env)
+    failed = t.status == "failed"
+    engine.scheduler.on_finish(
+        t.job.id, t.job.task_id, output_tokens=t.output_tokens, failed=failed
+    )
     t.timings.total_s = anyio.current_time() - started
     record = t.record()
     if engine.on_record is not None:
@@ -363,6 +366,7 @@ class _Trajectory:
         self.messages: list[openai.Message] = []
         self.tools: list[dict[str, Any]] = []  # sent with requests; [] once in the prompt
         self.parser: ToolCallParser = HermesToolCallParser()
+        self.stop_strings: list[str] | None = None
         self.pending: list[openai.Message] = []  # messages not yet in ``tokens``
         self.tokens = TokenLog()
         self.tool_returns: list[ToolReturnRecord] = []
@@ -379,6 +383,7 @@ class _Trajectory:
     def start(self, env: Env, prompt: str | list[openai.Message]) -> None:
         self.tools = env.tool_schemas()
         self.parser = env.tool_call_parser
+        self.stop_strings = list(env.stop_strings) or None
         messages = (
             [openai.Message(role="user", content=prompt)] if isinstance(prompt, str) else prompt
         )

@@ -54,6 +54,9 @@ class Env(ABC):
     sandbox_spec: ClassVar[SandboxSpec | None] = None
     #: How inline tool calls are read from the model's text.
     tool_call_parser: ClassVar[ToolCallParser] = HermesToolCallParser()
+    #: Strings that end the model's turn (kept in its reply), such as the end of a code
+    #: block: its call runs at once instead of waiting for the model to stop writing.
+    stop_strings: ClassVar[tuple[str, ...]] = ()
 
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
 

@@ -47,5 +47,7 @@ class LeastLoadedScheduler:
     def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
         pass  # load balancing ignores the causal signal; C-MLFQ feeds on it
 
-    def on_finish(self, trajectory_id: str, prompt_id: str, *, output_tokens: int) -> None:
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
         pass

@@ -119,10 +119,12 @@ class RoutedPolicy(ABC):
             track.path.append(state)
             track.marks.append(track.generated)
 
-    def on_finish(self, trajectory_id: str, prompt_id: str, *, output_tokens: int) -> None:
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
         track = self.tracks.pop(trajectory_id, None)
         self.router.forget(trajectory_id)
-        if track is not None:
+        if track is not None and not failed:
             self.learn(track, output_tokens)
 
     # --------------------------------------------------------------------- helpers

@@ -101,6 +101,11 @@ class Scheduler(Protocol):
         """A tool returned inside the trajectory: the causal signal C-MLFQ feeds on."""
         ...
 
-    def on_finish(self, trajectory_id: str, prompt_id: str, *, output_tokens: int) -> None:
-        """The trajectory ended; ``output_tokens`` is what the model generated in all."""
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
+        """The trajectory ended; ``output_tokens`` is what the model generated in all.
+
+        ``failed``: it ended early (cancelled, server gone), so its length says nothing
+        about the prompt's; forget it without learning from it."""
         ...
