@@ -96,6 +96,22 @@ async def test_python_math_on_vllm_with_docker_tools(
         if record.stop_reason == "model_stop":
             assert record.token_ids == rendered[: len(record.token_ids)]
             assert len(rendered) - len(record.token_ids) <= 1  # the "\n" after <|im_end|>
+    # Turns that ended at a code block's closing fence (python_math's stop string) are
+    # closed with the template's <|im_end|> (id 2), a context token the model did not sample.
+    fence_stops = [
+        (record, span)
+        for record in records
+        for span, reply in zip(
+            record.weight_versions,
+            [m for m in record.messages if m.role == "assistant"],
+            strict=True,
+        )
+        if (reply.content or "").endswith(PythonMath.stop_strings[0])
+        and span.end < len(record.token_ids)
+    ]
+    assert fence_stops, "greedy SmolLM2 closes some code blocks"
+    for record, span in fence_stops:
+        assert (record.token_ids[span.end], record.loss_mask[span.end]) == (2, 0)
     with_tools = [r for r in records if r.tool_returns and r.turns >= 2]
     assert with_tools, "greedy SmolLM2 writes code for some of these tasks"
     record = with_tools[0]
