@@ -92,6 +92,16 @@ async def test_tool_then_answer_records_exact_tokens(api: str) -> None:
     assert sampled_spans(record) == [[*tokenizer.encode(r), 258] for r in replies]
 
 
+async def test_tools_are_described_in_the_system_message_when_the_template_drops_them() -> None:
+    replies = [call("add", '{"a": 5, "b": 2}'), "The answer is 7"]
+    async with emulated_engine(replies, template_renders_tools=False) as (engine, _):
+        record = await run_trajectory(TrajectoryJob(Toy, "toy", seed=5), engine)
+    system = record.messages[0].content or ""
+    assert system.startswith(Toy.system_prompt) and "<tools>" in system and '"add"' in system
+    assert record.reward == 1.0 and record.tokens == "exact"
+    assert_tokens_consistent(record, tools=[])  # the template shows no tools of its own
+
+
 async def test_chat_mode_detects_retokenization_drift() -> None:
     # The server splits the call out of the text (like vLLM's hermes parser); re-rendering
     # the assistant message then gives other tokens than the model sampled: the template

@@ -25,7 +25,6 @@ from libra.serving import (
     _model,
     chat_template_supports_tools,
     embedded_model_dir,
-    libra_home,
     prepare_model,
     resolve_model,
 )
@@ -74,14 +73,9 @@ def _leftover_builds(home: Path) -> list[Path]:
 # ---------------------------------------------------------------- mechanics (fast)
 
 
-def test_libra_home_follows_the_environment(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_model_lives_under_libra_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LIBRA_HOME", str(tmp_path))
-    assert libra_home() == tmp_path
     assert embedded_model_dir() == tmp_path / "models" / EMBEDDED_MODEL_NAME
-    monkeypatch.delenv("LIBRA_HOME")
-    assert libra_home() == Path.home() / ".cache" / "libra"
 
 
 def test_prepare_publishes_a_complete_build_and_is_idempotent(

@@ -11,6 +11,7 @@ reads (token ids, logprobs, EOS, token-id prompts, /tokenize, /metrics).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -455,3 +456,19 @@ async def test_real_server_async_stop_leaves_no_process(
         assert len(_live_pids_in_group(server_pid)) >= 3, "API server, EngineCore, worker"
     assert not server.is_running
     assert _wait_until_gone([server_pid]) == []
+
+
+def test_default_logs_are_pruned_to_the_newest(
+    fake_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIBRA_HOME", str(tmp_path))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for port in range(30):  # older servers' logs, oldest first
+        old = logs / f"vllm-m-{port}.log"
+        old.write_text("old")
+        os.utime(old, (1_000_000 + port, 1_000_000 + port))
+    with VLLMServer("/models/m", config=_fake_config(fake_python, tmp_path, log_file=None)):
+        kept = {p.name for p in logs.glob("vllm-*.log")}
+    assert len(kept) == 17  # the newest 16 before this start, and this server's
+    assert "vllm-m-29.log" in kept and "vllm-m-13.log" not in kept

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 
+from libra import libra_home
 from libra.serving import (
     EMBEDDED_MODEL_NAME,
     VLLMServer,
     VLLMServerConfig,
-    libra_home,
     prepare_model,
     resolve_model,
 )

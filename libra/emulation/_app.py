@@ -113,6 +113,11 @@ class EmulatorConfig(BaseModel):
     check_model_name: bool = Field(
         default=True, description="Answer 404 to requests for another model, like vLLM."
     )
+    template_renders_tools: bool = Field(
+        default=True,
+        description="False: the chat template drops the request's tools, as SmolLM2's does "
+        "(clients must describe them in the conversation).",
+    )
 
 
 class _HTTPError(Exception):
@@ -265,7 +270,7 @@ class EmulatorApp:
             # vLLM's TokenizeChatRequest adds the generation prompt unless told not to.
             add_generation_prompt = request.add_generation_prompt is not False
             tokens = self.tokenizer.render_chat(
-                request.messages, request.tools, add_generation_prompt
+                request.messages, self._rendered_tools(request.tools), add_generation_prompt
             )
         elif request.prompt is not None:
             tokens = self.tokenizer.encode(request.prompt)
@@ -275,6 +280,9 @@ class EmulatorApp:
             tokens=tokens, count=len(tokens), max_model_len=self.config.max_model_len
         )
         return 200, self._encoder.encode(response), _JSON
+
+    def _rendered_tools(self, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return tools if self.config.template_renders_tools else None
 
     async def _detokenize(self, body: bytes, receive: Receive) -> _Response:
         request = _decode(self._detokenize_decoder, body)
@@ -289,7 +297,9 @@ class EmulatorApp:
         request = _decode(self._chat_decoder, body)
         self._check_model(request.model)
         self._check_streaming(request.stream)
-        prompt = self.tokenizer.render_chat(request.messages, request.tools, True)
+        prompt = self.tokenizer.render_chat(
+            request.messages, self._rendered_tools(request.tools), True
+        )
         max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
         self._maybe_fail()
         key = self._seed_key(prompt, request.seed)

@@ -27,7 +27,6 @@ from libra.sandbox._images import (
     build_image,
     build_rootfs,
     debian_mirror,
-    libra_home,
     rootfs_dir,
 )
 
@@ -46,7 +45,6 @@ __all__ = [
     "build_rootfs",
     "connect_docker",
     "debian_mirror",
-    "libra_home",
     "reap_stale_containers",
     "reap_stale_workdirs",
     "rootfs_dir",

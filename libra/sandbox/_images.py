@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from libra._home import libra_home
 from libra.envs._sandbox import SandboxError
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ __all__ = [
     "build_rootfs",
     "debian_mirror",
     "image_exists",
-    "libra_home",
     "rootfs_dir",
 ]
 
@@ -94,12 +94,6 @@ class BuiltImage:
     source: Literal["existing", "pull", "debootstrap"]
     rootfs: Path | None
     seconds: float
-
-
-def libra_home() -> Path:
-    """Libra's cache directory: ``$LIBRA_HOME`` or ``~/.cache/libra``."""
-    configured = os.environ.get("LIBRA_HOME")
-    return Path(configured) if configured else Path.home() / ".cache" / "libra"
 
 
 def rootfs_dir(name: str) -> Path:

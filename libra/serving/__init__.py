@@ -12,7 +12,6 @@ from libra.serving._model import (
     chat_template_supports_tools,
     embedded_gguf_path,
     embedded_model_dir,
-    libra_home,
     prepare_model,
     resolve_model,
 )
@@ -27,7 +26,6 @@ __all__ = [
     "chat_template_supports_tools",
     "embedded_gguf_path",
     "embedded_model_dir",
-    "libra_home",
     "prepare_model",
     "resolve_model",
 ]

@@ -34,13 +34,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from libra._home import libra_home
+
 __all__ = [
     "EMBEDDED_MODEL_NAME",
     "ModelError",
     "chat_template_supports_tools",
     "embedded_gguf_path",
     "embedded_model_dir",
-    "libra_home",
     "prepare_model",
     "resolve_model",
 ]
@@ -60,12 +61,6 @@ _MAX_LOGIT_GAP = 0.05
 
 class ModelError(RuntimeError):
     """A model could not be found, built or loaded."""
-
-
-def libra_home() -> Path:
-    """Libra's cache folder: ``$LIBRA_HOME``, or ``~/.cache/libra``."""
-    configured = os.environ.get("LIBRA_HOME")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "libra"
 
 
 def embedded_model_dir(home: Path | None = None) -> Path:

@@ -40,7 +40,7 @@ import anyio
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from libra.serving._model import libra_home
+from libra._home import libra_home
 
 __all__ = ["VLLMServer", "VLLMServerConfig", "VLLMServerError"]
 
@@ -48,6 +48,7 @@ _GUARD_SCRIPT = Path(__file__).with_name("_guard.py")
 _API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _LOG_TAIL_LINES = 30
 _LOG_TAIL_BYTES = 64 * 1024
+_LOGS_KEPT = 16  # default-named logs; older ones are deleted when a server starts
 _POLL_S = 0.5
 _HEALTH_TIMEOUT_S = 5.0
 # Extra time the parent gives the guard beyond its own SIGTERM-to-SIGKILL grace.
@@ -313,9 +314,10 @@ class VLLMServer:
             raise VLLMServerError(f"the server is already started (pid {self._server_pid})")
         self._server_pid = None
         self._port = self.config.port or _free_port(self.config.host)
-        self._log_file = self.config.log_file or _default_log_file(
-            self.served_model_name, self._port
-        )
+        self._log_file = self.config.log_file
+        if self._log_file is None:
+            self._log_file = _default_log_file(self.served_model_name, self._port)
+            _prune_logs(self._log_file.parent)
         self._log_file.parent.mkdir(parents=True, exist_ok=True)
         self._log = self._log_file.open("wb")
         read_end, write_end = os.pipe()
@@ -448,6 +450,17 @@ def _free_port(host: str) -> int:
 def _default_log_file(served_model_name: str, port: int) -> Path:
     safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in served_model_name)
     return libra_home() / "logs" / f"vllm-{safe_name}-{port}.log"
+
+
+def _prune_logs(folder: Path, keep: int = _LOGS_KEPT) -> None:
+    """Delete all but the newest ``keep`` default logs: servers on free ports would
+    otherwise leave one file per start behind."""
+    try:
+        logs = sorted(folder.glob("vllm-*.log"), key=lambda p: p.stat().st_mtime)
+        for old in logs[: max(0, len(logs) - keep)]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass  # best effort: another process may be pruning too
 
 
 # Servers still running at interpreter exit are stopped (normal exit and an uncaught
