@@ -49,8 +49,7 @@ test: lint unit
 
 demo: setup-serving setup-sandbox
 	mkdir -p $(RUNS)
-	$(BIN)/libra rollout --env python_math --server embedded -n 16 --out $(RUNS)/demo.jsonl \
-		--set engine.sampling.temperature=0.7 --set engine.sampling.max_tokens_per_turn=512
+	$(BIN)/libra rollout --config examples/demo.toml
 
 bench: setup-serving setup-sandbox
 	$(BIN)/libra bench engine

@@ -82,6 +82,12 @@ def test_config_precedence(tmp_path: Path) -> None:
         load_config(RolloutConfig, file)
 
 
+def test_the_demo_config_is_valid() -> None:
+    config = load_config(RolloutConfig, Path(__file__).parents[1] / "examples" / "demo.toml")
+    assert (config.env, config.server, config.n) == ("python_math", "embedded", 16)
+    assert config.engine.on_max_tokens == "continue"
+
+
 def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
     out = tmp_path / "guess.jsonl"
     command = [sys.executable, "-m", "libra", "rollout", "--env", "guess", "-n", "5000"]

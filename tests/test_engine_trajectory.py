@@ -170,6 +170,23 @@ async def test_max_tokens_per_turn_truncates() -> None:
     assert sampled_spans(record) == [tokenizer.encode("a lon")]
 
 
+@pytest.mark.parametrize("api", ["tokens", "chat"])
+async def test_a_turn_cut_by_max_tokens_can_still_run_its_calls(api: str) -> None:
+    written = call("add", '{"a": 5, "b": 2}')
+    replies = [written + " and on and on and on", "The answer is 7", "so on and so on"]
+    sampling = SamplingConfig(max_tokens_per_turn=len(written) + 4)
+    record = await run(replies, api=api, sampling=sampling, on_max_tokens="continue")
+    assert (record.status, record.reward) == ("completed", 1.0)
+    assert [r.status for r in record.tool_returns] == ["success"]
+    if api == "tokens":  # the cut turn is closed by an end-of-turn token it did not sample
+        end = record.weight_versions[0].end
+        assert (record.token_ids[end], record.loss_mask[end]) == (258, 0)
+    # A cut turn without calls still ends the trajectory.
+    sampling = SamplingConfig(max_tokens_per_turn=5)
+    cut = await run(replies[2:], api=api, sampling=sampling, on_max_tokens="continue")
+    assert (cut.status, cut.stop_reason) == ("truncated", "max_tokens")
+
+
 async def test_context_budget_truncates() -> None:
     record = await run([call("add", '{"a": 1, "b": 1}')] * 3, max_context_tokens=1750)
     assert (record.status, record.stop_reason) == ("truncated", "max_context_tokens")

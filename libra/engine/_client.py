@@ -84,10 +84,11 @@ class OpenAIClient:
         )
         choice = _first(response.choices)
         logprobs = choice.logprobs.content if choice.logprobs else None
+        text = choice.message.content or ""
+        if not choice.message.tool_calls:  # (a call split out took its stop string along)
+            text = _with_stop_string(text, choice.stop_reason)
         return Generation(
-            text=_with_stop_string(choice.message.content or "", choice.stop_reason)
-            if not choice.message.tool_calls  # the server split the call, stop string and all
-            else choice.message.content or "",
+            text=text,
             finish_reason=choice.finish_reason or "stop",
             completion_tokens=_completion_tokens(response.usage, choice.token_ids),
             token_ids=choice.token_ids,

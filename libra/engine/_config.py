@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
@@ -31,6 +32,12 @@ class EngineConfig(_Config):
         8192, description="prompt + generated + tool tokens in one trajectory"
     )
     max_wall_s: PositiveFloat = Field(900.0, description="wall-clock limit per trajectory")
+    on_max_tokens: Literal["truncate", "continue"] = Field(
+        "truncate",
+        description="a turn cut by sampling.max_tokens_per_turn: 'truncate' ends the "
+        "trajectory; 'continue' runs the calls it made (a cut call's error goes back to the "
+        "model) and goes on, ending only if it made none",
+    )
     tool_timeout_s: PositiveFloat | None = Field(None, description="default: the env's")
     request_timeout_s: PositiveFloat = Field(600.0, description="one generation call")
     max_attempts: PositiveInt = Field(4, description="tries per generation call")

@@ -135,10 +135,12 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
             raise _End("truncated", "max_turns")
         generation = await _generate(t, engine)
         t.add_model_turn(generation)
-        if generation.finish_reason == "length":
-            full = len(t.tokens) >= engine.config.max_context_tokens
-            raise _End("truncated", "max_context_tokens" if full else "max_tokens")
         calls = _tool_calls(env, generation)
+        if generation.finish_reason == "length":
+            if len(t.tokens) >= engine.config.max_context_tokens:
+                raise _End("truncated", "max_context_tokens")
+            if engine.config.on_max_tokens == "truncate" or not calls:
+                raise _End("truncated", "max_tokens")
         if not calls:
             follow_up = await _maybe_await(env.on_reply(generation.text))
             if follow_up is None or env.done:
