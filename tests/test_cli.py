@@ -8,13 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
 from envs_contrib.calc import Calc
 from libra.cli import main
 from libra.cli._config import ConfigError, load_config
-from libra.cli._rollout import RolloutConfig
+from libra.cli._fleet import FleetError
+from libra.cli._rollout import RolloutConfig, run_rollout
+from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
 from tests._helpers import assert_tokens_consistent
 
@@ -105,3 +108,52 @@ def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
     cancelled = [r for r in records if r.stop_reason == "cancelled"]
     assert len(cancelled) == 20  # exactly the ones in flight, each recorded once
     assert len({r.id for r in records}) == len(records) < 5000
+
+
+def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
+    config = EmulatorConfig(latency=LatencyModel.zero())
+    with running_emulator(config) as short_url, running_emulator(config) as long_url:
+        file = tmp_path / "fleet.toml"
+        file.write_text(
+            f"""
+            env = "calc"
+            n = 24
+            scheduler = "cmlfq"
+            out = "{tmp_path / "out.jsonl"}"
+            progress = false
+            [[fleet.instances]]
+            name = "small"
+            url = "{short_url}"
+            [[fleet.instances]]
+            name = "large"
+            url = "{long_url}"
+            tp = 4
+            [[fleet.buckets]]
+            name = "short"
+            max_tokens = 300
+            instances = ["small"]
+            [[fleet.buckets]]
+            name = "long"
+            max_tokens = 100000
+            instances = ["large"]
+            """
+        )
+        rollout_config = load_config(RolloutConfig, file)
+        stats = anyio.run(run_rollout, rollout_config)
+    records = [
+        msgspec.json.decode(line, type=TrajectoryRecord)
+        for line in (tmp_path / "out.jsonl").read_bytes().splitlines()
+    ]
+    assert stats.done == len(records) == 24 and stats.statuses["failed"] == 0
+    for record in records:  # every turn ran on an instance of the fleet, by its name
+        assert len(record.endpoints) == record.turns
+        assert set(record.endpoints) <= {"small", "large"}
+    with pytest.raises(ConfigError, match="unknown scheduler 'oracle'"):
+        load_config(RolloutConfig, file, overrides=["scheduler=oracle"])
+
+
+def test_a_fleet_and_a_server_are_exclusive(tmp_path: Path) -> None:
+    fleet = {"instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
+    config = RolloutConfig(env="calc", server="emulated", fleet=fleet, out=tmp_path / "o.jsonl")
+    with pytest.raises(FleetError, match="either --server or a"):
+        anyio.run(run_rollout, config)

@@ -1,9 +1,10 @@
-"""Where generation calls go: the ``--server`` option turned into endpoints and a client.
+"""Where generation calls go: ``--server`` or a ``[fleet]`` turned into a fleet and a client.
 
 ``emulated`` runs the emulated OpenAI server in-process (through ``httpx.ASGITransport``,
 no sockets); ``embedded`` is real vLLM serving the embedded model (a running ``libra
 serve``, or one started for this command); a URL, or several separated by commas, names
-any OpenAI-compatible servers.
+any OpenAI-compatible servers, each its own instance in one bucket. A ``[fleet]`` table
+(:class:`libra.sched.FleetSpec`) names instances and groups them into buckets, for C-MLFQ.
 This is the one place that composes a fleet: runtime code only ever sees endpoints and
 an HTTP client.
 """
@@ -21,7 +22,7 @@ import msgspec
 
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
-from libra.sched import Endpoint
+from libra.sched import Endpoint, FleetSpec, InstanceSpec
 from libra.serving import EMBEDDED_MODEL_NAME
 
 
@@ -32,7 +33,11 @@ class FleetError(RuntimeError):
 @dataclass
 class Fleet:
     http: HTTPTransport
-    endpoints: list[Endpoint]
+    spec: FleetSpec  # the instances (with the model each serves) and their buckets
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return [instance.endpoint() for instance in self.spec.instances]
 
 
 class _Models(msgspec.Struct):
@@ -41,32 +46,58 @@ class _Models(msgspec.Struct):
 
 @asynccontextmanager
 async def open_fleet(
-    server: str,
+    server: str | None,
     *,
+    fleet: FleetSpec | None = None,
     model: str | None,
     transport: TransportName,
     max_connections: int,
     emulator: EmulatorConfig | None = None,
 ) -> AsyncIterator[Fleet]:
-    if server == "emulated":
+    if fleet is not None:
+        if server is not None:
+            raise FleetError("give either --server or a [fleet], not both")
+        async with http_transport(transport, max_connections=max_connections) as http:
+            yield Fleet(http, await _with_models(http, fleet))
+        return
+    if server is None or server == "emulated":
         config = emulator or EmulatorConfig()
         app = create_app(config)
         async with http_transport(httpx.ASGITransport(app=app)) as http:
-            yield Fleet(http, [Endpoint("http://emulated", model=model or config.model_name)])
+            yield Fleet(
+                http, _one_bucket([Endpoint("http://emulated", model=model or config.model_name)])
+            )
         return
     if server == "embedded":
         async with (
             _embedded_url() as url,
             http_transport(transport, max_connections=max_connections) as http,
         ):
-            yield Fleet(http, [Endpoint(url, model=EMBEDDED_MODEL_NAME, name="embedded")])
+            embedded = Endpoint(url, model=EMBEDDED_MODEL_NAME, name="embedded")
+            yield Fleet(http, _one_bucket([embedded]))
         return
     urls = [url.strip() for url in server.split(",") if url.strip()]
     if not all(url.startswith(("http://", "https://")) for url in urls):
         raise FleetError(f"--server must be 'emulated', 'embedded' or http(s) URLs, got {server!r}")
     async with http_transport(transport, max_connections=max_connections) as http:
         endpoints = [Endpoint(url, model=model or await _first_model(http, url)) for url in urls]
-        yield Fleet(http, endpoints)
+        yield Fleet(http, _one_bucket(endpoints))
+
+
+def _one_bucket(endpoints: list[Endpoint]) -> FleetSpec:
+    instances = [InstanceSpec(name=e.name, url=e.url, model=e.model, api=e.api) for e in endpoints]
+    return FleetSpec(instances=instances)
+
+
+async def _with_models(http: HTTPTransport, fleet: FleetSpec) -> FleetSpec:
+    """The fleet, with the model each instance serves where it does not name one."""
+    instances = [
+        instance
+        if instance.model != "default"
+        else instance.model_copy(update={"model": await _first_model(http, instance.url)})
+        for instance in fleet.instances
+    ]
+    return fleet.model_copy(update={"instances": instances})
 
 
 @asynccontextmanager

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
-from pydantic import BaseModel, ConfigDict, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
 from libra.cli._config import load_config
 from libra.cli._fleet import open_fleet
@@ -27,14 +27,19 @@ from libra.engine import (
     rollout,
 )
 from libra.envs import load_env
-from libra.sched import LeastLoadedScheduler
+from libra.sched import ORACLES, POLICIES, FleetSpec, make_policy
+
+# Every policy but the oracles, which need the true lengths: only the benchmark has them.
+SCHEDULERS = [p for p in POLICIES if p not in ORACLES]
 
 
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     env: str
-    server: str = "emulated"
+    server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
+    fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
+    scheduler: str = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
     model: str | None = None
     n: PositiveInt = 64
     samples_per_prompt: PositiveInt = 1
@@ -48,12 +53,24 @@ class RolloutConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
 
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, name: str) -> str:
+        if name not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
+        return name
+
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser("rollout", help="run trajectories of an env, write JSONL")
     parser.add_argument("--env", help="env name (see `libra envs`) or module:Class")
-    parser.add_argument("--server", help="'emulated' (default) or OpenAI-compatible URL(s)")
+    parser.add_argument(
+        "--server", help="'emulated' (default), 'embedded' or OpenAI-compatible URL(s)"
+    )
     parser.add_argument("--model", help="model name to request (default: the server's)")
+    parser.add_argument(
+        "--scheduler", help="routing policy: least-loaded (default), cmlfq, ... (libra/sched)"
+    )
     parser.add_argument("-n", type=int, dest="n", help="number of trajectories (default 64)")
     parser.add_argument("--samples-per-prompt", type=int, help="trajectories per task")
     parser.add_argument("--concurrency", type=int, help="trajectories in flight")
@@ -79,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "env": args.env,
         "server": args.server,
         "model": args.model,
+        "scheduler": args.scheduler,
         "n": args.n,
         "samples_per_prompt": args.samples_per_prompt,
         "seed": args.seed,
@@ -109,6 +127,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
     async with (
         open_fleet(
             config.server,
+            fleet=config.fleet,
             model=config.model,
             transport=config.transport,
             max_connections=config.max_connections,
@@ -118,7 +137,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
     ):
         engine = Engine(
             OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
-            LeastLoadedScheduler(fleet.endpoints),
+            make_policy(config.scheduler, fleet.spec),
             config=config.engine,
             sandboxes=sandboxes,
         )
