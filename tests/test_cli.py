@@ -19,6 +19,7 @@ from libra.cli._fleet import FleetError
 from libra.cli._rollout import RolloutConfig, run_rollout
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
+from libra.sched import PrefixForest
 from tests._helpers import assert_tokens_consistent
 
 
@@ -138,8 +139,15 @@ def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
             instances = ["large"]
             """
         )
-        rollout_config = load_config(RolloutConfig, file)
+        state = tmp_path / "forest.json"
+        rollout_config = load_config(RolloutConfig, file, {"scheduler_state": state})
         stats = anyio.run(run_rollout, rollout_config)
+        learnt = len(PrefixForest.load(state).global_tree.root.samples)
+        anyio.run(run_rollout, rollout_config)  # the next step starts from what this one learnt
+        assert len(PrefixForest.load(state).global_tree.root.samples) > learnt > 0
+        state.write_text("{}")
+        with pytest.raises(ConfigError, match="is not a saved prefix forest"):
+            anyio.run(run_rollout, rollout_config)
     records = [
         msgspec.json.decode(line, type=TrajectoryRecord)
         for line in (tmp_path / "out.jsonl").read_bytes().splitlines()

@@ -11,7 +11,7 @@ import anyio
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
 
-from libra.cli._config import load_config
+from libra.cli._config import ConfigError, load_config
 from libra.cli._fleet import open_fleet
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._sandboxes import SandboxKind, open_sandboxes
@@ -27,7 +27,17 @@ from libra.engine import (
     rollout,
 )
 from libra.envs import load_env
-from libra.sched import ORACLES, POLICIES, FleetSpec, make_policy
+from libra.sched import (
+    CMLFQ,
+    ORACLES,
+    POLICIES,
+    CMLFQConfig,
+    FleetSpec,
+    PrefixForest,
+    Scheduler,
+    TreePredictor,
+    make_policy,
+)
 
 # Every policy but the oracles, which need the true lengths: only the benchmark has them.
 SCHEDULERS = [p for p in POLICIES if p not in ORACLES]
@@ -40,6 +50,12 @@ class RolloutConfig(BaseModel):
     server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
     fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
     scheduler: str = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
+    cmlfq: CMLFQConfig = CMLFQConfig()
+    scheduler_state: Path | None = Field(
+        None,
+        description="C-MLFQ's prefix forest: read before the rollout if the file exists, "
+        "written after it, so what one step learnt guides the next",
+    )
     model: str | None = None
     n: PositiveInt = 64
     samples_per_prompt: PositiveInt = 1
@@ -137,7 +153,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
     ):
         engine = Engine(
             OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
-            make_policy(config.scheduler, fleet.spec),
+            scheduler := _scheduler(config, fleet.spec),
             config=config.engine,
             sandboxes=sandboxes,
         )
@@ -153,7 +169,21 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
                 group.start_soon(_stop_on_signal, group.cancel_scope, stats)
                 await rollout(jobs, engine, on_record=write, stats=stats)
                 group.cancel_scope.cancel()
+    if isinstance(scheduler, CMLFQ) and scheduler.forest and config.scheduler_state:
+        scheduler.forest.save(config.scheduler_state)
     return stats
+
+
+def _scheduler(config: RolloutConfig, fleet: FleetSpec) -> Scheduler:
+    scheduler = make_policy(config.scheduler, fleet, config=config.cmlfq)
+    state = config.scheduler_state
+    if isinstance(scheduler, CMLFQ) and state is not None and state.exists():
+        try:
+            scheduler.predictor = TreePredictor(PrefixForest.load(state))
+        except (ValueError, msgspec.DecodeError) as exc:
+            message = f"scheduler_state {state} is not a saved prefix forest: {exc}"
+            raise ConfigError(message) from None
+    return scheduler
 
 
 async def _stop_on_signal(scope: anyio.CancelScope, stats: RolloutStats) -> None:
