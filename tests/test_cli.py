@@ -17,6 +17,7 @@ from libra.cli import main
 from libra.cli._config import ConfigError, load_config
 from libra.cli._fleet import FleetError
 from libra.cli._rollout import RolloutConfig, run_rollout
+from libra.cli._serve import server_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
 from libra.sched import PrefixForest
@@ -84,6 +85,19 @@ def test_config_precedence(tmp_path: Path) -> None:
     file.write_text("env = ")
     with pytest.raises(ConfigError, match=r"run\.toml"):
         load_config(RolloutConfig, file)
+
+
+def test_serve_config_precedence(tmp_path: Path) -> None:
+    assert (server_config().max_model_len, server_config().scheduling_policy) == (8192, "priority")
+    file = tmp_path / "serve.toml"
+    file.write_text("tensor_parallel_size = 2\nmax_model_len = 4096\nport = 1\n")
+    flags = {"port": 9000, "enforce_eager": False, "scheduling_policy": None}
+    config = server_config(file, flags, ["gpu_memory_utilization=0.8"])
+    assert (config.tensor_parallel_size, config.max_model_len, config.port) == (2, 4096, 9000)
+    assert config.scheduling_policy == "priority" and not config.enforce_eager
+    assert config.gpu_memory_utilization == 0.8
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        server_config(overrides=["gpu_memory_utilization=2"])
 
 
 def test_the_demo_config_is_valid() -> None:

@@ -130,6 +130,8 @@ def test_command_line_carries_the_config() -> None:
         scheduling_policy="priority",
         tool_call_parser="hermes",
         enforce_eager=True,
+        tensor_parallel_size=2,
+        gpu_memory_utilization=0.85,
         extra_args=("--seed", "7"),
     )
     server = VLLMServer("/models/m", served_model_name="m1", config=config)
@@ -147,6 +149,8 @@ def test_command_line_carries_the_config() -> None:
         "--max-model-len 4096",
         "--scheduling-policy priority",
         "--enable-auto-tool-choice --tool-call-parser hermes",
+        "--tensor-parallel-size 2",
+        "--gpu-memory-utilization 0.85",
     ):
         assert flag in joined
     assert command[-2:] == ["--seed", "7"]
@@ -157,7 +161,8 @@ def test_default_command_has_no_optional_flags() -> None:
     server._port = 9000
     joined = " ".join(server.command())
     assert "--served-model-name m" in joined
-    for flag in ("--enforce-eager", "--max-model-len", "--scheduling-policy", "--tool-call"):
+    optional = ("--enforce-eager", "--max-model-len", "--scheduling-policy", "--tool-call")
+    for flag in (*optional, "--tensor-parallel-size", "--gpu-memory-utilization"):
         assert flag not in joined
 
 

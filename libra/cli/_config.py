@@ -1,9 +1,10 @@
 """Typed configs from TOML files and command-line overrides.
 
-Precedence, lowest first: the model's defaults, the TOML file (``--config``), the
-command's own flags, then ``--set section.key=value`` overrides. Values given with
-``--set`` are read as TOML (``4``, ``true``, ``"text"``, ``[1, 2]``), falling back to a
-plain string, so ``--set engine.sampling.temperature=0.7`` does what it says.
+Precedence, lowest first: the model's defaults, the command's defaults, the TOML file
+(``--config``), the command's own flags, then ``--set section.key=value`` overrides.
+Values given with ``--set`` are read as TOML (``4``, ``true``, ``"text"``, ``[1, 2]``),
+falling back to a plain string, so ``--set engine.sampling.temperature=0.7`` does what
+it says.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ def load_config(
     file: Path | None = None,
     flags: Mapping[str, Any] | None = None,
     overrides: Sequence[str] = (),
+    *,
+    defaults: Mapping[str, Any] | None = None,
 ) -> C:
-    data: dict[str, Any] = _read_toml(file) if file else {}
+    data: dict[str, Any] = {}
+    for key, value in (defaults or {}).items():
+        _assign(data, key, value)
+    _merge(data, _read_toml(file) if file else {})
     for key, value in (flags or {}).items():
         if value is not None:
             _assign(data, key, value)
@@ -61,6 +67,14 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def _merge(data: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        else:
+            data[key] = value
 
 
 def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:

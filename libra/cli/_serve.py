@@ -12,11 +12,14 @@ import json
 import os
 import signal
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from libra import libra_home
+from libra.cli._config import load_config
 from libra.serving import (
     EMBEDDED_MODEL_NAME,
     VLLMServer,
@@ -38,29 +41,49 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--threads", type=int, help="CPU threads for the server")
-    serve.add_argument("--max-model-len", type=int, default=8192)
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority")
+    serve.add_argument("--max-model-len", type=int, help="default 8192")
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default priority")
     serve.add_argument("--dev-mode", action="store_true", help="allow weight reloads")
+    serve.add_argument("--tool-call-parser", help="vLLM's parser for tool calls, e.g. hermes")
+    serve.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        help="skip torch.compile and CUDA graphs (default: on, for quick starts on CPU)",
+    )
+    serve.add_argument("--config", type=Path, help="TOML file of VLLMServerConfig settings")
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any VLLMServerConfig setting, e.g. tensor_parallel_size=2",
+    )
     serve.set_defaults(run=run_serve)
 
 
-def server_config(**overrides: object) -> VLLMServerConfig:
-    """Libra's defaults for a CPU vLLM server (priority scheduling for the scheduler)."""
-    defaults: dict[str, object] = {"max_model_len": 8192, "scheduling_policy": "priority"}
-    return VLLMServerConfig.model_validate({**defaults, **overrides})
+def server_config(
+    file: Path | None = None, flags: Mapping[str, Any] | None = None, overrides: Sequence[str] = ()
+) -> VLLMServerConfig:
+    """Libra's defaults for the vLLM servers it starts (a context that fits agentic turns,
+    priority scheduling for the scheduler), under a TOML file, flags and ``--set``."""
+    defaults = {"max_model_len": 8192, "scheduling_policy": "priority"}
+    return load_config(VLLMServerConfig, file, flags, overrides, defaults=defaults)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     name = EMBEDDED_MODEL_NAME if args.model == "embedded" else Path(model).name
-    config = server_config(
-        host=args.host,
-        port=args.port,
-        threads=args.threads,
-        max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy,
-        dev_mode=args.dev_mode,
-    )
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "threads": args.threads,
+        "max_model_len": args.max_model_len,
+        "scheduling_policy": args.scheduling_policy,
+        "dev_mode": args.dev_mode or None,
+        "tool_call_parser": args.tool_call_parser,
+        "enforce_eager": args.enforce_eager,
+    }
+    config = server_config(args.config, flags, args.set)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

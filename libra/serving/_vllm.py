@@ -79,6 +79,10 @@ class VLLMServerConfig(BaseModel):
         description="skip torch.compile: engine init ~1 s instead of 70-130 s on 2 cores",
     )
     max_model_len: int | None = Field(default=None, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (CUDA)")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="share of each GPU's memory vLLM takes (CUDA)"
+    )
     tool_call_parser: str | None = Field(
         default=None, description="enables --enable-auto-tool-choice with this parser"
     )
@@ -280,6 +284,10 @@ class VLLMServer:
             args.append("--enforce-eager")
         if config.max_model_len is not None:
             args += ["--max-model-len", str(config.max_model_len)]
+        if config.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+        if config.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
         if config.scheduling_policy != "fcfs":
             args += ["--scheduling-policy", config.scheduling_policy]
         if config.tool_call_parser is not None:
