@@ -1,10 +1,12 @@
-"""Test helpers: an engine wired to the in-process emulated server, and record checks."""
+"""Test helpers: an engine wired to the in-process emulated server, record checks, and
+checks that every sandbox must pass."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import httpx
@@ -89,3 +91,57 @@ async def assert_hidden_file_is_unreadable(box: Sandbox) -> None:
     refusals += attempt.stderr.count("Operation not permitted")
     assert refusals == 3
     assert await box.read_file("tests/test_hidden.py") == b"assert solve() == 42\n"
+
+
+# Every process a command can see, one "user cmdline" line each.
+LIST_PROCESSES = [
+    "sh",
+    "-c",
+    "for p in /proc/[0-9]*; do echo $(stat -c %U $p) $(cat $p/cmdline | tr '\\0' ' '); done",
+]
+
+
+async def assert_exec_round_trip(box: Sandbox) -> None:
+    """stdin, env, stdout, stderr and the exit code make the round trip; commands run as uid
+    65534 in the work dir on host "sandbox"; files go both ways, relative to the work dir."""
+    result = await box.exec(
+        [
+            "python3",
+            "-c",
+            "import json, os, sys; print(json.dumps([sys.stdin.read(), os.environ['X']]))",
+        ],
+        timeout_s=10,
+        stdin=b"from stdin",
+        env={"X": "from env"},
+    )
+    assert result.ok, result
+    assert result.stdout == '["from stdin", "from env"]\n'
+    who = await box.exec(["sh", "-c", "id -u; pwd; hostname"], timeout_s=10)
+    assert who.stdout.split() == ["65534", "/work", "sandbox"]
+    await box.write_file("pkg/data.txt", b"payload", mode=0o666)
+    assert await box.read_file("/work/pkg/data.txt") == b"payload"
+    edited = await box.exec(
+        ["sh", "-c", "echo more >> pkg/data.txt && echo new > pkg/new.txt && cat pkg/data.txt"],
+        timeout_s=10,
+    )
+    assert edited.ok, edited
+    assert edited.stdout == "payloadmore\n"
+    assert await box.read_file("/work/pkg/data.txt") == b"payloadmore\n"
+    assert await box.read_file("pkg/new.txt") == b"new\n"
+    failed = await box.exec(["sh", "-c", "echo oops >&2; exit 3"], timeout_s=10)
+    assert (failed.exit_code, failed.stderr, failed.ok) == (3, "oops\n", False)
+    with pytest.raises(FileNotFoundError):
+        await box.read_file("missing.txt")
+
+
+def processes_of(uid: int) -> list[int]:
+    """The pids of the host's processes owned by ``uid``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    pids.append(int(entry.name))
+            except FileNotFoundError:
+                continue
+    return pids

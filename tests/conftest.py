@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
 from libra.envs import SandboxError
-from libra.sandbox import build_image, connect_docker
-from libra.serving import VLLMServer, VLLMServerConfig, prepare_model
+from libra.sandbox import build_image, build_rootfs, connect_docker
+from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
 from tests._helpers import unavailable
 
 if TYPE_CHECKING:
@@ -25,7 +27,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 # ------------------------------------------------ real vLLM on the embedded model (slow)
 
-REAL_MODEL_NAME = "smollm2"
+REAL_MODEL_NAME = EMBEDDED_MODEL_NAME  # served as `libra serve` serves it
 
 
 def require_vllm() -> None:
@@ -71,3 +73,17 @@ def docker_client() -> Iterator[docker.DockerClient]:
     build_image("libra/python", client=client)  # idempotent: instant when already built
     yield client
     client.close()
+
+
+# ------------------------------------------------------- bubblewrap and its root filesystem
+
+
+@pytest.fixture(scope="session")
+def bwrap_root() -> Path | Literal["host"]:
+    """The image's root filesystem when it can be built here (root and debootstrap), else
+    "host": the host's system dirs."""
+    if shutil.which("bwrap") is None:
+        unavailable("bubblewrap is not installed (apt-get install bubblewrap)")
+    if os.geteuid() == 0 and shutil.which("debootstrap"):
+        return build_rootfs("libra/python")  # idempotent: instant when already built
+    return "host"

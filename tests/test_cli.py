@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from libra.cli._serve import server_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
 from libra.sched import PrefixForest
+from libra.serving import VLLMServer
 from tests._helpers import assert_tokens_consistent
 
 
@@ -179,3 +182,25 @@ def test_a_fleet_and_a_server_are_exclusive(tmp_path: Path) -> None:
     config = RolloutConfig(env="calc", server="emulated", fleet=fleet, out=tmp_path / "o.jsonl")
     with pytest.raises(FleetError, match="either --server or a"):
         anyio.run(run_rollout, config)
+
+
+@pytest.mark.slow
+def test_embedded_reuses_a_running_libra_serve(
+    real_server: VLLMServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("LIBRA_HOME", str(tmp_path))
+    (tmp_path / "run").mkdir()
+    state = {"url": real_server.url, "pid": os.getpid()}  # as `libra serve` records itself
+    (tmp_path / "run" / "embedded.json").write_text(json.dumps(state))
+    out = tmp_path / "calc.jsonl"
+    args = ["rollout", "--env", "calc", "--server", "embedded", "-n", "2", "--out", str(out)]
+    args += ["--no-progress", "--set", "engine.sampling.max_tokens_per_turn=32"]
+    assert main(args) == 0
+    lines = out.read_bytes().splitlines()
+    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
+    assert len(records) == 2
+    assert all(r.tokens == "exact" and r.endpoints[0] == "embedded" for r in records)
+    assert "starting vLLM" not in capsys.readouterr().err  # no second server

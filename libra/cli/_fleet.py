@@ -11,7 +11,7 @@ an HTTP client.
 
 from __future__ import annotations
 
-import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import anyio
 import httpx
 import msgspec
+from rich.console import Console
 
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
@@ -111,11 +112,20 @@ async def _embedded_url() -> AsyncIterator[str]:
         yield url
         return
     model = await anyio.to_thread.run_sync(prepare_model)
-    print(f"starting vLLM on the embedded model ({model})", file=sys.stderr)
-    async with VLLMServer(
-        model, served_model_name=EMBEDDED_MODEL_NAME, config=server_config()
-    ) as vllm:
+    console = Console(stderr=True)
+    vllm = VLLMServer(model, served_model_name=EMBEDDED_MODEL_NAME, config=server_config())
+    started = time.monotonic()
+    with console.status(f"starting vLLM on the embedded model ({model})"):
+        await vllm.astart()
+    elapsed = time.monotonic() - started
+    console.print(
+        f"vLLM ready at {vllm.url} in {elapsed:.0f} s (log: {vllm.log_file})", soft_wrap=True
+    )
+    try:
         yield vllm.url
+    finally:
+        with anyio.CancelScope(shield=True):
+            await vllm.astop()
 
 
 async def _first_model(http: HTTPTransport, url: str) -> str:

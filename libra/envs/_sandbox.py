@@ -48,6 +48,17 @@ class SandboxError(RuntimeError):
     """The sandbox could not be created or used (not a failure of the command run in it)."""
 
 
+def check_exec_args(argv: Sequence[str], timeout_s: float) -> None:
+    """Refuse an :meth:`Sandbox.exec` call that names no command or gives it no time.
+
+    A ``ValueError``, not a :class:`SandboxError`: the caller is wrong, not the sandbox.
+    """
+    if not argv:
+        raise ValueError("argv must name a command")
+    if timeout_s <= 0:
+        raise ValueError("timeout_s must be positive")
+
+
 class Sandbox(Protocol):
     async def exec(
         self,

@@ -47,7 +47,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec
+from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec, check_exec_args
 from libra.sandbox._common import CappedOutput, process_start_time
 from libra.sandbox._images import rootfs_dir
 
@@ -353,10 +353,7 @@ class BwrapSandbox:
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
         """Run ``argv`` in a fresh bwrap; on timeout kill it and every process it started."""
-        if not argv:
-            raise ValueError("argv must name a command")
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        check_exec_args(argv, timeout_s)
         command = self._command(argv, timeout_s, workdir, env or {})
         return await self._run(command, timeout_s, stdin)
 

@@ -32,19 +32,18 @@ import functools
 import os
 import posixpath
 import socket
-import struct
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec
-from libra.sandbox._common import CappedOutput, process_start_time
+from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec, check_exec_args
+from libra.sandbox._common import process_start_time
+from libra.sandbox._docker_exec import RawExec, exec_blocking
 
 if TYPE_CHECKING:
     import docker
@@ -177,127 +176,6 @@ def _owner_labels(run_id: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# exec over the Engine API
-
-
-@dataclass(frozen=True, slots=True)
-class _RawExec:
-    exit_code: int | None
-    stdout: bytes
-    stderr: bytes
-    truncated: bool
-    deadline_hit: bool
-
-
-def _exec_blocking(
-    api: docker.APIClient,
-    container_id: str,
-    cmd: Sequence[str],
-    *,
-    user: str,
-    workdir: str,
-    env: Mapping[str, str],
-    stdin: bytes | None,
-    output_limit: int,
-    deadline: float,
-) -> _RawExec:
-    """Run ``cmd`` in the container and collect its output until it ends or ``deadline``."""
-    exec_id = api.exec_create(
-        container_id,
-        list(cmd),
-        stdin=stdin is not None,
-        stdout=True,
-        stderr=True,
-        user=user,
-        workdir=workdir,
-        environment=[f"{key}={value}" for key, value in env.items()],
-    )["Id"]
-    response = _start_exec_hijacked(api, exec_id)
-    output = CappedOutput(output_limit)
-    try:
-        reader, sock = _hijacked_streams(response)
-        if stdin is not None:
-            _feed_stdin_in_background(sock, stdin)
-        finished = _read_frames(reader, sock, output, deadline)
-    finally:
-        response.close()
-    exit_code = _wait_exit_code(api, exec_id, deadline + 1.0) if finished else None
-    return _RawExec(
-        exit_code, bytes(output.stdout), bytes(output.stderr), output.truncated, not finished
-    )
-
-
-def _start_exec_hijacked(api: docker.APIClient, exec_id: str) -> Any:
-    """``POST /exec/{id}/start`` upgraded to a raw stream, as ``docker exec`` does.
-
-    The SDK's ``exec_start(socket=True)`` hands back the bare socket, losing any output already
-    buffered while the HTTP headers were read; here the response object is kept and read
-    through its buffered reader.
-    """
-    response = api._post_json(
-        api._url("/exec/{0}/start", exec_id),
-        headers={"Connection": "Upgrade", "Upgrade": "tcp"},
-        data={"Tty": False, "Detach": False},
-        stream=True,
-    )
-    api._raise_for_status(response)
-    return response
-
-
-def _hijacked_streams(response: Any) -> tuple[IO[bytes], socket.socket]:
-    reader: IO[bytes] = response.raw._fp.fp
-    raw = reader.raw  # type: ignore[attr-defined]
-    sock = getattr(raw, "_sock", raw)
-    if not isinstance(sock, socket.socket):
-        raise SandboxError(f"unsupported Docker transport for exec streams: {type(sock)!r}")
-    return reader, sock
-
-
-def _feed_stdin_in_background(sock: socket.socket, data: bytes) -> None:
-    """Send stdin then half-close; a thread, so a command that never reads it cannot block us."""
-
-    def feed() -> None:
-        with contextlib.suppress(OSError):
-            sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
-
-    threading.Thread(target=feed, name="libra-sandbox-stdin", daemon=True).start()
-
-
-def _read_frames(
-    reader: IO[bytes], sock: socket.socket, output: CappedOutput, deadline: float
-) -> bool:
-    """Demultiplex Docker's framed stream; True at end of stream, False at the deadline."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        sock.settimeout(remaining)
-        try:
-            header = reader.read(8)
-            if len(header) < 8:
-                return True
-            stream, length = struct.unpack(">BxxxL", header)
-            payload = reader.read(length)
-        except (TimeoutError, OSError):
-            return False
-        output.add(stream, payload)
-        if len(payload) < length:
-            return True
-
-
-def _wait_exit_code(api: docker.APIClient, exec_id: str, deadline: float) -> int | None:
-    """The exec's exit code; the engine may report it a moment after the stream closes."""
-    while True:
-        state = api.exec_inspect(exec_id)
-        if not state.get("Running") and state.get("ExitCode") is not None:
-            return int(state["ExitCode"])
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.01)
-
-
-# ---------------------------------------------------------------------------------------------
 # Sandbox
 
 
@@ -319,10 +197,7 @@ class DockerSandbox:
         env: Mapping[str, str] | None = None,
     ) -> ExecResult:
         """Run ``argv`` as the sandbox user; on timeout kill its process tree."""
-        if not argv:
-            raise ValueError("argv must name a command")
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        check_exec_args(argv, timeout_s)
         cmd = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv]
         started = time.monotonic()
         raw = await self._run(
@@ -367,7 +242,7 @@ class DockerSandbox:
     async def read_file(self, path: str) -> bytes:
         """The bytes of ``path``, read as root, or as the sandbox user for its private files."""
         target = self._absolute(path)
-        raw: _RawExec | None = None
+        raw: RawExec | None = None
         for user in (ROOT_USER, self._provider.user):
             raw = await self._run(
                 ["sh", "-c", _READ_FILE_SCRIPT, "sh", target],
@@ -390,9 +265,9 @@ class DockerSandbox:
         """``path`` made absolute: relative paths are under the work dir."""
         return posixpath.normpath(posixpath.join(self.spec.workdir, path))
 
-    async def _run(self, cmd: Sequence[str], **kwargs: Any) -> _RawExec:
+    async def _run(self, cmd: Sequence[str], **kwargs: Any) -> RawExec:
         call = functools.partial(
-            _exec_blocking, self._provider.api, self.container_id, cmd, **kwargs
+            exec_blocking, self._provider.api, self.container_id, cmd, **kwargs
         )
         return await self._provider.call_in_thread(call, abandon_on_cancel=True)
 
@@ -697,9 +572,9 @@ class DockerSandboxProvider:
 
     async def _exec_plain(
         self, container_id: str, cmd: list[str], user: str, limit_s: float
-    ) -> _RawExec:
+    ) -> RawExec:
         call = functools.partial(
-            _exec_blocking,
+            exec_blocking,
             self.api,
             container_id,
             cmd,
