@@ -57,6 +57,9 @@ async def test_exec_round_trip_on_each_root(
     async with BwrapSandboxProvider(root=chosen) as provider, provider.sandbox(SPEC) as box:
         assert box.rootfs is not None if root_kind == "image" else box.rootfs is None
         await assert_exec_round_trip(box)
+        # Only the work dir and /tmp take writes, whichever root the system dirs come from.
+        refused = await box.exec(["sh", "-c", "touch /etc/x; touch /x"], timeout_s=10)
+        assert refused.stderr.count("Read-only file system") == 2
 
 
 @pytest.mark.usefixtures("bwrap_root")  # for its check that bwrap is installed

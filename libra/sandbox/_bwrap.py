@@ -290,7 +290,9 @@ def _mount_args(scratch: _Scratch, workdir: str) -> list[str]:
             args += _ro_bind(Path("/etc") / name, f"/etc/{name}")
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--bind", str(scratch.work), workdir, "--bind", str(scratch.tmp), "/tmp"]
-    return args
+    # bwrap's own root is a writable tmpfs: make it read-only once everything is mounted,
+    # so only the work dir and /tmp take writes (as in the Docker sandbox).
+    return [*args, "--remount-ro", "/"]
 
 
 def _ro_bind(host: Path, inside: str) -> list[str]:
