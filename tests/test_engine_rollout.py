@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import socket
 from collections import Counter
+from collections.abc import Mapping
 
 import anyio
 import pytest
 
 from envs_contrib.calc import Calc
 from envs_contrib.guess import Guess
+from libra.bench._engine import _Recording
 from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import (
     Engine,
     EngineConfig,
     OpenAIClient,
     SamplingConfig,
+    ServerUnavailable,
     TrajectoryRecord,
     http_transport,
     jobs_for,
     rollout,
 )
+from libra.engine._client import ProbeCache
 from libra.sched import Endpoint, LeastLoadedScheduler
 from tests._helpers import MODEL, assert_tokens_consistent, emulated_engine
 
@@ -42,6 +46,55 @@ async def test_calc_rollout_of_64_is_exact_and_complete() -> None:
     for record in records:
         assert_tokens_consistent(record, Calc.tool_schemas())
     assert any(r.tool_returns for r in records)
+
+
+class _SlowRecording(_Recording):
+    """Every request takes a moment, as over a network, so concurrent first turns overlap."""
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        await anyio.sleep(0.001)
+        return await super().post(url, body, headers, timeout_s)
+
+
+async def test_concurrent_first_turns_share_one_probe_of_the_server() -> None:
+    async with emulated_engine(api="chat", config=EngineConfig(concurrency=32)) as (
+        engine,
+        records,
+    ):
+        engine.client.http = recording = _SlowRecording(engine.client.http)
+        await rollout(jobs_for(Calc, "calc", 32), engine)
+    check_one_record_each(records, 32)
+    # All 32 first turns ask at once whether the template renders tools: one probe (two
+    # renderings) answers them all.
+    assert [path for path, _ in recording.sent].count("/tokenize") == 2
+
+
+async def test_concurrent_callers_share_a_probes_failure_then_probe_again() -> None:
+    cache: ProbeCache[str, bool] = ProbeCache()
+    probes, errors = 0, 0
+
+    async def probe() -> bool:
+        nonlocal probes
+        probes += 1
+        await anyio.sleep(0.001)
+        if probes == 1:
+            raise ServerUnavailable("down")
+        return True
+
+    async def ask() -> None:
+        nonlocal errors
+        try:
+            await cache.get("server", probe)
+        except ServerUnavailable:
+            errors += 1
+
+    async with anyio.create_task_group() as group:
+        for _ in range(8):
+            group.start_soon(ask)
+    assert (probes, errors) == (1, 8)
+    assert await cache.get("server", probe) and probes == 2
 
 
 async def test_samples_per_prompt_share_the_task() -> None:

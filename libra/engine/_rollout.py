@@ -98,16 +98,18 @@ async def rollout(
             on_record(result)
 
     engine.on_record = record
-    limiter = anyio.CapacityLimiter(engine.config.concurrency)
+    pending = iter(jobs)
 
-    async def run(job: TrajectoryJob) -> None:
-        async with limiter:
+    # ``concurrency`` workers sharing the jobs: a task per job waiting on a limiter cost
+    # a fifth of the engine's own CPU (beside HTTP) at 1,000 concurrent trajectories.
+    async def worker() -> None:
+        for job in pending:
             await run_trajectory(job, engine)
 
     try:
         async with anyio.create_task_group() as group:
-            for job in jobs:
-                group.start_soon(run, job)
+            for _ in range(min(engine.config.concurrency, len(jobs))):
+                group.start_soon(worker)
     finally:
         engine.on_record = sink
         stats.elapsed_s = anyio.current_time() - stats.started_at

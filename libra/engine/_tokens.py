@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from libra import openai
-from libra.engine._client import OpenAIClient, RequestRejected
+from libra.engine._client import OpenAIClient, ProbeCache, RequestRejected
 from libra.engine._records import TokenSource, WeightSpan
 from libra.sched import Endpoint
 
@@ -82,7 +82,7 @@ class TemplateRenderer:
 
     def __init__(self, client: OpenAIClient) -> None:
         self.client = client
-        self._templates: dict[tuple[str, str], _TurnEnd] = {}
+        self._templates: ProbeCache[tuple[str, str], _TurnEnd] = ProbeCache()
 
     async def prompt(
         self, endpoint: Endpoint, messages: list[openai.Message], tools: list[dict[str, Any]]
@@ -111,12 +111,12 @@ class TemplateRenderer:
         return closing + full[template.cut :]
 
     async def _turn_end(self, endpoint: Endpoint) -> _TurnEnd:
-        key = (endpoint.url, endpoint.model)
-        if key not in self._templates:
+        async def probe() -> _TurnEnd:
             base = await self.client.tokenize(endpoint, _BASE, add_generation_prompt=False)
             other = await self.client.tokenize(endpoint, _OTHER, add_generation_prompt=False)
-            self._templates[key] = _TurnEnd.of(endpoint, base, other)
-        return self._templates[key]
+            return _TurnEnd.of(endpoint, base, other)
+
+        return await self._templates.get((endpoint.url, endpoint.model), probe)
 
 
 @dataclass(frozen=True, slots=True)
