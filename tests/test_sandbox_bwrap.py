@@ -118,3 +118,15 @@ async def test_directories_are_removed_and_stale_ones_reaped(
     (stale / "work").mkdir(parents=True)
     assert stale in reap_stale_workdirs()
     assert not stale.exists()
+
+
+async def test_many_quick_calls_keep_their_whole_process_budget(
+    provider: BwrapSandboxProvider,
+) -> None:
+    # Each call leaves bwrap's namespace init for the host's init to reap, which can take
+    # seconds; the process limit must not count those leftovers against the next call.
+    spec = SandboxSpec(memory_mb=256, pids=6, workdir_size_mb=16)
+    async with provider.sandbox(spec) as box:
+        for _ in range(20):
+            result = await box.exec(["sh", "-c", "true & true & true & wait"], timeout_s=10)
+            assert result.exit_code == 0, result.stderr

@@ -303,9 +303,11 @@ def _ro_bind(host: Path, inside: str) -> list[str]:
     return []
 
 
-def _limits(spec: SandboxSpec, timeout_s: float, own_uid: bool) -> list[str]:
-    # bwrap itself takes two tasks of the budget (its parent and its pid-1 reaper).
-    tasks = spec.pids + 2 if own_uid else _tasks_of_uid(os.getuid()) + spec.pids
+def _limits(spec: SandboxSpec, timeout_s: float, host_uid: int | None) -> list[str]:
+    # RLIMIT_NPROC counts every task of the uid: the budget comes on top of those it has now,
+    # such as earlier calls' namespace inits that the host's init has yet to reap (seconds,
+    # in some containers). bwrap itself takes two tasks (its parent and its pid-1 reaper).
+    tasks = _tasks_of_uid(os.getuid() if host_uid is None else host_uid) + spec.pids + 2
     return [
         "prlimit",
         f"--as={spec.memory_mb * 1024 * 1024}",
@@ -397,7 +399,7 @@ class BwrapSandbox:
         network = ["--share-net"] if spec.network else []
         identity = ["--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--hostname", "sandbox"]
         return [
-            *_limits(spec, timeout_s, own_uid=self.host_uid is not None),
+            *_limits(spec, timeout_s, self.host_uid),
             "bwrap",
             "--unshare-all",
             *network,
