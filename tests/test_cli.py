@@ -137,6 +137,7 @@ def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
             env = "calc"
             n = 24
             scheduler = "cmlfq"
+            metrics_interval_s = 0.05  # the router also reads the servers' /metrics
             out = "{tmp_path / "out.jsonl"}"
             progress = false
             [[fleet.instances]]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import anyio
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
 from libra.cli._config import ConfigError, load_config
 from libra.cli._fleet import open_fleet
@@ -34,9 +35,11 @@ from libra.sched import (
     CMLFQConfig,
     FleetSpec,
     PrefixForest,
+    RoutedPolicy,
     Scheduler,
     TreePredictor,
     make_policy,
+    poll_metrics,
 )
 
 # Every policy but the oracles, which need the true lengths: only the benchmark has them.
@@ -51,6 +54,11 @@ class RolloutConfig(BaseModel):
     fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
     scheduler: str = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
     cmlfq: CMLFQConfig = CMLFQConfig()
+    metrics_interval_s: PositiveFloat | None = Field(
+        None,
+        description="read each server's vLLM /metrics this often, for servers that other "
+        "clients use too (the router's own counts miss their load); None: never",
+    )
     scheduler_state: Path | None = Field(
         None,
         description="C-MLFQ's prefix forest: read before the rollout if the file exists, "
@@ -167,6 +175,10 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
 
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signal, group.cancel_scope, stats)
+                interval = config.metrics_interval_s
+                if interval is not None and isinstance(scheduler, RoutedPolicy):
+                    get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
+                    group.start_soon(poll_metrics, scheduler.router, get, interval)
                 await rollout(jobs, engine, on_record=write, stats=stats)
                 group.cancel_scope.cancel()
     if isinstance(scheduler, CMLFQ) and scheduler.forest and config.scheduler_state:
