@@ -10,8 +10,9 @@ never imports it: a fleet, emulated or real, is handed to the engine as endpoint
 HTTP transport.
 """
 
-from libra.emulation._app import EmulatorApp, EmulatorConfig, PrefixCache, create_app
+from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
 from libra.emulation._latency import BatchingEngine, LatencyModel
+from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import (
     AgentScript,
     Conversation,
