@@ -138,6 +138,7 @@ def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
             n = 24
             scheduler = "cmlfq"
             metrics_interval_s = 0.05  # the router also reads the servers' /metrics
+            plot = "{tmp_path / "progress.png"}"
             out = "{tmp_path / "out.jsonl"}"
             progress = false
             [[fleet.instances]]
@@ -171,6 +172,7 @@ def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
         for line in (tmp_path / "out.jsonl").read_bytes().splitlines()
     ]
     assert stats.done == len(records) == 24 and stats.statuses["failed"] == 0
+    assert (tmp_path / "progress.png").read_bytes().startswith(b"\x89PNG")
     for record in records:  # every turn ran on an instance of the fleet, by its name
         assert len(record.endpoints) == record.turns
         assert set(record.endpoints) <= {"small", "large"}

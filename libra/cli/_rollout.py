@@ -16,6 +16,7 @@ from libra.cli._config import ConfigError, load_config
 from libra.cli._fleet import open_fleet
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._sandboxes import SandboxKind, open_sandboxes
+from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.emulation import EmulatorConfig
 from libra.engine import (
     Engine,
@@ -69,6 +70,7 @@ class RolloutConfig(BaseModel):
     samples_per_prompt: PositiveInt = 1
     seed: int = 0
     out: Path = Path("rollout.jsonl")
+    plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")
     transport: TransportName = "aiohttp"
     max_connections: PositiveInt = 1024
     progress: bool = True
@@ -100,6 +102,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--concurrency", type=int, help="trajectories in flight")
     parser.add_argument("--seed", type=int, help="seed of the task sampler")
     parser.add_argument("--out", type=Path, help="output JSONL file (default rollout.jsonl)")
+    parser.add_argument("--plot", type=Path, help="PNG of the rollout's progress over time")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--sandbox", choices=["auto", "docker", "bwrap"], help="where tools run code (auto)"
@@ -125,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         "samples_per_prompt": args.samples_per_prompt,
         "seed": args.seed,
         "out": args.out,
+        "plot": args.plot,
         "engine.concurrency": args.concurrency,
         "progress": False if args.no_progress else None,
         "sandbox": args.sandbox,
@@ -133,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     stats = anyio.run(run_rollout, config, backend_options={"use_uvloop": True})
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")
+    if config.plot is not None:
+        print(f"plotted its progress in {config.plot}")
     if stats.interrupted:
         print(
             "libra: interrupted; trajectories in flight were recorded as cancelled", file=sys.stderr
@@ -166,6 +172,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
             sandboxes=sandboxes,
         )
         stats = RolloutStats(total=len(jobs))
+        timeline = Timeline()
         with config.out.open("wb") as out, rollout_progress(stats, enabled=config.progress) as tick:
 
             def write(record: TrajectoryRecord) -> None:
@@ -175,15 +182,28 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
 
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signal, group.cancel_scope, stats)
+                if config.plot is not None:
+                    group.start_soon(record_timeline, timeline, scheduler, stats)
                 interval = config.metrics_interval_s
                 if interval is not None and isinstance(scheduler, RoutedPolicy):
                     get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
                     group.start_soon(poll_metrics, scheduler.router, get, interval)
                 await rollout(jobs, engine, on_record=write, stats=stats)
                 group.cancel_scope.cancel()
+    if config.plot is not None:
+        timeline.sample(stats.elapsed_s, scheduler, stats)  # the end state
+        title = f"libra rollout: {env_name}, {len(jobs)} trajectories, {config.scheduler}"
+        plot_timeline(timeline, config.plot, title, _labels(fleet.spec))
     if isinstance(scheduler, CMLFQ) and scheduler.forest and config.scheduler_state:
         scheduler.forest.save(config.scheduler_state)
     return stats
+
+
+def _labels(fleet: FleetSpec) -> dict[str, str]:
+    """Instance names, with their bucket's where there are several buckets."""
+    if len(fleet.buckets) == 1:
+        return {}
+    return {name: f"{name} ({b.name})" for b in fleet.buckets for name in b.instances}
 
 
 def _scheduler(config: RolloutConfig, fleet: FleetSpec) -> Scheduler:

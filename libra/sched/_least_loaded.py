@@ -51,3 +51,6 @@ class LeastLoadedScheduler:
         self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
     ) -> None:
         pass
+
+    def calls_in_flight(self) -> dict[str, int]:
+        return dict(self.in_flight)

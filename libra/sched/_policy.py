@@ -127,6 +127,9 @@ class RoutedPolicy(ABC):
         if track is not None and not failed:
             self.learn(track, output_tokens)
 
+    def calls_in_flight(self) -> dict[str, int]:
+        return {instance.name: instance.in_flight for instance in self.router.instances}
+
     # --------------------------------------------------------------------- helpers
 
     def _track(self, request: RouteRequest) -> Track:

@@ -109,3 +109,7 @@ class Scheduler(Protocol):
         ``failed``: it ended early (cancelled, server gone), so its length says nothing
         about the prompt's; forget it without learning from it."""
         ...
+
+    def calls_in_flight(self) -> dict[str, int]:
+        """Calls routed and not yet released, by endpoint name (what a progress plot shows)."""
+        ...
