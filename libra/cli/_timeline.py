@@ -54,15 +54,21 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, labels: dict[str, 
     import matplotlib.pyplot as plt
 
     figure, (calls, ended) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    seconds = timeline.seconds
+    # Each value holds until the next sample; the last one a little past the end, so the
+    # final state shows.
+    seconds = [*timeline.seconds, timeline.seconds[-1] * 1.01 + 0.1]
+
+    def held(series: list[int]) -> list[int]:
+        return [*series, series[-1]]
+
     for endpoint, series in timeline.calls_in_flight.items():
-        calls.step(seconds, series, where="post", label=labels.get(endpoint, endpoint))
+        calls.step(seconds, held(series), where="post", label=labels.get(endpoint, endpoint))
     calls.set_ylabel("generation calls in flight")
     calls.legend(fontsize=7, loc="upper right")
     colors = {"completed": "tab:green", "truncated": "tab:orange", "failed": "tab:red"}
     ended.stackplot(
         seconds,
-        *(timeline.ended[status] for status in _STATUSES),
+        *(held(timeline.ended[status]) for status in _STATUSES),
         labels=_STATUSES,
         colors=[colors[status] for status in _STATUSES],
         step="post",
@@ -71,7 +77,8 @@ def plot_timeline(timeline: Timeline, path: Path, title: str, labels: dict[str, 
     ended.set_ylabel("trajectories ended")
     ended.set_xlabel("seconds")
     ended.legend(fontsize=7, loc="upper left")
-    rewards = [(s, r) for s, r in zip(seconds, timeline.reward_mean, strict=True) if r is not None]
+    samples = zip(timeline.seconds, timeline.reward_mean, strict=True)
+    rewards = [(second, mean) for second, mean in samples if mean is not None]
     if rewards:
         reward = ended.twinx()
         reward.plot(*zip(*rewards, strict=True), color="black", linewidth=1.0)
