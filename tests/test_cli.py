@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -25,6 +26,12 @@ from libra.engine import TrajectoryRecord
 from libra.sched import PrefixForest
 from libra.serving import VLLMServer
 from tests._helpers import assert_tokens_consistent
+
+if TYPE_CHECKING:
+    import docker
+
+
+DEMO = Path(__file__).parents[1] / "examples" / "demo.toml"
 
 
 def test_rollout_writes_one_exact_record_per_trajectory(
@@ -104,7 +111,7 @@ def test_serve_config_precedence(tmp_path: Path) -> None:
 
 
 def test_the_demo_config_is_valid() -> None:
-    config = load_config(RolloutConfig, Path(__file__).parents[1] / "examples" / "demo.toml")
+    config = load_config(RolloutConfig, DEMO)
     assert (config.env, config.server, config.n) == ("python_math", "embedded", 16)
     assert config.engine.on_max_tokens == "continue"
 
@@ -188,8 +195,9 @@ def test_a_fleet_and_a_server_are_exclusive(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_embedded_reuses_a_running_libra_serve(
+def test_the_demo_runs_on_a_running_libra_serve_with_docker_tools(
     real_server: VLLMServer,
+    docker_client: docker.DockerClient,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -198,12 +206,15 @@ def test_embedded_reuses_a_running_libra_serve(
     (tmp_path / "run").mkdir()
     state = {"url": real_server.url, "pid": os.getpid()}  # as `libra serve` records itself
     (tmp_path / "run" / "embedded.json").write_text(json.dumps(state))
-    out = tmp_path / "calc.jsonl"
-    args = ["rollout", "--env", "calc", "--server", "embedded", "-n", "2", "--out", str(out)]
-    args += ["--no-progress", "--set", "engine.sampling.max_tokens_per_turn=32"]
+    out, plot = tmp_path / "demo.jsonl", tmp_path / "demo.png"
+    args = ["rollout", "--config", str(DEMO), "-n", "4", "--out", str(out), "--plot", str(plot)]
+    args += ["--sandbox", "docker", "--no-progress", "--set", "engine.max_turns=3"]
+    args += ["--set", "engine.sampling.max_tokens_per_turn=128"]
     assert main(args) == 0
     lines = out.read_bytes().splitlines()
     records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
-    assert len(records) == 2
+    assert len(records) == 4 and all(r.status != "failed" for r in records), records
     assert all(r.tokens == "exact" and r.endpoints[0] == "embedded" for r in records)
-    assert "starting vLLM" not in capsys.readouterr().err  # no second server
+    assert any(r.tool_returns for r in records)  # programs ran in containers
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "starting vLLM" not in capsys.readouterr().err  # it reused the running server
