@@ -9,6 +9,7 @@ it says.
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,6 +18,18 @@ from typing import Any, TypeVar
 import pydantic
 
 C = TypeVar("C", bound=pydantic.BaseModel)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, settings: str, example: str) -> None:
+    """``--config FILE`` and ``--set KEY=VALUE``, the same on every command."""
+    parser.add_argument("--config", type=Path, help=f"TOML file of {settings}")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override any of them, e.g. {example}",
+    )
 
 
 class ConfigError(ValueError):

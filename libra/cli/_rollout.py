@@ -12,7 +12,7 @@ import anyio
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
-from libra.cli._config import ConfigError, load_config
+from libra.cli._config import ConfigError, add_config_arguments, load_config
 from libra.cli._fleet import open_fleet
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._sandboxes import SandboxKind, open_sandboxes
@@ -107,14 +107,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--sandbox", choices=["auto", "docker", "bwrap"], help="where tools run code (auto)"
     )
-    parser.add_argument("--config", type=Path, help="TOML file with these settings")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any setting, e.g. engine.max_turns=4",
-    )
+    add_config_arguments(parser, "these settings and more", "engine.max_turns=4")
     parser.set_defaults(run=run)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from libra import libra_home
-from libra.cli._config import load_config
+from libra.cli._config import add_config_arguments, load_config
 from libra.serving import (
     EMBEDDED_MODEL_NAME,
     VLLMServer,
@@ -50,14 +50,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action=argparse.BooleanOptionalAction,
         help="skip torch.compile and CUDA graphs (default: on, for quick starts on CPU)",
     )
-    serve.add_argument("--config", type=Path, help="TOML file of VLLMServerConfig settings")
-    serve.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any VLLMServerConfig setting, e.g. tensor_parallel_size=2",
-    )
+    add_config_arguments(serve, "VLLMServerConfig settings", "tensor_parallel_size=2")
     serve.set_defaults(run=run_serve)
 
 
