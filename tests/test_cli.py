@@ -20,6 +20,7 @@ from libra.cli import main
 from libra.cli._config import ConfigError, load_config
 from libra.cli._fleet import FleetError
 from libra.cli._rollout import RolloutConfig, run_rollout
+from libra.cli._sandboxes import beside
 from libra.cli._serve import server_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
@@ -218,3 +219,22 @@ def test_the_demo_runs_on_a_running_libra_serve_with_docker_tools(
     assert any(r.tool_returns for r in records)  # programs ran in containers
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert "starting vLLM" not in capsys.readouterr().err  # it reused the running server
+
+
+def test_beside_waits_for_both_and_raises_the_main_error_as_itself() -> None:
+    warmed: list[str] = []
+
+    async def warm() -> None:
+        await anyio.sleep(0.05)
+        warmed.append("containers")
+
+    async def open_servers() -> int:
+        return 7
+
+    assert anyio.run(beside, open_servers, warm) == 7 and warmed == ["containers"]
+
+    async def no_servers() -> int:
+        raise FleetError("no servers")
+
+    with pytest.raises(FleetError, match="no servers"):  # and the endless side is cancelled
+        anyio.run(beside, no_servers, anyio.sleep_forever)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from libra.cli._config import ConfigError, add_config_arguments, load_config
 from libra.cli._fleet import open_fleet
 from libra.cli._progress import rollout_progress, summary
-from libra.cli._sandboxes import SandboxKind, open_sandboxes
+from libra.cli._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.emulation import EmulatorConfig
 from libra.engine import (
@@ -147,17 +148,23 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
         env_cls, env_name, config.n, samples_per_prompt=config.samples_per_prompt, seed=config.seed
     )
     encoder = msgspec.json.Encoder()
-    async with (
-        open_fleet(
+    async with AsyncExitStack() as stack:
+        sandboxes = await stack.enter_async_context(
+            open_sandboxes(env_cls, config.sandbox, config.sandbox_pool)
+        )
+        opening = open_fleet(
             config.server,
             fleet=config.fleet,
             model=config.model,
             transport=config.transport,
             max_connections=config.max_connections,
             emulator=config.emulator,
-        ) as fleet,
-        open_sandboxes(env_cls, config.sandbox, config.sandbox_pool) as sandboxes,
-    ):
+        )
+        # Containers start (seconds each, cold) while vLLM does, not after it.
+        warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
+        fleet = await beside(
+            partial(stack.enter_async_context, opening), partial(warm_up, sandboxes, env_cls, warm)
+        )
         engine = Engine(
             OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
             scheduler := _scheduler(config, fleet.spec),

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager, suppress
+from typing import Any, Literal, TypeVar
+
+import anyio
 
 from libra.envs import Env, SandboxError, SandboxProvider
 from libra.sandbox import BwrapSandboxProvider, DockerSandboxProvider, connect_docker
 
 SandboxKind = Literal["auto", "docker", "bwrap"]
+T = TypeVar("T")
 
 
 @asynccontextmanager
@@ -37,3 +40,31 @@ def _docker_reachable() -> bool:
     except SandboxError:
         return False
     return True
+
+
+async def warm_up(provider: SandboxProvider | None, env_cls: type[Env], count: int) -> None:
+    """Start ``count`` of the env's containers ahead of its trajectories (Docker only: a
+    bubblewrap jail starts in milliseconds). An optimisation: a sandbox that cannot start
+    fails the trajectory that asks for it, with the reason, not this."""
+    if isinstance(provider, DockerSandboxProvider) and env_cls.sandbox_spec is not None:
+        with suppress(SandboxError):
+            await provider.prewarm(env_cls.sandbox_spec, count)
+
+
+async def beside(
+    main: Callable[[], Awaitable[T]], side: Callable[[], Coroutine[Any, Any, None]]
+) -> T:
+    """``main()`` while ``side()`` runs too; returns when both are done. ``main``'s error
+    comes out as itself (``side`` must not raise), not inside an exception group."""
+    outcome: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(side)
+        try:
+            outcome.append(await main())
+        except Exception as error:
+            failure.append(error)
+            group.cancel_scope.cancel()  # no use warming up for a run that cannot start
+    if failure:
+        raise failure[0]
+    return outcome[0]
