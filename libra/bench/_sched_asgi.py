@@ -11,31 +11,27 @@ engine's client and everything above it are unchanged.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import anyio
 
-from libra.engine import TransportError
+from libra.engine import BaseTransport, TransportError
 
 ASGIApp = Any  # an ASGI 3 callable (scope, receive, send)
 Message = MutableMapping[str, Any]
 
 
-class ASGITransport:
+class ASGITransport(BaseTransport):
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
-    ) -> tuple[int, bytes]:
-        return await self._request("POST", url, body, headers, timeout_s)
-
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        return await self._request("GET", url, b"", {}, timeout_s)
-
     async def _request(
-        self, method: str, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout_s: float,
     ) -> tuple[int, bytes]:
         scheme, _, rest = url.partition("://")
         host, slash, path = rest.partition("/")
@@ -53,7 +49,7 @@ class ASGITransport:
             "server": (host, 80),
             "client": ("127.0.0.1", 1),
         }
-        exchange = _Exchange(body)
+        exchange = _Exchange(body or b"")
         try:
             with anyio.fail_after(timeout_s):
                 await self.app(scope, exchange.receive, exchange.send)
@@ -68,15 +64,7 @@ class ASGITransport:
         return exchange.status, b"".join(exchange.chunks)
 
     async def aclose(self) -> None:
-        pass
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
+        pass  # nothing held: the app is the caller's
 
 
 class _Exchange:

@@ -10,6 +10,7 @@ from libra.engine._client import (
 from libra.engine._config import EngineConfig, SamplingConfig
 from libra.engine._http import (
     AiohttpTransport,
+    BaseTransport,
     HTTPTransport,
     HttpxTransport,
     TransportError,
@@ -28,6 +29,7 @@ from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
 
 __all__ = [
     "AiohttpTransport",
+    "BaseTransport",
     "Engine",
     "EngineConfig",
     "Generation",

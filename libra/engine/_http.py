@@ -47,8 +47,9 @@ class HTTPTransport(Protocol):
     ) -> None: ...
 
 
-class _Transport(ABC):
-    """What the transports below share: ``post``/``get`` over one ``_request``."""
+class BaseTransport(ABC):
+    """What transports share: ``post``/``get`` over one ``_request``, and the context
+    manager; an implementation writes ``_request`` and ``aclose``."""
 
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
@@ -80,7 +81,7 @@ class _Transport(ABC):
         await self.aclose()
 
 
-class AiohttpTransport(_Transport):
+class AiohttpTransport(BaseTransport):
     """``max_connections`` bounds the sockets to all servers together; callers beyond it
     wait for a free connection instead of overrunning the servers' accept backlogs."""
 
@@ -116,7 +117,7 @@ class AiohttpTransport(_Transport):
             await self._session.close()
 
 
-class HttpxTransport(_Transport):
+class HttpxTransport(BaseTransport):
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
 

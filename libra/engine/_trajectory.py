@@ -150,7 +150,7 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
         for call in calls:
             result = await _run_tool(env, call, engine.config.tool_timeout_s or env.tool_timeout_s)
             t.add_tool_return(result)
-            engine.scheduler.on_tool_return(t.id, env.signal(result))
+            engine.scheduler.on_tool_return(t.job.id, env.signal(result))
         if env.done:
             raise _End("completed", "env_done")
 
@@ -183,8 +183,8 @@ async def _generate(t: _Trajectory, engine: Engine) -> Generation:
 
 def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
     request = RouteRequest(
-        t.id,
-        t.task_id,
+        t.job.id,
+        t.job.task_id,
         t.turns,
         len(t.tokens),
         t.last_endpoint,
@@ -238,7 +238,7 @@ def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route) -> TurnSa
         raise _End("truncated", "max_context_tokens")
     seed = config.sampling.seed
     if seed is not None:  # reproducible, yet different for every sample and turn
-        seed = zlib.crc32(f"{seed}/{t.id}/{t.turns}".encode())
+        seed = zlib.crc32(f"{seed}/{t.job.id}/{t.turns}".encode())
     max_tokens = min(room, config.sampling.max_tokens_per_turn)
     return TurnSampling(max_tokens, seed, route.priority, t.stop_strings)
 
@@ -335,8 +335,8 @@ async def _close(env: Env) -> None:
 async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> TrajectoryRecord:
     """Release the env, let the scheduler forget the trajectory, hand out its record."""
     await _close(env)
-    failed = t.status == "failed"
-    engine.scheduler.on_finish(t.id, t.task_id, output_tokens=t.output_tokens, failed=failed)
+    job, failed = t.job, t.status == "failed"
+    engine.scheduler.on_finish(job.id, job.task_id, output_tokens=t.output_tokens, failed=failed)
     t.timings.total_s = anyio.current_time() - started
     record = t.record()
     if engine.on_record is not None:
@@ -363,7 +363,6 @@ class _Trajectory:
 
     def __init__(self, job: TrajectoryJob) -> None:
         self.job = job
-        self.id, self.task_id = job.id, job.task_id  # formatted once: read on every turn
         self.messages: list[openai.Message] = []
         self.tools: list[dict[str, Any]] = []  # sent with requests; [] once in the prompt
         self.parser: ToolCallParser = HermesToolCallParser()
@@ -453,9 +452,9 @@ class _Trajectory:
     def record(self) -> TrajectoryRecord:
         exact = self.tokens.source != "none"
         return TrajectoryRecord(
-            id=self.id,
+            id=self.job.id,
             env=self.job.env_name,
-            task_id=self.task_id,
+            task_id=self.job.task_id,
             sample=self.job.sample,
             status=self.status,
             stop_reason=self.stop_reason,
