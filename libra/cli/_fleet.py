@@ -36,10 +36,6 @@ class Fleet:
     http: HTTPTransport
     spec: FleetSpec  # the instances (with the model each serves) and their buckets
 
-    @property
-    def endpoints(self) -> list[Endpoint]:
-        return [instance.endpoint() for instance in self.spec.instances]
-
 
 class _Models(msgspec.Struct):
     data: list[dict[str, object]]
