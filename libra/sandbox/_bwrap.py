@@ -34,7 +34,6 @@ import posixpath
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import time
@@ -48,6 +47,7 @@ import anyio.abc
 import anyio.to_thread
 
 from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec, check_exec_args
+from libra.sandbox._beneath import read_beneath, write_beneath
 from libra.sandbox._common import CappedOutput, process_start_time
 from libra.sandbox._images import rootfs_dir
 
@@ -58,7 +58,6 @@ _log = logging.getLogger(__name__)
 INSIDE_UID = 65534  # what commands see as their uid and gid, as in the Docker sandboxes
 _TMP_SIZE_MB = 16
 _KILL_DRAIN_S = 1.0  # after killing a timed-out command, how long its exit may take to show
-_READ_FILE_LIMIT = 256 * 1024 * 1024
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Top-level entries of a root filesystem that commands need; anything else stays invisible.
@@ -207,72 +206,6 @@ def _mount_points() -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Host-side file access that a command's symlinks cannot redirect
-
-
-def _open_parent(root: Path, parts: Sequence[str], *, create: bool) -> int:
-    """An fd of the directory holding ``parts[-1]``, never following a symlink on the way."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    for part in parts[:-1]:
-        fd = _enter(fd, part, create=create)
-    return fd
-
-
-def _enter(parent_fd: int, name: str, *, create: bool) -> int:
-    """Open directory ``name`` under ``parent_fd`` (made with mode 1777 if missing); closes
-    ``parent_fd``."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        try:
-            return os.open(name, flags, dir_fd=parent_fd)
-        except FileNotFoundError:
-            if not create:
-                raise
-        os.mkdir(name, 0o700, dir_fd=parent_fd)
-        child = os.open(name, flags, dir_fd=parent_fd)
-        os.fchmod(child, 0o1777)
-        return child
-    finally:
-        os.close(parent_fd)
-
-
-def _write_beneath(root: Path, parts: Sequence[str], data: bytes, mode: int) -> None:
-    dir_fd = _open_parent(root, parts, create=True)
-    try:
-        temporary = f".{parts[-1]}.libra-{secrets.token_hex(4)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        file_fd = os.open(temporary, flags, 0o600, dir_fd=dir_fd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(file_fd, view) :]
-            os.fchmod(file_fd, mode)
-        finally:
-            os.close(file_fd)
-        # rename replaces whatever a command left at the name, a symlink included.
-        os.rename(temporary, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _read_beneath(root: Path, parts: Sequence[str]) -> bytes:
-    dir_fd = _open_parent(root, parts, create=False)
-    try:
-        # O_NONBLOCK: a FIFO planted by a command must not hang the env.
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        file_fd = os.open(parts[-1], flags, dir_fd=dir_fd)
-    finally:
-        os.close(dir_fd)
-    with os.fdopen(file_fd, "rb") as handle:
-        info = os.fstat(file_fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SandboxError(f"{parts[-1]!r} is not a regular file")
-        if info.st_size > _READ_FILE_LIMIT:
-            raise SandboxError(f"{parts[-1]!r} is larger than {_READ_FILE_LIMIT} bytes")
-        return handle.read(_READ_FILE_LIMIT)
-
-
-# ---------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -365,7 +298,7 @@ class BwrapSandbox:
         """Write ``data`` (owned by the env's user, with ``mode``) under the work dir or /tmp."""
         root, parts = self._host_location(path)
         try:
-            await anyio.to_thread.run_sync(_write_beneath, root, parts, data, mode & 0o7777)
+            await anyio.to_thread.run_sync(write_beneath, root, parts, data, mode & 0o7777)
         except OSError as error:
             raise SandboxError(f"cannot write {path!r} in the sandbox: {error}") from error
 
@@ -373,7 +306,7 @@ class BwrapSandbox:
         """The bytes of a file under the work dir or /tmp (symlinks are refused)."""
         root, parts = self._host_location(path)
         try:
-            return await anyio.to_thread.run_sync(_read_beneath, root, parts)
+            return await anyio.to_thread.run_sync(read_beneath, root, parts)
         except FileNotFoundError:
             raise FileNotFoundError(path) from None
         except OSError as error:
