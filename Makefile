@@ -47,6 +47,7 @@ lint: setup
 	$(BIN)/ruff check libra envs_contrib tests
 	$(BIN)/ruff format --check libra envs_contrib tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 unit: setup-serving setup-sandbox
 	$(BIN)/python -m pytest -q

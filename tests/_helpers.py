@@ -22,7 +22,8 @@ from libra.emulation import (
 )
 from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_transport
 from libra.envs import Sandbox
-from libra.sched import Endpoint, LeastLoadedScheduler
+from libra.fleet import Endpoint
+from libra.sched.policies import LeastLoadedScheduler
 
 MODEL = "libra-emulated"
 tokenizer = ByteTokenizer()

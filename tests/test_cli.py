@@ -17,15 +17,13 @@ import pytest
 
 from envs_contrib.calc import Calc
 from libra.cli import main
-from libra.cli._config import ConfigError, load_config
-from libra.cli._fleet import FleetError
-from libra.cli._rollout import RolloutConfig, run_rollout
-from libra.cli._sandboxes import beside
-from libra.cli._serve import server_config
+from libra.cli._rollout import run_rollout
+from libra.config import ConfigError, load_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
-from libra.sched import PrefixForest
-from libra.serving import VLLMServer
+from libra.launch import FleetError, RolloutConfig, beside
+from libra.sched.policies import PrefixForest
+from libra.serving import VLLMServer, server_config
 from tests._helpers import assert_tokens_consistent
 
 if TYPE_CHECKING:

@@ -25,7 +25,8 @@ from libra.engine import (
     rollout,
 )
 from libra.engine._client import ProbeCache
-from libra.sched import Endpoint, LeastLoadedScheduler
+from libra.fleet import Endpoint
+from libra.sched.policies import LeastLoadedScheduler
 from tests._helpers import MODEL, assert_tokens_consistent, emulated_engine
 
 pytestmark = pytest.mark.anyio

@@ -20,8 +20,9 @@ from libra.engine import (
     jobs_for,
     rollout,
 )
+from libra.fleet import Endpoint
 from libra.sandbox import DockerSandboxProvider
-from libra.sched import Endpoint, LeastLoadedScheduler
+from libra.sched.policies import LeastLoadedScheduler
 from libra.serving import VLLMServer
 from tests.conftest import REAL_MODEL_NAME
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from libra import openai
-from libra.envs import HermesToolCallParser, ToolCall
-from libra.envs._tool_calls import from_openai
-from libra.envs._tool_return import size_class, status_of_output
+from libra.envs import HermesToolCallParser, ToolCall, from_openai
+from libra.signals import size_class, status_of_output
 
 parse = HermesToolCallParser().parse
 

@@ -17,11 +17,11 @@ from libra.bench._sched import (
     run_sched_bench,
     signal_of,
 )
-from libra.bench._sched_asgi import ASGITransport
-from libra.bench._sched_env import EnvClasses, WorkloadScript, tool_output
 from libra.bench._sched_fleet import load_fleet
 from libra.cli import main
 from libra.emulation import EmulatorConfig, create_app
+from libra.emulation.workloads import ScriptBook, load_workload
+from libra.emulation.workloads._env import EnvClasses, WorkloadScript, tool_output
 from libra.engine import (
     Engine,
     EngineConfig,
@@ -31,9 +31,10 @@ from libra.engine import (
     TrajectoryRecord,
     rollout,
 )
-from libra.envs import size_class
-from libra.sched import Endpoint, LeastLoadedScheduler
-from libra.workloads import ScriptBook, load_workload
+from libra.engine._asgi import ASGITransport
+from libra.fleet import Endpoint
+from libra.sched.policies import LeastLoadedScheduler
+from libra.signals import size_class
 
 from .test_sched_workloads import USER_WORKLOAD
 
@@ -99,7 +100,7 @@ def test_the_env_and_the_emulated_model_play_the_same_script(tiny: Path) -> None
 
 
 def test_a_failed_check_reads_as_a_failure_of_the_scripted_size() -> None:
-    from libra.workloads import ScriptTurn
+    from libra.emulation.workloads import ScriptTurn
 
     failed = ScriptTurn(500, "run_sql", "failure", 1200, 1.0)
     content = tool_output(failed)

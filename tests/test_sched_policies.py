@@ -6,29 +6,26 @@ from collections.abc import Sequence
 
 import pytest
 
-from libra.sched import (
+from libra.fleet import FleetSpec
+from libra.sched import Route, Router, RouteRequest, Scheduler
+from libra.sched.policies import (
     CMLFQ,
     PLAS,
     POLICIES,
     CMLFQConfig,
-    FleetSpec,
     LeastLoadedScheduler,
     LengthPrediction,
     Oracle,
     RoundRobin,
-    Route,
     RoutedPolicy,
-    Router,
-    RouteRequest,
-    Scheduler,
     SortedLength,
     StaticPrompt,
-    ToolSignal,
     TreeConfig,
     make_policy,
     reference_cost,
     reference_simple,
 )
+from libra.signals import ToolSignal
 
 from .test_sched_router import fleet
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from libra.sched import PrefixForest, PrefixTree, Track, TreeConfig, TreePredictor
+from libra.sched.policies import PrefixForest, PrefixTree, Track, TreeConfig, TreePredictor
 
 FAIL = "run_tests:large:failure"
 PASS = "run_tests:small:success"

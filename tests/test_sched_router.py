@@ -8,22 +8,19 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from libra.bench._sched_asgi import ASGITransport
 from libra.emulation import EmulatorConfig, LatencyModel, create_app
+from libra.engine._asgi import ASGITransport
+from libra.fleet import BucketSpec, FleetSpec, InstanceSpec, StepCost
 from libra.sched import (
-    BucketSpec,
-    FleetSpec,
-    InstanceSpec,
     NoEndpointAvailable,
     Router,
     RouteRequest,
     SignalMap,
     SignalRule,
-    StepCost,
-    ToolSignal,
     parse_metrics,
     poll_once,
 )
+from libra.signals import ToolSignal
 
 
 class Clock:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from libra.bench._sched_fleet import load_fleet
-from libra.workloads import (
+from libra.emulation.workloads import (
     ScriptBook,
     TrajectoryScript,
     Workload,
@@ -17,7 +17,7 @@ from libra.workloads import (
     load_workload,
 )
 
-# Written from libra/workloads/README.md alone: a data-analysis agent that inspects
+# Written from libra/emulation/workloads/README.md alone: a data-analysis agent that inspects
 # tables, then runs a query whose result it checks; a wrong query returns an error.
 USER_WORKLOAD = """
 name = "data-agent"
@@ -174,7 +174,7 @@ def test_an_invalid_fleet_is_refused(tmp_path: Path) -> None:
 
 
 def _shipped_fleet() -> Path:
-    from libra.workloads import package_file
+    from libra.emulation.workloads import package_file
 
     return package_file("a100-qwen3-14b-2x4", folder="fleets")
 

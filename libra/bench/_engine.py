@@ -36,7 +36,8 @@ from libra.engine import (
     rollout,
 )
 from libra.envs import Env, tool
-from libra.sched import Endpoint, LeastLoadedScheduler
+from libra.fleet import Endpoint
+from libra.sched.policies import LeastLoadedScheduler
 
 MAX_CONNECTIONS = 1024  # the same pool bound for the engine and both bare clients
 HTTPX_BUDGET_S = 15.0

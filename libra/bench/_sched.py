@@ -2,8 +2,7 @@
 
 For each policy, one RL step of the workload runs through the real engine, HTTP client
 and policy against an in-process fleet of emulated vLLM servers (continuous batching
-under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock
-(DESIGN.md §5): a step that would take many GPU-minutes runs in seconds, and the same
+under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock: a step that would take many GPU-minutes runs in seconds, and the same
 seed gives the same numbers. Before the step, each policy is shown the protocol calls
 of the workload's earlier steps (``history_steps``), as a running system would have
 seen them; the oracles are told every trajectory's true length instead.
@@ -31,12 +30,21 @@ from typing import Any
 import anyio
 from trio.testing import MockClock
 
-from libra.bench._sched_asgi import ASGITransport
-from libra.bench._sched_env import EnvClasses, WorkloadScript
 from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
 from libra.bench._sched_report import plot, print_json, print_table
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation.workloads import (
+    EnvClasses,
+    ScriptBook,
+    ScriptTurn,
+    TrajectoryScript,
+    Workload,
+    WorkloadError,
+    WorkloadScript,
+    load_workload,
+)
 from libra.engine import (
+    ASGITransport,
     Engine,
     EngineConfig,
     OpenAIClient,
@@ -45,28 +53,17 @@ from libra.engine import (
     TrajectoryRecord,
     rollout,
 )
-from libra.envs import size_class
-from libra.sched import (
+from libra.sched import RouteRequest, Scheduler
+from libra.sched.policies import (
     DEFAULT_POLICIES,
     POLICIES,
     CMLFQConfig,
     Oracle,
     OracleFinish,
     RoutedPolicy,
-    RouteRequest,
-    Scheduler,
-    ToolSignal,
-    ToolStatus,
     make_policy,
 )
-from libra.workloads import (
-    ScriptBook,
-    ScriptTurn,
-    TrajectoryScript,
-    Workload,
-    WorkloadError,
-    load_workload,
-)
+from libra.signals import ToolSignal, ToolStatus, size_class
 
 MODEL = "libra-emulated"
 _FOREVER_S = 1e7  # request and trajectory limits: a benchmark step never hits them

@@ -1,6 +1,6 @@
 """Fleet files for the scheduling benchmark: GPUs, model, instances, buckets.
 
-A fleet file (TOML; shipped ones live in ``libra/workloads/fleets/``) gives the GPU and
+A fleet file (TOML; shipped ones live in ``libra/emulation/workloads/fleets/``) gives the GPU and
 model constants, the instances on each node by TP degree, and the buckets. From them
 :class:`FleetFile` derives both halves of the benchmark: each emulated server's
 :class:`~libra.emulation.LatencyModel` (the "truth" the emulator plays) and the
@@ -13,58 +13,31 @@ from __future__ import annotations
 from typing import Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
+from libra.config import Section
 from libra.emulation import LatencyModel
-from libra.sched import BucketSpec, FleetSpec, InstanceSpec, StepCost
-from libra.workloads import WorkloadError, package_file, read_toml
+from libra.emulation.workloads import WorkloadError, package_file, read_toml
+from libra.fleet import BucketSpec, FleetSpec, Gpu, InstanceSpec, Model, Roofline, StepCost
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Gpu(_Section):
-    name: str = ""
-    memory_bytes: PositiveFloat
-    hbm_bytes_per_s: PositiveFloat
-    dense_bf16_flops: PositiveFloat
-    bandwidth_utilization: float = Field(0.85, gt=0, le=1)
-    prefill_mfu: float = Field(0.55, gt=0, le=1)
-    decode_mfu: float = Field(0.55, gt=0, le=1)
-    allreduce_s: float = Field(5e-6, ge=0)
-    step_overhead_s: float = Field(1e-3, ge=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    workspace_bytes: float = Field(1e9, ge=0)
-    kv_fragmentation: float = Field(0.04, ge=0, lt=1)
-
-
-class Model(_Section):
-    name: str = ""
-    parameters: PositiveFloat
-    layers: PositiveInt
-    kv_heads: PositiveInt
-    head_dim: PositiveInt
-    dtype_bytes: PositiveInt = 2
-
-
-class Serving(_Section):
+class Serving(Section):
     max_num_seqs: PositiveInt = 256
     max_queue_length: int = Field(3, ge=0)
     prefix_caching: bool = True
 
 
-class Node(_Section):
+class Node(Section):
     instances: list[PositiveInt] = Field(min_length=1, description="TP degree of each")
 
 
-class BucketFile(_Section):
+class BucketFile(Section):
     name: str
     tp: list[PositiveInt] = Field(min_length=1, description="TP degrees of its instances")
     max_tokens: PositiveInt
 
 
-class InstancePlan(_Section):
+class InstancePlan(Section):
     """One instance of the fleet: where it runs, its TP and its bucket."""
 
     name: str
@@ -73,7 +46,7 @@ class InstancePlan(_Section):
     bucket: str
 
 
-class FleetFile(_Section):
+class FleetFile(Section):
     name: str
     description: str = ""
     gpu: Gpu
@@ -113,40 +86,20 @@ class FleetFile(_Section):
 
     # --------------------------------------------------------------- the cost model
 
-    def kv_bytes_per_token_per_gpu(self, tp: int) -> float:
-        """KV heads are split across the TP ranks (replicated when there are fewer)."""
-        model = self.model
-        heads = max(1, model.kv_heads // tp)
-        return 2.0 * model.layers * heads * model.head_dim * model.dtype_bytes
+    @property
+    def roofline(self) -> Roofline:
+        return Roofline(self.gpu, self.model)
 
     def kv_capacity_tokens(self, tp: int) -> int:
-        gpu, model = self.gpu, self.model
-        weights_per_gpu = model.parameters * model.dtype_bytes / tp
-        free = gpu.memory_bytes * gpu.gpu_memory_utilization - weights_per_gpu
-        free -= gpu.workspace_bytes
-        return int(free / self.kv_bytes_per_token_per_gpu(tp) * (1 - gpu.kv_fragmentation))
+        return self.roofline.kv_capacity_tokens(tp)
 
     def step_cost(self, tp: int) -> StepCost:
-        gpu, model = self.gpu, self.model
-        bandwidth = gpu.hbm_bytes_per_s * gpu.bandwidth_utilization
-        weights_per_gpu = model.parameters * model.dtype_bytes / tp
-        flops_per_token = 2.0 * model.parameters
-        allreduce = 2 * model.layers * gpu.allreduce_s if tp > 1 else 0.0
-        return StepCost(
-            prefill_s_per_token=flops_per_token / (tp * gpu.dense_bf16_flops * gpu.prefill_mfu),
-            step_base_s=gpu.step_overhead_s + weights_per_gpu / bandwidth + allreduce,
-            step_per_seq_s=flops_per_token / (tp * gpu.dense_bf16_flops * gpu.decode_mfu),
-            step_per_ctx_token_s=self.kv_bytes_per_token_per_gpu(tp) / bandwidth,
-        )
+        return self.roofline.step_cost(tp)
 
     def latency(self, tp: int) -> LatencyModel:
         """The emulated server of a TP``tp`` instance."""
-        cost = self.step_cost(tp)
         return LatencyModel(
-            prefill_s_per_token=cost.prefill_s_per_token,
-            step_base_s=cost.step_base_s,
-            step_per_seq_s=cost.step_per_seq_s,
-            step_per_ctx_token_s=cost.step_per_ctx_token_s,
+            **self.step_cost(tp).model_dump(),
             max_num_seqs=self.serving.max_num_seqs,
             kv_capacity_tokens=self.kv_capacity_tokens(tp),
         )

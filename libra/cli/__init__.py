@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from libra.cli import _bench, _images, _rollout, _serve
-from libra.cli._config import ConfigError
-from libra.cli._fleet import FleetError
+from libra.config import ConfigError
 from libra.envs import SandboxError, UnknownEnvError, available_envs
+from libra.launch import FleetError
 from libra.serving import ModelError, VLLMServerError
 
 # Errors a user can fix from the message alone: print one line, not a traceback.

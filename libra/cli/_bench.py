@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from libra.bench._engine import as_json, run_engine_bench
+from libra.bench._sandbox import bench_sandbox
 from libra.bench._sched import add_arguments as add_sched_arguments
 from libra.bench._sched import main_sched
-from libra.sandbox import bench_sandbox
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

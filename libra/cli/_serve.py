@@ -12,20 +12,16 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-import httpx
-
-from libra import libra_home
-from libra.cli._config import add_config_arguments, load_config
+from libra.cli._config import add_config_arguments
 from libra.serving import (
     EMBEDDED_MODEL_NAME,
     VLLMServer,
-    VLLMServerConfig,
     prepare_model,
     resolve_model,
+    server_config,
+    state_file,
 )
 
 
@@ -54,15 +50,6 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     serve.set_defaults(run=run_serve)
 
 
-def server_config(
-    file: Path | None = None, flags: Mapping[str, Any] | None = None, overrides: Sequence[str] = ()
-) -> VLLMServerConfig:
-    """Libra's defaults for the vLLM servers it starts (a context that fits agentic turns,
-    priority scheduling for the scheduler), under a TOML file, flags and ``--set``."""
-    defaults = {"max_model_len": 8192, "scheduling_policy": "priority"}
-    return load_config(VLLMServerConfig, file, flags, overrides, defaults=defaults)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     name = EMBEDDED_MODEL_NAME if args.model == "embedded" else Path(model).name
@@ -82,28 +69,11 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     with VLLMServer(model, served_model_name=name, config=config) as server:
         if args.model == "embedded":
-            _state_file().write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
+            state_file().write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
         print(f"serving {name} at {server.url} (log: {server.log_file}); Ctrl-C stops it")
         try:
             while not stop.wait(1.0) and server.is_running:
                 pass
         finally:
-            _state_file().unlink(missing_ok=True)
+            state_file().unlink(missing_ok=True)
     return 0
-
-
-def running_embedded_url() -> str | None:
-    """The URL of a healthy ``libra serve`` of the embedded model, if one runs."""
-    try:
-        state = json.loads(_state_file().read_text())
-        os.kill(int(state["pid"]), 0)
-        healthy = httpx.get(state["url"] + "/health", timeout=2).status_code == 200
-    except (OSError, ValueError, KeyError, httpx.HTTPError):
-        return None
-    return str(state["url"]) if healthy else None
-
-
-def _state_file() -> Path:
-    run_dir = libra_home() / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir / "embedded.json"

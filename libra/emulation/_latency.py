@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from libra.fleet import StepCost
 
 # Figures behind LatencyModel's defaults: one H100 SXM 80 GB serving a Qwen3-4B-sized model
-# in bf16, derived from datasheet numbers (DESIGN.md §5), not measured. Illustrative until
+# in bf16, derived from datasheet numbers, not measured. Illustrative until
 # the scheduler work calibrates them.
 _HBM_BYTES_PER_S = 3.35e12 * 0.85  # 3.35 TB/s at ~85% achieved bandwidth
 _DENSE_FLOPS = 990e12 * 0.55  # 990 TFLOP/s dense bf16 at ~55% utilisation in prefill
@@ -42,8 +44,9 @@ _KV_BUDGET_BYTES = 80e9 * 0.9 - 2 * _PARAMETERS - 4e9  # gpu_memory_utilization 
 #                                                       - ~4 GB activations and graphs
 
 
-class LatencyModel(BaseModel):
-    """Cost model of one emulated inference server (times in seconds, sizes in tokens).
+class LatencyModel(StepCost):
+    """Cost model of one emulated inference server (times in seconds, sizes in tokens):
+    a :class:`~libra.fleet.StepCost` with defaults, plus the batch and KV-cache limits.
 
     A request spends ``prefill_s_per_token * prompt_tokens`` in prefill, then joins the
     running batch; each decode step of a batch of ``B`` sequences holding ``C`` context
@@ -54,8 +57,6 @@ class LatencyModel(BaseModel):
     step, KV cache read per context token, prefill compute-bound); they are derived from
     datasheet figures and are illustrative, not measured.
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     prefill_s_per_token: float = Field(
         default=round(2 * _PARAMETERS / _DENSE_FLOPS, 7),
@@ -104,18 +105,6 @@ class LatencyModel(BaseModel):
     def is_zero(self) -> bool:
         """True when no request ever waits (no time costs, no limit a server could hit)."""
         return self == LatencyModel.zero()
-
-    def prefill_time(self, prompt_tokens: int) -> float:
-        """Seconds of prefill for a prompt of ``prompt_tokens``."""
-        return self.prefill_s_per_token * prompt_tokens
-
-    def step_time(self, batch_size: int, context_tokens: int) -> float:
-        """Seconds of one decode step for ``batch_size`` sequences of ``context_tokens``."""
-        return (
-            self.step_base_s
-            + self.step_per_seq_s * batch_size
-            + self.step_per_ctx_token_s * context_tokens
-        )
 
 
 SequenceState = Literal["waiting", "running", "done", "aborted"]

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from libra.config import Section
 from libra.emulation._tokenizer import ByteTokenizer
 from libra.openai import Message
 
@@ -183,7 +184,7 @@ class ScriptedReplies:
 GarbageKind = Literal["malformed_json", "unknown_tool", "wrong_types", "gibberish"]
 
 
-class AgentScript(BaseModel):
+class AgentScript(Section):
     """A small tool-using model.
 
     On turn ``t`` it calls one of the offered tools with probability
@@ -195,8 +196,6 @@ class AgentScript(BaseModel):
     broken JSON, an unknown tool, wrongly typed arguments, or gibberish. ``think_tokens``
     prepends that many tokens (drawn from the range) of filler reasoning.
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     tool_call_probability: float = Field(
         default=0.9, ge=0, le=1, description="Probability of a tool call on the first turn."

@@ -1,5 +1,6 @@
 """The rollout engine: every trajectory is one coroutine (see ``_trajectory.py``)."""
 
+from libra.engine._asgi import ASGITransport
 from libra.engine._client import (
     Generation,
     GenerationError,
@@ -28,6 +29,7 @@ from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
 
 __all__ = [
+    "ASGITransport",
     "AiohttpTransport",
     "BaseTransport",
     "Engine",

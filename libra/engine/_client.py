@@ -20,7 +20,7 @@ import msgspec
 from libra import openai
 from libra.engine._config import SamplingConfig, TurnSampling
 from libra.engine._http import HTTPTransport, TransportError
-from libra.sched import Endpoint
+from libra.fleet import Endpoint
 
 T = TypeVar("T")
 K = TypeVar("K")

@@ -5,14 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from libra.config import Section
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SamplingConfig(_Config):
+class SamplingConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens_per_turn: PositiveInt = 1024
@@ -23,7 +21,7 @@ class SamplingConfig(_Config):
     )
 
 
-class EngineConfig(_Config):
+class EngineConfig(Section):
     """Limits and retry policy for trajectories (see ``libra.engine.run_trajectory``)."""
 
     concurrency: PositiveInt = Field(256, description="trajectories in flight at once")

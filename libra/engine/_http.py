@@ -4,7 +4,8 @@ The engine only ever POSTs a JSON body and reads the answer's bytes (and GETs a 
 small documents), so that is the whole protocol. Two implementations:
 
 - :class:`AiohttpTransport` for real ports. On these machines httpx's own transport
-  managed ~900 requests/s at 16 concurrent and timed out at 512 (DESIGN.md §4), and
+  managed ~900 requests/s at 16 concurrent and timed out at 512 (measured with one
+  local uvicorn server on 2 cores), and
   httpx on top of aiohttp still spent about a third of the engine's time building
   httpx models; a bare aiohttp session is the fastest client measured here.
   ``libra bench engine`` prints the engine beside bare aiohttp and bare httpx.

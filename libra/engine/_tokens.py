@@ -21,7 +21,7 @@ from typing import Any
 from libra import openai
 from libra.engine._client import OpenAIClient, ProbeCache, RequestRejected
 from libra.engine._records import TokenSource, WeightSpan
-from libra.sched import Endpoint
+from libra.fleet import Endpoint
 
 _BASE = [
     openai.Message(role="user", content="."),

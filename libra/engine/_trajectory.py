@@ -42,17 +42,12 @@ from libra.envs import (
     ToolCallParser,
     ToolError,
     ToolReturn,
+    from_openai,
 )
-from libra.envs import status_of_output as _status_of_output
-from libra.envs._tool_calls import from_openai
-from libra.sched import (
-    Endpoint,
-    NoEndpointAvailable,
-    Route,
-    RouteRequest,
-    Scheduler,
-    ToolStatus,
-)
+from libra.fleet import Endpoint
+from libra.sched import NoEndpointAvailable, Route, RouteRequest, Scheduler
+from libra.signals import ToolStatus
+from libra.signals import status_of_output as _status_of_output
 
 T = TypeVar("T")
 

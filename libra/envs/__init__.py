@@ -8,9 +8,10 @@ from libra.envs._sandbox import (
     SandboxError,
     SandboxProvider,
     SandboxSpec,
+    check_exec_args,
 )
-from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser
-from libra.envs._tool_return import ToolReturn, size_class, status_of_output
+from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser, from_openai
+from libra.envs._tool_return import ToolReturn
 from libra.envs._tools import ToolError, ToolSpec, tool
 
 __all__ = [
@@ -28,8 +29,8 @@ __all__ = [
     "ToolSpec",
     "UnknownEnvError",
     "available_envs",
+    "check_exec_args",
+    "from_openai",
     "load_env",
-    "size_class",
-    "status_of_output",
     "tool",
 ]

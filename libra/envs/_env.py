@@ -39,7 +39,7 @@ from libra.envs._sandbox import Sandbox, SandboxSpec
 from libra.envs._tool_calls import HermesToolCallParser, ToolCallParser
 from libra.envs._tool_return import ToolReturn
 from libra.envs._tools import ToolSpec, is_tool
-from libra.sched import ToolSignal
+from libra.signals import ToolSignal
 
 
 class Env(ABC):

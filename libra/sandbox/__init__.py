@@ -3,14 +3,12 @@
 - :class:`DockerSandboxProvider`: warm pools of locked-down Docker containers.
 - :class:`BwrapSandboxProvider`: bubblewrap, for machines without Docker.
 - :func:`build_image` / :func:`build_rootfs`: the sandbox images, built without a registry.
-- :func:`bench_sandbox`: tool-call latency and throughput of a provider.
 
-Command line: ``python -m libra.sandbox build-image|build-rootfs|reap|bench``.
+Command line: ``libra images build|reap``; ``libra bench sandbox`` measures them.
 """
 
 from typing import TYPE_CHECKING
 
-from libra.sandbox._bench import bench_sandbox
 from libra.sandbox._bwrap import BwrapSandbox, BwrapSandboxProvider, reap_stale_workdirs
 from libra.sandbox._docker import (
     DockerSandbox,
@@ -40,7 +38,6 @@ __all__ = [
     "ImageBuildError",
     "ImageRecipe",
     "PoolStats",
-    "bench_sandbox",
     "build_image",
     "build_rootfs",
     "connect_docker",

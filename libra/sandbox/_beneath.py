@@ -11,7 +11,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from libra.envs._sandbox import SandboxError
+from libra.envs import SandboxError
 
 READ_FILE_LIMIT = 256 * 1024 * 1024
 

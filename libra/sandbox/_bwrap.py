@@ -46,7 +46,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec, check_exec_args
+from libra.envs import ExecResult, SandboxError, SandboxSpec, check_exec_args
 from libra.sandbox._beneath import read_beneath, write_beneath
 from libra.sandbox._common import CappedOutput, process_start_time
 from libra.sandbox._images import rootfs_dir

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from libra.envs._sandbox import ExecResult, SandboxError, SandboxSpec, check_exec_args
+from libra.envs import ExecResult, SandboxError, SandboxSpec, check_exec_args
 from libra.sandbox._common import process_start_time
 from libra.sandbox._docker_exec import RawExec, exec_blocking
 

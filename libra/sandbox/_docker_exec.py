@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from libra.envs._sandbox import SandboxError
+from libra.envs import SandboxError
 from libra.sandbox._common import CappedOutput
 
 if TYPE_CHECKING:

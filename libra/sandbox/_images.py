@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from libra._home import libra_home
-from libra.envs._sandbox import SandboxError
+from libra.envs import SandboxError
 
 if TYPE_CHECKING:
     import docker

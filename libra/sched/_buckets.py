@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from libra.sched._fleet import BucketSpec, FleetSpec, InstanceSpec, StepCost
-from libra.sched._protocol import Endpoint, NoEndpointAvailable, Route, RouteRequest
+from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec, StepCost
+from libra.sched._protocol import NoEndpointAvailable, Route, RouteRequest
 
 Clock = Callable[[], float]
 

@@ -9,45 +9,11 @@ beside this module and see only these calls: never an env, never the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
-SizeClass = Literal["small", "medium", "large"]
-ToolStatus = Literal["success", "failure", "timeout"]
-
-
-@dataclass(frozen=True, slots=True)
-class ToolSignal:
-    """The causal state a tool return is reduced to: ``(tool, size class, status)``."""
-
-    tool: str
-    size_class: SizeClass
-    status: ToolStatus
-
-
-@dataclass(eq=False, slots=True)
-class Endpoint:
-    """One OpenAI-compatible server instance.
-
-    ``api`` says how the engine talks to it: ``"tokens"`` sends the conversation as
-    token ids to ``/v1/completions`` (exact tokens, needs ``/tokenize``); ``"chat"``
-    sends messages to ``/v1/chat/completions`` (any OpenAI-compatible server);
-    ``"auto"`` uses tokens where the server has ``/tokenize``.
-    ``weight_version`` is bumped by whoever syncs weights into the server.
-    """
-
-    url: str
-    model: str = "default"
-    api: Literal["auto", "tokens", "chat"] = "auto"
-    name: str = ""
-    weight_version: int = 0
-    max_concurrency: int | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.url = self.url.rstrip("/")
-        if not self.name:
-            self.name = self.url
+from libra.fleet import Endpoint
+from libra.signals import ToolSignal
 
 
 @dataclass(frozen=True, slots=True)

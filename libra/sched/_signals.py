@@ -15,17 +15,16 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from libra.sched._protocol import SizeClass, ToolSignal, ToolStatus
+from libra.config import Section
+from libra.signals import SizeClass, ToolSignal, ToolStatus
 
 DEFAULT_STATE = "{tool}:{size}:{status}"
 
 
-class SignalRule(BaseModel):
+class SignalRule(Section):
     """Matches tool returns by tool name (a glob), size class and status (``*``: any)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     tool: str = "*"
     size_class: SizeClass | Literal["*"] = "*"
@@ -48,10 +47,8 @@ class SignalRule(BaseModel):
         return self.state.format(tool=signal.tool, size=signal.size_class, status=signal.status)
 
 
-class SignalMap(BaseModel):
+class SignalMap(Section):
     """Per-env rules (by env name), then ``default`` rules, then ``tool:size:status``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     envs: dict[str, list[SignalRule]] = Field(default_factory=dict)
     default: list[SignalRule] = Field(default_factory=list)

@@ -6,6 +6,7 @@ reference to a local folder; :class:`VLLMServer` runs a vLLM OpenAI server on a 
 guarantees that its process tree never outlives the caller.
 """
 
+from libra.serving._embedded import running_embedded_url, server_config, state_file
 from libra.serving._model import (
     EMBEDDED_MODEL_NAME,
     ModelError,
@@ -28,4 +29,7 @@ __all__ = [
     "embedded_model_dir",
     "prepare_model",
     "resolve_model",
+    "running_embedded_url",
+    "server_config",
+    "state_file",
 ]

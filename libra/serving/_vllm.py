@@ -38,9 +38,10 @@ from typing import IO, Literal, Self
 
 import anyio
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from libra._home import libra_home
+from libra.config import Section
 
 __all__ = ["VLLMServer", "VLLMServerConfig", "VLLMServerError"]
 
@@ -59,10 +60,8 @@ class VLLMServerError(RuntimeError):
     """The vLLM server failed to start, died, or refused a control request."""
 
 
-class VLLMServerConfig(BaseModel):
+class VLLMServerConfig(Section):
     """How to run one vLLM server (everything but the model)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port at start")

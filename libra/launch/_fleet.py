@@ -4,7 +4,7 @@
 no sockets); ``embedded`` is real vLLM serving the embedded model (a running ``libra
 serve``, or one started for this command); a URL, or several separated by commas, names
 any OpenAI-compatible servers, each its own instance in one bucket. A ``[fleet]`` table
-(:class:`libra.sched.FleetSpec`) names instances and groups them into buckets, for C-MLFQ.
+(:class:`libra.fleet.FleetSpec`) names instances and groups them into buckets, for C-MLFQ.
 This is the one place that composes a fleet: runtime code only ever sees endpoints and
 an HTTP client.
 """
@@ -23,7 +23,7 @@ from rich.console import Console
 
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
-from libra.sched import Endpoint, FleetSpec, InstanceSpec
+from libra.fleet import Endpoint, FleetSpec, InstanceSpec
 from libra.serving import EMBEDDED_MODEL_NAME
 
 
@@ -100,8 +100,7 @@ async def _with_models(http: HTTPTransport, fleet: FleetSpec) -> FleetSpec:
 @asynccontextmanager
 async def _embedded_url() -> AsyncIterator[str]:
     """A running ``libra serve`` of the embedded model, or a server for this command."""
-    from libra.cli._serve import running_embedded_url, server_config
-    from libra.serving import VLLMServer, prepare_model
+    from libra.serving import VLLMServer, prepare_model, running_embedded_url, server_config
 
     url = await anyio.to_thread.run_sync(running_embedded_url)
     if url is not None:

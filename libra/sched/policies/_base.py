@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 from libra.sched._buckets import Instance, Router
-from libra.sched._prefix_tree import Residual
-from libra.sched._protocol import Route, RouteRequest, ToolSignal
+from libra.sched._protocol import Route, RouteRequest
 from libra.sched._signals import SignalMap
+from libra.sched.policies._prefix_tree import Residual
+from libra.signals import ToolSignal
 
 DECISION_LOG_SIZE = 100_000
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic
 
-from libra.workloads._format import Workload
+from libra.emulation.workloads._format import Workload
 
 
 class WorkloadError(ValueError):

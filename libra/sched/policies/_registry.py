@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from libra.sched._baselines import (
+from libra.fleet import FleetSpec
+from libra.sched._buckets import Clock, Router, event_loop_clock
+from libra.sched._protocol import Scheduler
+from libra.sched.policies._base import RoutedPolicy
+from libra.sched.policies._baselines import (
     PLAS,
     LengthPrediction,
     Oracle,
@@ -13,12 +17,8 @@ from libra.sched._baselines import (
     SortedLength,
     StaticPrompt,
 )
-from libra.sched._buckets import Clock, Router, event_loop_clock
-from libra.sched._cmlfq import CMLFQ, CMLFQConfig, reference_cost, reference_simple
-from libra.sched._fleet import FleetSpec
-from libra.sched._least_loaded import LeastLoadedScheduler
-from libra.sched._policy import RoutedPolicy
-from libra.sched._protocol import Scheduler
+from libra.sched.policies._cmlfq import CMLFQ, CMLFQConfig, reference_cost, reference_simple
+from libra.sched.policies._least_loaded import LeastLoadedScheduler
 
 #: Every policy, in the order the benchmark reports them; the oracles need the truth.
 POLICIES = (

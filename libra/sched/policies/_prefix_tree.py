@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
+
+from libra.config import Section
 
 _FORMAT_VERSION = 1
 
 
-class TreeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class TreeConfig(Section):
     max_samples: PositiveInt = Field(200, description="samples a node keeps (the latest)")
     max_depth: PositiveInt = Field(32, description="tool returns a path is followed for")
     max_nodes: PositiveInt = Field(20_000, description="nodes of the global tree")

@@ -18,9 +18,8 @@ from typing import Any, Literal
 
 import anyio
 
-from libra.envs._sandbox import SandboxSpec
-from libra.sandbox._bwrap import BwrapSandboxProvider
-from libra.sandbox._docker import DockerSandboxProvider
+from libra.envs import SandboxSpec
+from libra.sandbox import BwrapSandboxProvider, DockerSandboxProvider
 
 __all__ = ["bench_sandbox"]
 

@@ -1,25 +1,51 @@
-"""The scheduler's view of a serving fleet: instances, their cost, and the buckets.
+"""The serving fleet, in the words every layer shares: endpoints, instances, buckets, cost.
 
 A fleet is a set of OpenAI-compatible instances, each with its tensor-parallel degree,
 batch and KV limits and a :class:`StepCost` (what a decode step and a prefill cost on
-it: the scheduler's model, which a deployment calibrates from measurements). Buckets
-group instances under a token ceiling, shortest first: C-MLFQ's levels.
+it). Buckets group instances under a token ceiling, shortest first: C-MLFQ's levels.
+The engine talks to an :class:`Endpoint`; the scheduler routes over a :class:`FleetSpec`;
+the emulator plays a :class:`StepCost` as its truth and the allocation planner prices
+layouts with one. :class:`Gpu` and :class:`Model` give the datasheet roofline that
+builds a :class:`StepCost` and a KV capacity for any TP degree.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from libra.sched._protocol import Endpoint
+from libra.config import Section
 
-
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+Api = Literal["auto", "tokens", "chat"]
 
 
-class StepCost(_Config):
+@dataclass(eq=False, slots=True)
+class Endpoint:
+    """One OpenAI-compatible server instance.
+
+    ``api`` says how the engine talks to it: ``"tokens"`` sends the conversation as
+    token ids to ``/v1/completions`` (exact tokens, needs ``/tokenize``); ``"chat"``
+    sends messages to ``/v1/chat/completions`` (any OpenAI-compatible server);
+    ``"auto"`` uses tokens where the server has ``/tokenize``.
+    ``weight_version`` is bumped by whoever syncs weights into the server.
+    """
+
+    url: str
+    model: str = "default"
+    api: Api = "auto"
+    name: str = ""
+    weight_version: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        if not self.name:
+            self.name = self.url
+
+
+class StepCost(Section):
     """Seconds a generation call costs on one instance.
 
     A decode step of ``B`` sequences holding ``C`` context tokens takes
@@ -45,8 +71,9 @@ class StepCost(_Config):
     @classmethod
     def for_tp(cls, tp: int) -> StepCost:
         """A generic model when none is given: a 14B-class model on A100-class GPUs
-        (see ``libra/workloads/fleets/a100-qwen3-14b-2x4.toml`` for the derivation):
-        weights and KV are read ``tp`` times faster, plus two all-reduces per layer."""
+        (see ``libra/emulation/workloads/fleets/a100-qwen3-14b-2x4.toml`` for the
+        derivation): weights and KV are read ``tp`` times faster, plus two all-reduces
+        per layer."""
         allreduce_s = 2 * 40 * 5e-6 if tp > 1 else 0.0
         return cls(
             prefill_s_per_token=1.725e-4 / tp,
@@ -56,13 +83,81 @@ class StepCost(_Config):
         )
 
 
-class InstanceSpec(_Config):
+# ---------------------------------------------------------------- the datasheet roofline
+
+
+class Gpu(Section):
+    """Datasheet figures of one accelerator, and how much of them is achieved."""
+
+    name: str = ""
+    memory_bytes: PositiveFloat
+    hbm_bytes_per_s: PositiveFloat
+    dense_bf16_flops: PositiveFloat
+    bandwidth_utilization: float = Field(0.85, gt=0, le=1)
+    prefill_mfu: float = Field(0.55, gt=0, le=1)
+    decode_mfu: float = Field(0.55, gt=0, le=1)
+    allreduce_s: float = Field(5e-6, ge=0)
+    step_overhead_s: float = Field(1e-3, ge=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    workspace_bytes: float = Field(1e9, ge=0)
+    kv_fragmentation: float = Field(0.04, ge=0, lt=1)
+
+
+class Model(Section):
+    """The shape of a served model: what its weights and KV cache cost."""
+
+    name: str = ""
+    parameters: PositiveFloat
+    layers: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype_bytes: PositiveInt = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """A model on a GPU: prefill by FLOPs, decode by the bytes read per step."""
+
+    gpu: Gpu
+    model: Model
+
+    def kv_bytes_per_token_per_gpu(self, tp: int) -> float:
+        """KV heads are split across the TP ranks (replicated when there are fewer)."""
+        model = self.model
+        heads = max(1, model.kv_heads // tp)
+        return 2.0 * model.layers * heads * model.head_dim * model.dtype_bytes
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        gpu, model = self.gpu, self.model
+        weights_per_gpu = model.parameters * model.dtype_bytes / tp
+        free = gpu.memory_bytes * gpu.gpu_memory_utilization - weights_per_gpu
+        free -= gpu.workspace_bytes
+        return int(free / self.kv_bytes_per_token_per_gpu(tp) * (1 - gpu.kv_fragmentation))
+
+    def step_cost(self, tp: int) -> StepCost:
+        gpu, model = self.gpu, self.model
+        bandwidth = gpu.hbm_bytes_per_s * gpu.bandwidth_utilization
+        weights_per_gpu = model.parameters * model.dtype_bytes / tp
+        flops_per_token = 2.0 * model.parameters
+        allreduce = 2 * model.layers * gpu.allreduce_s if tp > 1 else 0.0
+        return StepCost(
+            prefill_s_per_token=flops_per_token / (tp * gpu.dense_bf16_flops * gpu.prefill_mfu),
+            step_base_s=gpu.step_overhead_s + weights_per_gpu / bandwidth + allreduce,
+            step_per_seq_s=flops_per_token / (tp * gpu.dense_bf16_flops * gpu.decode_mfu),
+            step_per_ctx_token_s=self.kv_bytes_per_token_per_gpu(tp) / bandwidth,
+        )
+
+
+# ------------------------------------------------------------------ instances and buckets
+
+
+class InstanceSpec(Section):
     """One serving instance (a vLLM server, or any OpenAI-compatible one)."""
 
     name: str = Field(min_length=1)
     url: str = Field(min_length=1)
     model: str = "default"
-    api: Literal["auto", "tokens", "chat"] = "auto"
+    api: Api = "auto"
     tp: PositiveInt = Field(1, description="tensor-parallel degree (GPUs of the instance)")
     max_num_seqs: PositiveInt = Field(256, description="vLLM's --max-num-seqs")
     kv_capacity_tokens: PositiveInt = Field(200_000, description="tokens its KV cache holds")
@@ -76,7 +171,7 @@ class InstanceSpec(_Config):
         return Endpoint(self.url, model=self.model, api=self.api, name=self.name)
 
 
-class BucketSpec(_Config):
+class BucketSpec(Section):
     """A named group of instances for trajectories expected to need up to ``max_tokens``
     more output tokens (C-MLFQ's level)."""
 
@@ -85,7 +180,7 @@ class BucketSpec(_Config):
     instances: list[str] = Field(min_length=1)
 
 
-class FleetSpec(_Config):
+class FleetSpec(Section):
     """Instances and buckets. Buckets are kept shortest first; every instance belongs to
     exactly one bucket (one bucket holding all of them when none are given)."""
 

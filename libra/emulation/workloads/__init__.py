@@ -7,7 +7,8 @@ trajectory's script (turns, tokens, tool outcomes) deterministically from the wo
 the RL step, the task seed and the sample index.
 """
 
-from libra.workloads._format import (
+from libra.emulation.workloads._env import EnvClasses, WorkloadScript
+from libra.emulation.workloads._format import (
     CheckTool,
     ExploreTool,
     Limits,
@@ -18,17 +19,23 @@ from libra.workloads._format import (
     Turns,
     Workload,
 )
-from libra.workloads._load import (
+from libra.emulation.workloads._load import (
     WorkloadError,
     available_workloads,
     load_workload,
     package_file,
     read_toml,
 )
-from libra.workloads._scripts import ScriptBook, ScriptTurn, TrajectoryScript, draw_script
+from libra.emulation.workloads._trajectory_scripts import (
+    ScriptBook,
+    ScriptTurn,
+    TrajectoryScript,
+    draw_script,
+)
 
 __all__ = [
     "CheckTool",
+    "EnvClasses",
     "ExploreTool",
     "Limits",
     "LogNormal",
@@ -41,6 +48,7 @@ __all__ = [
     "Turns",
     "Workload",
     "WorkloadError",
+    "WorkloadScript",
     "available_workloads",
     "draw_script",
     "load_workload",

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from libra.engine import BaseTransport, TransportError
+from libra.engine._http import BaseTransport, TransportError
 
 ASGIApp = Any  # an ASGI 3 callable (scope, receive, send)
 Message = MutableMapping[str, Any]

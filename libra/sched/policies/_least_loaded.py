@@ -10,13 +10,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from libra.sched._protocol import (
-    Endpoint,
-    NoEndpointAvailable,
-    Route,
-    RouteRequest,
-    ToolSignal,
-)
+from libra.fleet import Endpoint
+from libra.sched._protocol import NoEndpointAvailable, Route, RouteRequest
+from libra.signals import ToolSignal
 
 
 class LeastLoadedScheduler:

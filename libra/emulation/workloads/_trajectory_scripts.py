@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from libra.workloads._format import CheckTool, ExploreTool, Output, Workload
+from libra.emulation.workloads._format import CheckTool, ExploreTool, Output, Workload
 
 #: Template tokens a turn adds besides its content (ChatML headers, tool-call wrapper,
 #: tool-response wrapper); generous, so that scripts stay inside the context limit.

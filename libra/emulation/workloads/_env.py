@@ -19,9 +19,10 @@ from typing import ClassVar
 
 import anyio
 
-from libra.emulation import Conversation, Reply
+from libra.emulation._scripts import Conversation, Reply
+from libra.emulation.workloads._format import Workload
+from libra.emulation.workloads._trajectory_scripts import ScriptBook, ScriptTurn, TrajectoryScript
 from libra.envs import Env, tool
-from libra.workloads import ScriptBook, ScriptTurn, TrajectoryScript, Workload
 
 _TAG = re.compile(r"\[libra-workload (\S+) step=(\d+) task=(\d+) sample=(\d+)\]")
 _FILLER = "the model reasons about the task and the last tool result step by step. " * 64

@@ -7,7 +7,7 @@ trajectory with a final answer; a failure starts another attempt, and the model 
 longer after each failure. How likely a check is to pass is a property of the prompt
 (a Beta-distributed solve rate), so hard prompts produce long, many-turn trajectories:
 the heavy tail, and the reason a failing check predicts a long remainder. See
-``libra/workloads/README.md`` for every field.
+``libra/emulation/workloads/README.md`` for every field.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import math
 import random
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from libra.config import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LogNormal(_Section):
+class LogNormal(Section):
     """A lognormal quantity: ``median * exp(sigma * N(0, 1))``, clamped to [min, max]."""
 
     median: PositiveFloat
@@ -43,7 +41,7 @@ class LogNormal(_Section):
         return value if self.max is None else min(self.max, value)
 
 
-class Rollout(_Section):
+class Rollout(Section):
     prompts: PositiveInt = Field(description="prompts per RL step")
     samples_per_prompt: PositiveInt = Field(description="trajectories per prompt (GRPO group)")
     dataset_prompts: PositiveInt | None = Field(
@@ -57,13 +55,13 @@ class Rollout(_Section):
     )
 
 
-class Limits(_Section):
+class Limits(Section):
     max_turns: PositiveInt = Field(description="model turns per trajectory, final answer included")
     max_context_tokens: PositiveInt = Field(description="prompt + everything after it")
     tool_timeout_s: PositiveFloat = Field(60.0, description="a tool running longer times out")
 
 
-class SolveRate(_Section):
+class SolveRate(Section):
     """Per-prompt probability that one check passes: ``Beta(alpha, beta)``."""
 
     alpha: PositiveFloat
@@ -73,7 +71,7 @@ class SolveRate(_Section):
     )
 
 
-class Turns(_Section):
+class Turns(Section):
     tokens: LogNormal = Field(description="output tokens of a model turn that calls a tool")
     final_tokens: LogNormal = Field(description="output tokens of the final answer")
     growth_after_failure: float = Field(
@@ -93,14 +91,14 @@ class Turns(_Section):
 MIN_TOOL_TURN_TOKENS = 96
 
 
-class Output(_Section):
+class Output(Section):
     """What a tool returns: its status and its length in characters."""
 
     status: Literal["success", "failure"] = "success"
     chars: LogNormal
 
 
-class ExploreTool(_Section):
+class ExploreTool(Section):
     """A tool the model calls to gather information before a check."""
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -122,7 +120,7 @@ class ExploreTool(_Section):
         return self
 
 
-class CheckTool(_Section):
+class CheckTool(Section):
     """The tool whose outcome decides whether the attempt solved the task."""
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -135,7 +133,7 @@ class CheckTool(_Section):
     )
 
 
-class Workload(_Section):
+class Workload(Section):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
     description: str = ""
     sources: list[str] = Field(default_factory=list)

@@ -40,22 +40,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
 
+from libra.config import Section
 from libra.sched._buckets import Bucket, Instance, Router
-from libra.sched._policy import Choice, RoutedPolicy, Track
-from libra.sched._predict import Predictor, TreePredictor
-from libra.sched._prefix_tree import PrefixForest, Residual, TreeConfig
 from libra.sched._protocol import NoEndpointAvailable, RouteRequest
 from libra.sched._signals import SignalMap
+from libra.sched.policies._base import Choice, RoutedPolicy, Track
+from libra.sched.policies._predict import Predictor, TreePredictor
+from libra.sched.policies._prefix_tree import PrefixForest, Residual, TreeConfig
 
 Rule = Literal["simple", "cost", "finish"]
 PriorityOrder = Literal["none", "longest_first", "shortest_first"]
 
 
-class CMLFQConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class CMLFQConfig(Section):
     rule: Rule = "finish"
     priority: PriorityOrder = Field(
         "shortest_first",

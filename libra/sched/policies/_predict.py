@@ -15,8 +15,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Protocol
 
-from libra.sched._policy import Track
-from libra.sched._prefix_tree import NO_ESTIMATE, PrefixForest, Residual
+from libra.sched.policies._base import Track
+from libra.sched.policies._prefix_tree import NO_ESTIMATE, PrefixForest, Residual
 
 
 class Predictor(Protocol):

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from libra.sched._buckets import Instance, Router
-from libra.sched._cmlfq import CMLFQ, CMLFQConfig
-from libra.sched._policy import Choice, RoutedPolicy, Track
-from libra.sched._predict import OraclePredictor, PromptHistoryPredictor
 from libra.sched._protocol import NoEndpointAvailable, RouteRequest
+from libra.sched.policies._base import Choice, RoutedPolicy, Track
+from libra.sched.policies._cmlfq import CMLFQ, CMLFQConfig
+from libra.sched.policies._predict import OraclePredictor, PromptHistoryPredictor
 
 
 def _available(router: Router, exclude: frozenset[str]) -> list[Instance]:

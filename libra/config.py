@@ -1,0 +1,95 @@
+"""Typed configs: the base of every config section, and loading from TOML with overrides.
+
+Precedence, lowest first: the model's defaults, the command's defaults, the TOML file
+(``--config``), the command's own flags, then ``--set section.key=value`` overrides.
+Values given with ``--set`` are read as TOML (``4``, ``true``, ``"text"``, ``[1, 2]``),
+falling back to a plain string, so ``--set engine.sampling.temperature=0.7`` does what
+it says.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+
+C = TypeVar("C", bound=pydantic.BaseModel)
+
+
+class Section(BaseModel):
+    """A config section: typed, immutable, and strict about unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message is one line for the user."""
+
+
+def load_config(
+    model: type[C],
+    file: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    defaults: Mapping[str, Any] | None = None,
+) -> C:
+    data: dict[str, Any] = {}
+    for key, value in (defaults or {}).items():
+        _assign(data, key, value)
+    _merge(data, _read_toml(file) if file else {})
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _assign(data, key, value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        _assign(data, key.strip(), _parse_value(text.strip()))
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ConfigError(f"invalid config: {problems}") from None
+
+
+def _read_toml(file: Path) -> dict[str, Any]:
+    try:
+        with file.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {file}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: {exc}") from None
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _merge(data: dict[str, Any], update: Mapping[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        else:
+            data[key] = value
+
+
+def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value

@@ -1,0 +1,28 @@
+"""The composition root: where a run's parts are put together.
+
+Fleets (emulated, the embedded vLLM, URLs or a ``[fleet]`` of buckets), sandboxes, the
+scheduler with its saved state, and the engine over them are assembled here, once, for
+every front end: the command line, the trainer, the gateway and the allocation loop.
+Runtime packages never import this, nor the policies or the emulator it wires in.
+"""
+
+from libra.launch._fleet import Fleet, FleetError, open_fleet
+from libra.launch._rollout import Assembled, RolloutConfig, open_engine
+from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
+from libra.launch._scheduler import SCHEDULERS, build_scheduler, save_scheduler_state
+
+__all__ = [
+    "SCHEDULERS",
+    "Assembled",
+    "Fleet",
+    "FleetError",
+    "RolloutConfig",
+    "SandboxKind",
+    "beside",
+    "build_scheduler",
+    "open_engine",
+    "open_fleet",
+    "open_sandboxes",
+    "save_scheduler_state",
+    "warm_up",
+]

@@ -1,0 +1,112 @@
+"""A rollout's parts, assembled: fleet, client, scheduler, sandboxes and the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+
+from libra.emulation import EmulatorConfig
+from libra.engine import Engine, EngineConfig, OpenAIClient, TransportName
+from libra.envs import Env
+from libra.fleet import FleetSpec
+from libra.launch._fleet import Fleet, open_fleet
+from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
+from libra.launch._scheduler import SCHEDULERS, build_scheduler, save_scheduler_state
+from libra.sched import poll_metrics
+from libra.sched.policies import CMLFQConfig, RoutedPolicy
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    env: str
+    server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
+    fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
+    scheduler: str = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
+    cmlfq: CMLFQConfig = CMLFQConfig()
+    metrics_interval_s: PositiveFloat | None = Field(
+        None,
+        description="read each server's vLLM /metrics this often, for servers that other "
+        "clients use too (the router's own counts miss their load); None: never",
+    )
+    scheduler_state: Path | None = Field(
+        None,
+        description="C-MLFQ's prefix forest: read before the rollout if the file exists, "
+        "written after it, so what one step learnt guides the next",
+    )
+    model: str | None = None
+    n: PositiveInt = 64
+    samples_per_prompt: PositiveInt = 1
+    seed: int = 0
+    out: Path = Path("rollout.jsonl")
+    plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")
+    transport: TransportName = "aiohttp"
+    max_connections: PositiveInt = 1024
+    progress: bool = True
+    sandbox: SandboxKind = "auto"
+    sandbox_pool: PositiveInt = 16
+    engine: EngineConfig = EngineConfig()
+    emulator: EmulatorConfig = EmulatorConfig()
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, name: str) -> str:
+        if name not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
+        return name
+
+
+@dataclass
+class Assembled:
+    """What a rollout runs on: the engine, and the fleet it routes over."""
+
+    engine: Engine
+    fleet: Fleet
+
+
+@asynccontextmanager
+async def open_engine(
+    config: RolloutConfig, env_cls: type[Env], warm: int
+) -> AsyncIterator[Assembled]:
+    """Open sandboxes and fleet (``warm`` containers start while the servers do), build
+    the scheduler (from its saved state) and the engine; poll the servers' metrics if
+    asked. On exit the scheduler's state is saved and everything is closed."""
+    async with AsyncExitStack() as stack:
+        sandboxes = await stack.enter_async_context(
+            open_sandboxes(env_cls, config.sandbox, config.sandbox_pool)
+        )
+        opening = open_fleet(
+            config.server,
+            fleet=config.fleet,
+            model=config.model,
+            transport=config.transport,
+            max_connections=config.max_connections,
+            emulator=config.emulator,
+        )
+        # Containers start (seconds each, cold) while vLLM does, not after it.
+        fleet = await beside(
+            partial(stack.enter_async_context, opening), partial(warm_up, sandboxes, env_cls, warm)
+        )
+        scheduler = build_scheduler(
+            config.scheduler, fleet.spec, config.cmlfq, config.scheduler_state
+        )
+        engine = Engine(
+            OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
+            scheduler,
+            config=config.engine,
+            sandboxes=sandboxes,
+        )
+        async with anyio.create_task_group() as group:
+            interval = config.metrics_interval_s
+            if interval is not None and isinstance(scheduler, RoutedPolicy):
+                get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
+                group.start_soon(poll_metrics, scheduler.router, get, interval)
+            yield Assembled(engine, fleet)
+            group.cancel_scope.cancel()
+        save_scheduler_state(scheduler, config.scheduler_state)

@@ -1,0 +1,44 @@
+"""The scheduler of a run: a policy by name over the fleet, and its state across runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from libra.config import ConfigError
+from libra.fleet import FleetSpec
+from libra.sched import Scheduler
+from libra.sched.policies import (
+    CMLFQ,
+    ORACLES,
+    POLICIES,
+    CMLFQConfig,
+    PrefixForest,
+    TreePredictor,
+    make_policy,
+)
+
+# Every policy but the oracles, which need the true lengths: only the benchmark has them.
+SCHEDULERS = [p for p in POLICIES if p not in ORACLES]
+
+
+def build_scheduler(
+    name: str, fleet: FleetSpec, cmlfq: CMLFQConfig, state: Path | None = None
+) -> Scheduler:
+    """Policy ``name`` over ``fleet``; C-MLFQ starts from the prefix forest in ``state``
+    when that file exists (what earlier runs learnt)."""
+    scheduler = make_policy(name, fleet, config=cmlfq)
+    if isinstance(scheduler, CMLFQ) and state is not None and state.exists():
+        try:
+            scheduler.predictor = TreePredictor(PrefixForest.load(state))
+        except (ValueError, msgspec.DecodeError) as exc:
+            message = f"scheduler_state {state} is not a saved prefix forest: {exc}"
+            raise ConfigError(message) from None
+    return scheduler
+
+
+def save_scheduler_state(scheduler: Scheduler, state: Path | None) -> None:
+    """Write what C-MLFQ learnt (its prefix forest) to ``state``, for the next run."""
+    if isinstance(scheduler, CMLFQ) and scheduler.forest and state is not None:
+        scheduler.forest.save(state)
