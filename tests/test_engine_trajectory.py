@@ -71,7 +71,7 @@ def call(name: str, arguments: str) -> str:
 
 async def run(replies: list[str], *, api: str = "auto", **config: object) -> object:
     async with emulated_engine(replies, api=api, config=EngineConfig(**config)) as (engine, out):  # type: ignore[arg-type]
-        record = await run_trajectory(TrajectoryJob(Toy, "toy", seed=5), engine)
+        record = await run_trajectory(TrajectoryJob.seeded(Toy, "toy", 5), engine)
     assert out == [record]
     assert_tokens_consistent(record, Toy.tool_schemas())
     return record
@@ -95,7 +95,7 @@ async def test_tool_then_answer_records_exact_tokens(api: str) -> None:
 async def test_tools_are_described_in_the_system_message_when_the_template_drops_them() -> None:
     replies = [call("add", '{"a": 5, "b": 2}'), "The answer is 7"]
     async with emulated_engine(replies, template_renders_tools=False) as (engine, _):
-        record = await run_trajectory(TrajectoryJob(Toy, "toy", seed=5), engine)
+        record = await run_trajectory(TrajectoryJob.seeded(Toy, "toy", 5), engine)
     system = record.messages[0].content or ""
     assert system.startswith(Toy.system_prompt) and "<tools>" in system and '"add"' in system
     assert record.reward == 1.0 and record.tokens == "exact"
@@ -210,7 +210,7 @@ async def test_chat_mode_without_token_ids_records_text_only() -> None:
             return type(generation)(generation.text, generation.finish_reason)
 
         engine.client.chat = chat_without_ids  # type: ignore[method-assign]
-        record = await run_trajectory(TrajectoryJob(NoIds, "toy", 5), engine)
+        record = await run_trajectory(TrajectoryJob.seeded(NoIds, "toy", 5), engine)
     assert record.status == "completed" and record.reward == 1.0
     assert record.tokens == "none" and record.token_ids == [] and record.loss_mask == []
 
@@ -225,8 +225,8 @@ async def test_env_errors_fail_the_trajectory_not_the_engine() -> None:
             raise KeyError("score")
 
     async with emulated_engine(["The answer is 7"]) as (engine, _):
-        broken_reset = await run_trajectory(TrajectoryJob(BrokenReset, "toy", 1), engine)
-        broken_reward = await run_trajectory(TrajectoryJob(BrokenReward, "toy", 1), engine)
+        broken_reset = await run_trajectory(TrajectoryJob.seeded(BrokenReset, "toy", 1), engine)
+        broken_reward = await run_trajectory(TrajectoryJob.seeded(BrokenReward, "toy", 1), engine)
     assert (broken_reset.status, broken_reset.stop_reason) == ("failed", "env_error")
     assert broken_reset.error == "RuntimeError: no task"
     assert (broken_reward.status, broken_reward.stop_reason) == ("failed", "reward_error")
@@ -240,7 +240,7 @@ async def test_on_reply_continues_the_conversation(api: str) -> None:
             return None if "7" in text else "Check your arithmetic."
 
     async with emulated_engine(["It is 8", "The answer is 7"], api=api) as (engine, _):
-        record = await run_trajectory(TrajectoryJob(Tutor, "toy", 5), engine)
+        record = await run_trajectory(TrajectoryJob.seeded(Tutor, "toy", 5), engine)
     assert [m.role for m in record.messages][-3:] == ["assistant", "user", "assistant"]
     assert record.tokens == "exact"  # plain text round-trips through the chat template
     assert record.reward == 1.0
@@ -255,7 +255,7 @@ async def test_a_stop_string_ends_the_turn_and_its_call_runs(api: str) -> None:
     written = "Let me add. " + call("add", '{"a": 5, "b": 2}')
     replies = [written + " and it prints 9, I bet", "The answer is 7"]
     async with emulated_engine(replies, api=api) as (engine, _):
-        record = await run_trajectory(TrajectoryJob(Stopping, "toy", 5), engine)
+        record = await run_trajectory(TrajectoryJob.seeded(Stopping, "toy", 5), engine)
     # The turn ends at the stop string, tokens and all; the call runs.
     assert record.messages[3].content == "7" and record.reward == 1.0
     assert sampled_spans(record)[0] == tokenizer.encode(written)

@@ -33,7 +33,7 @@ async def run(
 ) -> TrajectoryRecord:
     async with emulated_engine(replies) as (engine, _):
         engine.sandboxes = sandboxes
-        return await run_trajectory(TrajectoryJob(env, env.__name__.lower(), seed), engine)
+        return await run_trajectory(TrajectoryJob.seeded(env, env.__name__.lower(), seed), engine)
 
 
 def call(name: str, code: str) -> str:

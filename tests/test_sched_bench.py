@@ -32,6 +32,7 @@ from libra.engine import (
     rollout,
 )
 from libra.engine._asgi import ASGITransport
+from libra.envs import Task
 from libra.fleet import Endpoint
 from libra.sched.policies import LeastLoadedScheduler
 from libra.signals import size_class
@@ -70,7 +71,7 @@ def test_the_env_and_the_emulated_model_play_the_same_script(tiny: Path) -> None
         )
         classes = EnvClasses(book)
         jobs = [
-            TrajectoryJob(classes(1, s.sample), workload.name, s.task_seed, s.sample)
+            TrajectoryJob(classes(1, s.sample), Task(s.task_id, s.task_seed), s.sample, 1)
             for s in scripts
         ]
         async with ASGITransport(app) as http:
@@ -81,7 +82,7 @@ def test_the_env_and_the_emulated_model_play_the_same_script(tiny: Path) -> None
     anyio.run(play, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
     by_id = {record.id: record for record in records}
     for script in scripts:
-        record = by_id[script.trajectory_id]
+        record = by_id[str(script.trajectory_id)]
         assert record.status == "completed" and record.tokens == "exact"
         assert record.turns == len(script.turns)
         assert sum(record.loss_mask) == script.output_tokens

@@ -45,7 +45,7 @@ class Trajectory:
     def call(self, tokens: int, exclude: frozenset[str] = frozenset()) -> Route:
         previous = self.last.endpoint if self.last is not None else None
         request = RouteRequest(
-            self.tid, self.prompt, self.turn, self.context, previous, self.generated
+            self.tid, self.prompt, self.turn, self.context, previous, self.generated, env="t"
         )
         route = self.policy.route(request, exclude)
         self.policy.release(route, ok=True, new_tokens=tokens)
@@ -234,7 +234,7 @@ def test_finish_rule_priorities_follow_the_configured_order() -> None:
         assert long_priority is not None and short_priority is not None
         assert sign * (long_priority - short_priority) > 0
     unprioritised = cmlfq(CMLFQConfig(priority="none"))
-    assert unprioritised.route(RouteRequest("x/1#0", "x/1", 0, 9)).priority is None
+    assert unprioritised.route(RouteRequest("x/1#0", "x/1", 0, 9, env="x")).priority is None
 
 
 def test_finish_rule_places_new_trajectories_by_load_unless_told_to_start_short() -> None:

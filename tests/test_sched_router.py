@@ -48,7 +48,7 @@ def fleet(**overrides: Any) -> FleetSpec:
 
 
 def request(trajectory: str = "t/1#0", context: int = 1000, previous: Any = None) -> RouteRequest:
-    return RouteRequest(trajectory, trajectory.split("#")[0], 0, context, previous)
+    return RouteRequest(trajectory, trajectory.split("#")[0], 0, context, previous, env="t")
 
 
 def fill(router: Router, name: str, calls: int, context: int = 1000) -> None:
@@ -179,12 +179,12 @@ def test_tool_returns_become_states_per_env_rules() -> None:
     view = ToolSignal("view_file", "large", "success")
     tests = ToolSignal("run_tests", "large", "failure")
     search = ToolSignal("search", "medium", "timeout")
-    assert signals.state("swe/1", view) is None
-    assert signals.state("math/1", view) == "view_file:large:success"
-    assert signals.state("swe/1", tests) == "run_tests:failure"
-    assert signals.state("swe/1", search) == "search:medium:timeout"
+    assert signals.state("swe", view) is None
+    assert signals.state("math", view) == "view_file:large:success"
+    assert signals.state("swe", tests) == "run_tests:failure"
+    assert signals.state("swe", search) == "search:medium:timeout"
     only_failures = SignalRule(status="success", action="ignore")
-    assert SignalMap(default=[only_failures]).state("x/1", view) is None
+    assert SignalMap(default=[only_failures]).state("x", view) is None
 
 
 # ------------------------------------------------------------------------- metrics

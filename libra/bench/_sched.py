@@ -2,10 +2,11 @@
 
 For each policy, one RL step of the workload runs through the real engine, HTTP client
 and policy against an in-process fleet of emulated vLLM servers (continuous batching
-under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock: a step that would take many GPU-minutes runs in seconds, and the same
-seed gives the same numbers. Before the step, each policy is shown the protocol calls
-of the workload's earlier steps (``history_steps``), as a running system would have
-seen them; the oracles are told every trajectory's true length instead.
+under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock:
+a step that would take many GPU-minutes runs in seconds, and the same seed gives the
+same numbers. Before the step, each policy is shown the protocol calls of the
+workload's earlier steps (``history_steps``), as a running system would have seen
+them; the oracles are told every trajectory's true length instead.
 
 Reported per policy: throughput (trajectories/s and output tokens/s over the step's
 makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency, the
@@ -53,6 +54,7 @@ from libra.engine import (
     TrajectoryRecord,
     rollout,
 )
+from libra.envs import Task
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import (
     DEFAULT_POLICIES,
@@ -190,14 +192,15 @@ async def _run_policy(
     book = ScriptBook(workload, seed)
     step = workload.rollout.history_steps
     scripts = book.step(step)
-    totals = {script.trajectory_id: script.output_tokens for script in scripts}
+    # The oracles look trajectories up by the scheduler's key: the engine's rendered id.
+    totals = {str(script.trajectory_id): script.output_tokens for script in scripts}
     spec = fleet.spec(MODEL)
     policy = make_policy(name, spec, truth=totals.__getitem__, config=config)
     replay_history(policy, book, step)
     apps, timelines = _fleet_apps(workload, fleet, book, seed)
     env_classes = EnvClasses(book)
     jobs = [
-        TrajectoryJob(env_classes(step, s.sample), workload.name, s.task_seed, s.sample)
+        TrajectoryJob(env_classes(step, s.sample), Task(s.task_id, s.task_seed), s.sample, step)
         for s in scripts
     ]
     records: list[TrajectoryRecord] = []
@@ -287,14 +290,16 @@ def replay_history(policy: Scheduler, book: ScriptBook, step: int) -> None:
 
 def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> None:
     generated, context, previous = 0, script.prompt_tokens, None
+    trajectory, prompt = str(script.trajectory_id), str(script.task_id)  # as the engine's
     for index, turn in enumerate(script.turns):
         request = RouteRequest(
-            script.trajectory_id,
-            script.prompt_id,
+            trajectory,
+            prompt,
             index,
             context,
             previous,
             generated_tokens=generated,
+            env=script.workload,
         )
         route = policy.route(request)
         policy.release(route, ok=True, new_tokens=turn.output_tokens)
@@ -302,9 +307,9 @@ def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> No
         generated += turn.output_tokens
         context += turn.output_tokens
         if turn.tool is not None:
-            policy.on_tool_return(script.trajectory_id, signal_of(turn, timeout_s))
+            policy.on_tool_return(trajectory, signal_of(turn, timeout_s))
             context += turn.output_chars
-    policy.on_finish(script.trajectory_id, script.prompt_id, output_tokens=generated)
+    policy.on_finish(trajectory, prompt, output_tokens=generated)
 
 
 def signal_of(turn: ScriptTurn, timeout_s: float) -> ToolSignal:

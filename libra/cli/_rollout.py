@@ -14,10 +14,10 @@ from libra.cli._config import add_config_arguments
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.config import load_config
-from libra.engine import RolloutStats, TrajectoryRecord, jobs_for, rollout
-from libra.envs import load_env
+from libra.engine import RolloutSession, RolloutStats, TrajectoryJob, jobs_for, jobs_of
+from libra.envs import Env, load_env
 from libra.fleet import FleetSpec
-from libra.launch import RolloutConfig, open_engine
+from libra.launch import RolloutConfig, open_engine, read_tasks
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,7 +30,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--scheduler", help="routing policy: least-loaded (default), cmlfq, ... (libra/sched)"
     )
-    parser.add_argument("-n", type=int, dest="n", help="number of trajectories (default 64)")
+    parser.add_argument(
+        "-n", type=int, dest="n", help="number of trajectories (default 64; with --tasks, all)"
+    )
+    parser.add_argument(
+        "--tasks",
+        type=Path,
+        help="JSONL file of tasks, one {key, seed, payload} object a line (default: seeds)",
+    )
     parser.add_argument("--samples-per-prompt", type=int, help="trajectories per task")
     parser.add_argument("--concurrency", type=int, help="trajectories in flight")
     parser.add_argument("--seed", type=int, help="seed of the task sampler")
@@ -51,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "scheduler": args.scheduler,
         "n": args.n,
+        "tasks": args.tasks,
         "samples_per_prompt": args.samples_per_prompt,
         "seed": args.seed,
         "out": args.out,
@@ -74,29 +82,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def run_rollout(config: RolloutConfig) -> RolloutStats:
+    """One session, its jobs all submitted at once, and its records written as JSONL."""
     env_cls = load_env(config.env)
     env_name = config.env if ":" not in config.env else env_cls.__name__.lower()
-    jobs = jobs_for(
-        env_cls, env_name, config.n, samples_per_prompt=config.samples_per_prompt, seed=config.seed
-    )
+    jobs = _jobs(config, env_cls, env_name)
     encoder = msgspec.json.Encoder()
     warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
-    async with open_engine(config, env_cls, warm) as run:
-        scheduler = run.engine.scheduler
-        stats = RolloutStats(total=len(jobs))
-        timeline = Timeline()
+    timeline = Timeline()
+    async with open_engine(config, env_cls, warm) as run, RolloutSession(run.engine) as session:
+        scheduler, stats = run.engine.scheduler, session.stats
+        session.submit(jobs)
+        session.close()
         with config.out.open("wb") as out, rollout_progress(stats, enabled=config.progress) as tick:
-
-            def write(record: TrajectoryRecord) -> None:
-                out.write(encoder.encode(record) + b"\n")
-                out.flush()
-                tick()
-
             async with anyio.create_task_group() as group:
-                group.start_soon(_stop_on_signal, group.cancel_scope, stats)
+                group.start_soon(_stop_on_signal, session)
                 if config.plot is not None:
                     group.start_soon(record_timeline, timeline, scheduler, stats)
-                await rollout(jobs, run.engine, on_record=write, stats=stats)
+                async for record in session:  # to the end, cancelled ones included
+                    out.write(encoder.encode(record) + b"\n")
+                    out.flush()
+                    tick()
                 group.cancel_scope.cancel()
     if config.plot is not None:
         timeline.sample(stats.elapsed_s, scheduler, stats)  # the end state
@@ -112,10 +117,21 @@ def _labels(fleet: FleetSpec) -> dict[str, str]:
     return {name: f"{name} ({b.name})" for b in fleet.buckets for name in b.instances}
 
 
-async def _stop_on_signal(scope: anyio.CancelScope, stats: RolloutStats) -> None:
-    """Ctrl-C or SIGTERM cancels the rollout; every trajectory in flight is still recorded."""
+def _jobs(config: RolloutConfig, env_cls: type[Env], env_name: str) -> list[TrajectoryJob]:
+    """The tasks of ``config.tasks``, each sampled in turn, or ``n`` of seeded tasks."""
+    per_prompt = config.samples_per_prompt
+    if config.tasks is None:
+        n = config.n or 64
+        return jobs_for(env_cls, env_name, n, samples_per_prompt=per_prompt, seed=config.seed)
+    jobs = jobs_of(env_cls, read_tasks(config.tasks, env_name), samples_per_prompt=per_prompt)
+    return jobs[: config.n]
+
+
+async def _stop_on_signal(session: RolloutSession) -> None:
+    """Ctrl-C or SIGTERM cancels the rollout; every trajectory in flight is still recorded
+    (and written: the stream ends after their records)."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
-            stats.interrupted = True
-            scope.cancel()
+            session.stats.interrupted = True
+            session.cancel()
             return

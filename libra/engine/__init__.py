@@ -19,12 +19,15 @@ from libra.engine._http import (
     http_transport,
 )
 from libra.engine._records import (
+    SamplingRecord,
     Timings,
     ToolReturnRecord,
     TrajectoryRecord,
     WeightSpan,
 )
-from libra.engine._rollout import RolloutStats, jobs_for, rollout
+from libra.engine._rollout import jobs_for, jobs_of, rollout
+from libra.engine._session import Group, RolloutSession
+from libra.engine._stats import RolloutStats
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
 
@@ -36,12 +39,15 @@ __all__ = [
     "EngineConfig",
     "Generation",
     "GenerationError",
+    "Group",
     "HTTPTransport",
     "HttpxTransport",
     "OpenAIClient",
     "RequestRejected",
+    "RolloutSession",
     "RolloutStats",
     "SamplingConfig",
+    "SamplingRecord",
     "ServerUnavailable",
     "TemplateRenderer",
     "Timings",
@@ -54,6 +60,7 @@ __all__ = [
     "WeightSpan",
     "http_transport",
     "jobs_for",
+    "jobs_of",
     "rollout",
     "run_trajectory",
 ]

@@ -25,6 +25,11 @@ class EngineConfig(Section):
     """Limits and retry policy for trajectories (see ``libra.engine.run_trajectory``)."""
 
     concurrency: PositiveInt = Field(256, description="trajectories in flight at once")
+    buffer: PositiveInt = Field(
+        1024,
+        description="finished records held for a slow consumer; when full, finished "
+        "trajectories wait (keeping their place) until it reads",
+    )
     max_turns: PositiveInt | None = Field(None, description="default: the env's max_turns")
     max_context_tokens: PositiveInt = Field(
         8192, description="prompt + generated + tool tokens in one trajectory"

@@ -35,6 +35,16 @@ class Timings(msgspec.Struct):
     reward_s: float = 0.0
 
 
+class SamplingRecord(msgspec.Struct):
+    """The sampling parameters of every call (``seed`` is the base of the per-turn seeds;
+    a turn's ``max_tokens`` is this, capped by the room left in the context)."""
+
+    temperature: float
+    top_p: float
+    max_tokens_per_turn: int
+    seed: int | None
+
+
 class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     """One trajectory. ``token_ids``, ``loss_mask`` and ``logprobs`` are aligned.
 
@@ -43,11 +53,19 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     ``tokens`` says how far to trust the ids: ``exact`` (the sampled ids, as returned),
     ``drift`` (the server re-rendered earlier turns differently; ids stop at the drift),
     or ``none`` (the server returned no ids: text only).
+
+    ``id`` (unique within a run), ``task_id`` and ``group_id`` are the typed ids
+    (``libra.envs.TrajectoryId``, ``TaskId``, ``GroupId``) rendered as strings; read
+    ``env``, ``step`` and ``sample`` from their own fields, never from the strings.
+    ``weight_version`` is the version of the weights serving its first call (None if it
+    made none); ``weight_versions`` says which weights sampled each span.
     """
 
     id: str
     env: str
     task_id: str
+    group_id: str
+    step: int
     sample: int
     status: Status
     stop_reason: str
@@ -61,5 +79,7 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     weight_versions: list[WeightSpan]
     tool_returns: list[ToolReturnRecord]
     endpoints: list[str]
+    sampling: SamplingRecord
+    weight_version: int | None
     timings: Timings
     error: str | None = None

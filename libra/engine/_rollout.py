@@ -1,74 +1,46 @@
-"""A rollout: many trajectories at once, under a concurrency limit, cancelled cleanly."""
+"""A one-shot rollout (a session run to its end), and the jobs of seeded or listed tasks."""
 
 from __future__ import annotations
 
 import random
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
-import anyio
 
 from libra.engine._records import TrajectoryRecord
-from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
-from libra.envs import Env
+from libra.engine._session import RolloutSession
+from libra.engine._stats import RolloutStats
+from libra.engine._trajectory import Engine, TrajectoryJob
+from libra.envs import Env, Task
 
 
 def jobs_for(
-    env_cls: type[Env], env_name: str, n: int, *, samples_per_prompt: int = 1, seed: int = 0
+    env_cls: type[Env],
+    env_name: str,
+    n: int,
+    *,
+    samples_per_prompt: int = 1,
+    seed: int = 0,
+    step: int = 0,
 ) -> list[TrajectoryJob]:
-    """``n`` trajectories: ``samples_per_prompt`` samples of each task (GRPO groups)."""
+    """``n`` trajectories of seeded tasks at RL step ``step``: ``samples_per_prompt``
+    samples of each task (GRPO groups); ``seed`` draws the tasks' seeds."""
     rng = random.Random(seed)
     prompts = -(-n // samples_per_prompt)
-    task_seeds = [rng.randrange(2**31) for _ in range(prompts)]
+    tasks = [Task.from_seed(env_name, rng.randrange(2**31)) for _ in range(prompts)]
     return [
-        TrajectoryJob(
-            env_cls, env_name, task_seeds[i // samples_per_prompt], i % samples_per_prompt
-        )
+        TrajectoryJob(env_cls, tasks[i // samples_per_prompt], i % samples_per_prompt, step)
         for i in range(n)
     ]
 
 
-@dataclass
-class RolloutStats:
-    """Live counters of a rollout (what a progress bar shows and the summary prints)."""
-
-    total: int = 0
-    statuses: Counter[str] = field(default_factory=Counter)
-    reward_sum: float = 0.0
-    rewarded: int = 0
-    turns: int = 0
-    tool_calls: int = 0
-    tool_successes: int = 0
-    with_tool_calls: int = 0  # trajectories that made at least one
-    sampled_tokens: int = 0
-    started_at: float = 0.0
-    elapsed_s: float = 0.0
-    interrupted: bool = False
-
-    @property
-    def done(self) -> int:
-        return sum(self.statuses.values())
-
-    @property
-    def reward_mean(self) -> float | None:
-        return self.reward_sum / self.rewarded if self.rewarded else None
-
-    @property
-    def trajectories_per_s(self) -> float:
-        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def observe(self, record: TrajectoryRecord) -> None:
-        self.statuses[record.status] += 1
-        self.turns += record.turns
-        self.tool_calls += len(record.tool_returns)
-        self.tool_successes += sum(r.status == "success" for r in record.tool_returns)
-        self.with_tool_calls += bool(record.tool_returns)
-        self.sampled_tokens += sum(record.loss_mask)
-        if record.reward is not None:
-            self.reward_sum += record.reward
-            self.rewarded += 1
-        self.elapsed_s = anyio.current_time() - self.started_at
+def jobs_of(
+    env_cls: type[Env], tasks: Iterable[Task], *, samples_per_prompt: int = 1, step: int = 0
+) -> list[TrajectoryJob]:
+    """``samples_per_prompt`` trajectories of each of ``tasks`` at RL step ``step``."""
+    return [
+        TrajectoryJob(env_cls, task, sample, step)
+        for task in tasks
+        for sample in range(samples_per_prompt)
+    ]
 
 
 async def rollout(
@@ -78,39 +50,23 @@ async def rollout(
     on_record: Callable[[TrajectoryRecord], None] | None = None,
     stats: RolloutStats | None = None,
 ) -> RolloutStats:
-    """Run every job, at most ``engine.config.concurrency`` at a time.
+    """Run every job in a session of its own (at most ``engine.config.concurrency`` at
+    a time) and hand each record to ``on_record`` as its trajectory ends.
 
-    Each finished trajectory's record goes to ``on_record`` (and ``engine.on_record``) as
-    soon as it ends, so nothing is lost if the rollout is cancelled: the trajectories
-    still running then are recorded as failed with ``stop_reason = "cancelled"``.
-    Pass ``stats`` to watch the counters while the rollout runs.
+    If the rollout is cancelled, the trajectories running then are recorded as failed
+    with ``stop_reason = "cancelled"`` and still reach ``on_record``; jobs never started
+    leave no record. Pass ``stats`` to watch the counters while the rollout runs.
     """
-    jobs = list(jobs)
-    stats = stats or RolloutStats()
-    stats.total, stats.started_at = len(jobs), anyio.current_time()
-    sink = engine.on_record
-
-    def record(result: TrajectoryRecord) -> None:
-        stats.observe(result)
-        if sink is not None:
-            sink(result)
-        if on_record is not None:
-            on_record(result)
-
-    engine.on_record = record
-    pending = iter(jobs)
-
-    # ``concurrency`` workers sharing the jobs: a task per job waiting on a limiter cost
-    # a fifth of the engine's own CPU (beside HTTP) at 1,000 concurrent trajectories.
-    async def worker() -> None:
-        for job in pending:
-            await run_trajectory(job, engine)
-
+    session = RolloutSession(engine, stats=stats)
     try:
-        async with anyio.create_task_group() as group:
-            for _ in range(min(engine.config.concurrency, len(jobs))):
-                group.start_soon(worker)
+        async with session:
+            session.submit(jobs)
+            session.close()
+            async for record in session.records():
+                if on_record is not None:
+                    on_record(record)
     finally:
-        engine.on_record = sink
-        stats.elapsed_s = anyio.current_time() - stats.started_at
-    return stats
+        if on_record is not None:
+            for record in session.unread():  # those recorded while cancelled
+                on_record(record)
+    return session.stats

@@ -5,7 +5,8 @@
 every tool return to the scheduler, until the model stops, the env ends the episode or
 a limit is hit; then score the answer. Whatever happens (a tool that raises or hangs,
 garbage from the model, a dead server, cancellation), the trajectory ends in exactly
-one record, handed to ``Engine.on_record``.
+one record: returned, or, when cancelled, handed to ``on_cancelled`` (a cancelled
+coroutine cannot return). ``Engine.on_record`` sees every record too.
 """
 
 from __future__ import annotations
@@ -30,18 +31,28 @@ from libra.engine._client import (
     OpenAIClient,
     ServerUnavailable,
 )
-from libra.engine._config import EngineConfig, TurnSampling
-from libra.engine._records import Status, Timings, ToolReturnRecord, TrajectoryRecord
+from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
+from libra.engine._records import (
+    SamplingRecord,
+    Status,
+    Timings,
+    ToolReturnRecord,
+    TrajectoryRecord,
+)
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.envs import (
     Env,
+    GroupId,
     HermesToolCallParser,
     SandboxError,
     SandboxProvider,
+    Task,
+    TaskId,
     ToolCall,
     ToolCallParser,
     ToolError,
     ToolReturn,
+    TrajectoryId,
     from_openai,
 )
 from libra.fleet import Endpoint
@@ -54,20 +65,31 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class TrajectoryJob:
-    """One trajectory to run: sample ``sample`` of the env's task ``seed``."""
+    """One trajectory to run: sample ``sample`` of ``task`` at RL step ``step``."""
 
     env_cls: type[Env]
-    env_name: str
-    seed: int
+    task: Task
     sample: int = 0
+    step: int = 0
+
+    @classmethod
+    def seeded(
+        cls, env_cls: type[Env], env_name: str, seed: int, sample: int = 0, step: int = 0
+    ) -> TrajectoryJob:
+        """A job of a seeded env: its task is keyed by ``seed``."""
+        return cls(env_cls, Task.from_seed(env_name, seed), sample, step)
 
     @property
-    def task_id(self) -> str:
-        return f"{self.env_name}/{self.seed}"
+    def task_id(self) -> TaskId:
+        return self.task.id
 
     @property
-    def id(self) -> str:
-        return f"{self.task_id}#{self.sample}"
+    def id(self) -> TrajectoryId:
+        return TrajectoryId(self.step, self.task.id, self.sample)
+
+    @property
+    def group_id(self) -> GroupId:
+        return GroupId(self.step, self.task.id)
 
 
 @dataclass
@@ -79,6 +101,8 @@ class Engine:
     _: KW_ONLY
     config: EngineConfig = field(default_factory=EngineConfig)
     sandboxes: SandboxProvider | None = None
+    #: Sees every record the engine makes, whichever session ran it (a log, a test);
+    #: the consumer of a rollout reads its session's stream instead.
     on_record: Callable[[TrajectoryRecord], None] | None = None
     renderer: TemplateRenderer = field(init=False)
 
@@ -93,8 +117,13 @@ class _End(Exception):
         self.status, self.reason = status, reason
 
 
-async def run_trajectory(job: TrajectoryJob, engine: Engine) -> TrajectoryRecord:
-    t = _Trajectory(job)
+async def run_trajectory(
+    job: TrajectoryJob,
+    engine: Engine,
+    *,
+    on_cancelled: Callable[[TrajectoryRecord], None] | None = None,
+) -> TrajectoryRecord:
+    t = _Trajectory(job, engine.config.sampling)
     env = job.env_cls()
     started = anyio.current_time()
     try:
@@ -112,7 +141,9 @@ async def run_trajectory(job: TrajectoryJob, engine: Engine) -> TrajectoryRecord
     except anyio.get_cancelled_exc_class():
         t.fail("cancelled", "the rollout was cancelled")
         with anyio.CancelScope(shield=True):
-            await _finish(env, t, engine, started)
+            record = await _finish(env, t, engine, started)
+        if on_cancelled is not None:
+            on_cancelled(record)
         raise
     except Exception as exc:  # a bug in the env: report it, never crash the rollout
         t.fail("env_error", _describe(exc))
@@ -122,7 +153,7 @@ async def run_trajectory(job: TrajectoryJob, engine: Engine) -> TrajectoryRecord
 
 
 async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
-    prompt: str | list[openai.Message] = await _maybe_await(env.reset(t.job.seed))
+    prompt: str | list[openai.Message] = await _maybe_await(env.reset_with(t.job.task))
     t.start(env, prompt)
     max_turns = engine.config.max_turns or env.max_turns
     while True:
@@ -145,7 +176,7 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
         for call in calls:
             result = await _run_tool(env, call, engine.config.tool_timeout_s or env.tool_timeout_s)
             t.add_tool_return(result)
-            engine.scheduler.on_tool_return(t.job.id, env.signal(result))
+            engine.scheduler.on_tool_return(t.key, env.signal(result))
         if env.done:
             raise _End("completed", "env_done")
 
@@ -178,18 +209,22 @@ async def _generate(t: _Trajectory, engine: Engine) -> Generation:
 
 def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
     request = RouteRequest(
-        t.job.id,
-        t.job.task_id,
+        t.key,
+        t.prompt_key,
         t.turns,
         len(t.tokens),
         t.last_endpoint,
         generated_tokens=t.output_tokens,
+        env=t.job.task.id.env,
     )
     try:
-        return scheduler.route(request, frozenset(failed))
+        route = scheduler.route(request, frozenset(failed))
     except NoEndpointAvailable:
         failed.clear()  # every endpoint failed once: they may be back, try them all again
-        return scheduler.route(request)
+        route = scheduler.route(request)
+    if t.weight_version is None:  # the weights it started on
+        t.weight_version = route.endpoint.weight_version
+    return route
 
 
 async def _call(t: _Trajectory, engine: Engine, route: Route) -> Generation:
@@ -233,7 +268,7 @@ def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route) -> TurnSa
         raise _End("truncated", "max_context_tokens")
     seed = config.sampling.seed
     if seed is not None:  # reproducible, yet different for every sample and turn
-        seed = zlib.crc32(f"{seed}/{t.job.id}/{t.turns}".encode())
+        seed = zlib.crc32(f"{seed}/{t.key}/{t.turns}".encode())
     max_tokens = min(room, config.sampling.max_tokens_per_turn)
     return TurnSampling(max_tokens, seed, route.priority, t.stop_strings)
 
@@ -330,8 +365,8 @@ async def _close(env: Env) -> None:
 async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> TrajectoryRecord:
     """Release the env, let the scheduler forget the trajectory, hand out its record."""
     await _close(env)
-    job, failed = t.job, t.status == "failed"
-    engine.scheduler.on_finish(job.id, job.task_id, output_tokens=t.output_tokens, failed=failed)
+    failed = t.status == "failed"
+    engine.scheduler.on_finish(t.key, t.prompt_key, output_tokens=t.output_tokens, failed=failed)
     t.timings.total_s = anyio.current_time() - started
     record = t.record()
     if engine.on_record is not None:
@@ -356,8 +391,13 @@ def _describe(exc: BaseException) -> str:
 class _Trajectory:
     """Everything recorded about one trajectory while it runs."""
 
-    def __init__(self, job: TrajectoryJob) -> None:
+    def __init__(self, job: TrajectoryJob, sampling: SamplingConfig) -> None:
         self.job = job
+        # The scheduler's keys, rendered once (see ``RouteRequest``).
+        self.key = str(job.id)
+        self.prompt_key = str(job.task.id)
+        self.sampling = sampling
+        self.weight_version: int | None = None  # of the endpoint of its first call
         self.messages: list[openai.Message] = []
         self.tools: list[dict[str, Any]] = []  # sent with requests; [] once in the prompt
         self.parser: ToolCallParser = HermesToolCallParser()
@@ -446,11 +486,14 @@ class _Trajectory:
 
     def record(self) -> TrajectoryRecord:
         exact = self.tokens.source != "none"
+        job, sampling = self.job, self.sampling
         return TrajectoryRecord(
-            id=self.job.id,
-            env=self.job.env_name,
-            task_id=self.job.task_id,
-            sample=self.job.sample,
+            id=self.key,
+            env=job.task.id.env,
+            task_id=self.prompt_key,
+            group_id=str(job.group_id),
+            step=job.step,
+            sample=job.sample,
             status=self.status,
             stop_reason=self.stop_reason,
             reward=self.reward,
@@ -463,6 +506,10 @@ class _Trajectory:
             weight_versions=self.tokens.spans if exact else [],
             tool_returns=self.tool_returns,
             endpoints=self.endpoints,
+            sampling=SamplingRecord(
+                sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
+            ),
+            weight_version=self.weight_version,
             timings=self.timings,
             error=self.error,
         )

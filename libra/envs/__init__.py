@@ -10,6 +10,7 @@ from libra.envs._sandbox import (
     SandboxSpec,
     check_exec_args,
 )
+from libra.envs._task import GroupId, Task, TaskId, TrajectoryId
 from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser, from_openai
 from libra.envs._tool_return import ToolReturn
 from libra.envs._tools import ToolError, ToolSpec, tool
@@ -17,16 +18,20 @@ from libra.envs._tools import ToolError, ToolSpec, tool
 __all__ = [
     "Env",
     "ExecResult",
+    "GroupId",
     "HermesToolCallParser",
     "Sandbox",
     "SandboxError",
     "SandboxProvider",
     "SandboxSpec",
+    "Task",
+    "TaskId",
     "ToolCall",
     "ToolCallParser",
     "ToolError",
     "ToolReturn",
     "ToolSpec",
+    "TrajectoryId",
     "UnknownEnvError",
     "available_envs",
     "check_exec_args",

@@ -1,8 +1,8 @@
 """The ``Env`` base class: what a user writes to add a task and its tools.
 
 An env is one episode's worth of state. The engine makes a fresh instance per
-trajectory, calls :meth:`Env.reset` with the task's seed to get the prompt, lets the
-model call the env's ``@tool`` methods, and asks :meth:`Env.reward` for the score of
+trajectory, calls :meth:`Env.reset` with the task (or its seed) to get the prompt, lets
+the model call the env's ``@tool`` methods, and asks :meth:`Env.reward` for the score of
 the final answer. That is the whole contract; everything else has a default::
 
     class Guess(Env):
@@ -23,6 +23,11 @@ the final answer. That is the whole contract; everything else has a default::
         def reward(self, answer: str) -> float:
             return 1.0 if self.done else 0.0
 
+An env driven by a dataset takes the whole :class:`~libra.envs.Task` instead, whose
+``payload`` is the row: ``def reset(self, task: Task)``. Which of the two ``reset``
+takes is read from its signature, once per class: a first parameter annotated ``Task``
+(or, unannotated, named ``task``) gets the task, any other gets the seed.
+
 Tools may be plain or ``async`` methods. A plain tool runs in a worker thread, so a
 slow or hanging one cannot stall the engine; either kind is cancelled after
 ``tool_timeout_s``. Tools that run untrusted code use ``self.sandbox`` (declare
@@ -31,15 +36,20 @@ slow or hanging one cannot stall the engine; either kind is cancelled after
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from libra import openai
 from libra.envs._sandbox import Sandbox, SandboxSpec
+from libra.envs._task import Task
 from libra.envs._tool_calls import HermesToolCallParser, ToolCallParser
 from libra.envs._tool_return import ToolReturn
 from libra.envs._tools import ToolSpec, is_tool
 from libra.signals import ToolSignal
+
+Prompt = str | list[openai.Message]
 
 
 class Env(ABC):
@@ -59,9 +69,11 @@ class Env(ABC):
     stop_strings: ClassVar[tuple[str, ...]] = ()
 
     _tool_specs: ClassVar[dict[str, ToolSpec]] = {}
+    _reset_takes_task: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls._reset_takes_task = _takes_task(cls.reset)
         cls._tool_specs = {
             name: ToolSpec.from_method(member)
             for name, member in _members(cls).items()
@@ -78,11 +90,13 @@ class Env(ABC):
     # --------------------------------------------------------------- what users write
 
     @abstractmethod
-    def reset(self, seed: int) -> str | list[openai.Message]:
-        """Build the task for ``seed`` and return the prompt (a user message or messages).
+    def reset(self, task: Any) -> str | list[openai.Message]:
+        """Build the task and return the prompt (a user message or messages).
 
-        May be ``async``. The same seed must give the same task: GRPO samples a prompt
-        several times, and the task id is derived from the seed.
+        Write it as ``reset(self, seed: int)`` (the task's seed) or ``reset(self, task:
+        Task)`` (the whole task, with its payload); typed ``Any`` here so that both
+        type-check. May be ``async``. The same task must give the same prompt: GRPO
+        samples a task several times.
         """
 
     @abstractmethod
@@ -108,6 +122,11 @@ class Env(ABC):
 
     # ------------------------------------------------------------------ for the engine
 
+    def reset_with(self, task: Task) -> Prompt | Awaitable[Prompt]:
+        """Call :meth:`reset` with what it takes: the task, or its seed."""
+        reset: Callable[[Any], Prompt | Awaitable[Prompt]] = self.reset
+        return reset(task if self._reset_takes_task else task.seed)
+
     @classmethod
     def tool_specs(cls) -> dict[str, ToolSpec]:
         return cls._tool_specs
@@ -128,6 +147,19 @@ class Env(ABC):
     @sandbox.setter
     def sandbox(self, value: Sandbox) -> None:
         self._sandbox = value
+
+
+def _takes_task(reset: Callable[..., object]) -> bool:
+    """Whether ``reset``'s first parameter (after ``self``) is the task, not its seed."""
+    parameters = list(inspect.signature(reset).parameters.values())[1:]
+    if not parameters:
+        return False
+    first = parameters[0]
+    if first.annotation is inspect.Parameter.empty:
+        return first.name == "task"
+    if isinstance(first.annotation, str):  # postponed annotations: the name as written
+        return first.annotation.rsplit(".", 1)[-1] == "Task"
+    return first.annotation is Task
 
 
 def _members(cls: type) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from libra.launch._fleet import Fleet, FleetError, open_fleet
 from libra.launch._rollout import Assembled, RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import SCHEDULERS, build_scheduler, save_scheduler_state
+from libra.launch._tasks import read_tasks
 
 __all__ = [
     "SCHEDULERS",
@@ -23,6 +24,7 @@ __all__ = [
     "open_engine",
     "open_fleet",
     "open_sandboxes",
+    "read_tasks",
     "save_scheduler_state",
     "warm_up",
 ]

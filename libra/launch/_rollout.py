@@ -41,7 +41,12 @@ class RolloutConfig(BaseModel):
         "written after it, so what one step learnt guides the next",
     )
     model: str | None = None
-    n: PositiveInt = 64
+    n: PositiveInt | None = Field(
+        None, description="trajectories: default 64 of seeded tasks; with tasks, all of them"
+    )
+    tasks: Path | None = Field(
+        None, description="JSONL file of tasks (key, seed, payload), each sampled in turn"
+    )
     samples_per_prompt: PositiveInt = 1
     seed: int = 0
     out: Path = Path("rollout.jsonl")

@@ -9,7 +9,7 @@ beside this module and see only these calls: never an env, never the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from libra.fleet import Endpoint
@@ -19,6 +19,12 @@ from libra.signals import ToolSignal
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What a scheduler knows about the next generation call of a trajectory.
+
+    ``trajectory_id`` keys the trajectory while it lives (unique among live ones, so two
+    RL steps in flight never share state); ``prompt_id`` keys its task, the same at every
+    step (what prefix histories are learnt under, and saved across runs); ``env`` names
+    its env (what per-env signal rules match). The ids are opaque: compare and store
+    them, never parse them.
 
     ``context_tokens`` is the conversation so far (the call's prompt); ``generated_tokens``
     is how many of them the model itself sampled in earlier turns (its attained service);
@@ -31,6 +37,8 @@ class RouteRequest:
     context_tokens: int
     previous: Endpoint | None = None
     generated_tokens: int = 0
+    _: KW_ONLY
+    env: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,8 @@
 By default a tool return's state is ``tool:size:status`` (e.g. ``run_tests:large:failure``),
 the reference's reduction. Envs differ in which parts carry information: a file viewer's
 output size says little about what is left, a test runner's status says a lot. A
-:class:`SignalMap` holds rules per env (the part of the prompt id before the first
-``/``, which is the env name in the engine's task ids); the first rule that matches a
+:class:`SignalMap` holds rules per env (by the env's name, which every
+``RouteRequest`` carries); the first rule that matches a
 return decides: ``ignore`` it (the path does not grow), or ``keep`` it under a state
 name built from a template such as ``"{tool}:{status}"``. An env can also emit its own
 signal (``Env.signal``); the rules apply to whatever it emits.
@@ -53,10 +53,9 @@ class SignalMap(Section):
     envs: dict[str, list[SignalRule]] = Field(default_factory=dict)
     default: list[SignalRule] = Field(default_factory=list)
 
-    def state(self, prompt_id: str, signal: ToolSignal) -> str | None:
-        """The state ``signal`` is reduced to in the trajectory of ``prompt_id``, or None
+    def state(self, env: str, signal: ToolSignal) -> str | None:
+        """The state ``signal`` is reduced to in a trajectory of env ``env``, or None
         when the return is ignored."""
-        env = prompt_id.split("/", 1)[0]
         rules: list[SignalRule] = [*self.envs.get(env, []), *self.default]
         for rule in rules:
             if rule.matches(signal):

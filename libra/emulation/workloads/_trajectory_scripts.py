@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from libra.emulation.workloads._format import CheckTool, ExploreTool, Output, Workload
+from libra.envs import TaskId, TrajectoryId
 
 #: Template tokens a turn adds besides its content (ChatML headers, tool-call wrapper,
 #: tool-response wrapper); generous, so that scripts stay inside the context limit.
@@ -46,13 +47,14 @@ class TrajectoryScript:
     turns: tuple[ScriptTurn, ...]
 
     @property
-    def trajectory_id(self) -> str:
-        """The engine's id for it (``TrajectoryJob.id``)."""
-        return f"{self.workload}/{self.task_seed}#{self.sample}"
+    def task_id(self) -> TaskId:
+        """Its task, as the engine names it: the workload's env, keyed by the seed."""
+        return TaskId(self.workload, str(self.task_seed))
 
     @property
-    def prompt_id(self) -> str:
-        return f"{self.workload}/{self.task_seed}"
+    def trajectory_id(self) -> TrajectoryId:
+        """The engine's id for it (``TrajectoryJob.id``)."""
+        return TrajectoryId(self.step, self.task_id, self.sample)
 
     @property
     def output_tokens(self) -> int:

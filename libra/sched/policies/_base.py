@@ -30,6 +30,7 @@ class Track:
 
     trajectory_id: str
     prompt_id: str
+    env: str = ""  # its env's name, for per-env signal rules
     path: list[str] = field(default_factory=list)  # tool-return states so far
     marks: list[int] = field(default_factory=list)  # tokens generated when each was reached
     generated: int = 0  # output tokens so far
@@ -115,7 +116,7 @@ class RoutedPolicy(ABC):
         track = self.tracks.get(trajectory_id)
         if track is None:
             return
-        state = self.signals.state(track.prompt_id, signal)
+        state = self.signals.state(track.env, signal)
         if state is not None:
             track.path.append(state)
             track.marks.append(track.generated)
@@ -137,7 +138,7 @@ class RoutedPolicy(ABC):
         track = self.tracks.get(request.trajectory_id)
         if track is None:
             track = self.tracks[request.trajectory_id] = Track(
-                request.trajectory_id, request.prompt_id
+                request.trajectory_id, request.prompt_id, request.env
             )
         track.turn = request.turn
         track.context = request.context_tokens

@@ -1,0 +1,52 @@
+"""Live counters of a rollout: what a progress bar shows and the summary prints."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import anyio
+
+from libra.engine._records import TrajectoryRecord
+
+
+@dataclass
+class RolloutStats:
+    """Live counters of a rollout (what a progress bar shows and the summary prints)."""
+
+    total: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    reward_sum: float = 0.0
+    rewarded: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_successes: int = 0
+    with_tool_calls: int = 0  # trajectories that made at least one
+    sampled_tokens: int = 0
+    started_at: float = 0.0
+    elapsed_s: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def done(self) -> int:
+        return sum(self.statuses.values())
+
+    @property
+    def reward_mean(self) -> float | None:
+        return self.reward_sum / self.rewarded if self.rewarded else None
+
+    @property
+    def trajectories_per_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def observe(self, record: TrajectoryRecord) -> None:
+        self.statuses[record.status] += 1
+        self.turns += record.turns
+        self.tool_calls += len(record.tool_returns)
+        self.tool_successes += sum(r.status == "success" for r in record.tool_returns)
+        self.with_tool_calls += bool(record.tool_returns)
+        self.sampled_tokens += sum(record.loss_mask)
+        if record.reward is not None:
+            self.reward_sum += record.reward
+            self.rewarded += 1
+        self.elapsed_s = anyio.current_time() - self.started_at
