@@ -12,7 +12,8 @@ from libra.engine._records import TrajectoryRecord
 
 @dataclass
 class RolloutStats:
-    """Live counters of a rollout (what a progress bar shows and the summary prints)."""
+    """Live counters of a rollout or a session's step: ``total`` counts the jobs submitted,
+    ``done`` the records made."""
 
     total: int = 0
     statuses: Counter[str] = field(default_factory=Counter)
