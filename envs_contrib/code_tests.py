@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from libra.envs import Env, SandboxSpec, ToolError, tool
+from libra.envs import Env, SandboxSpec, ToolError, ToolResult, ToolTimeout, tool
 
 _CASES = 12
 
@@ -152,7 +152,7 @@ class CodeTests(Env):
         return f"Write a Python function `{problem.signature}` that returns {problem.description}."
 
     @tool
-    async def run_tests(self, code: str) -> str:
+    async def run_tests(self, code: str) -> ToolResult:
         """Run the hidden unit tests against your code.
 
         Args:
@@ -166,7 +166,7 @@ class CodeTests(Env):
         )
         if result.timed_out:
             self.passed_fraction = 0.0
-            raise ToolError("the tests ran longer than 20 s and were stopped")
+            raise ToolTimeout("the tests ran longer than 20 s and were stopped")
         report = _last_json_line(result.stdout)
         if report is None or "error" in report:
             self.passed_fraction = 0.0
@@ -180,7 +180,9 @@ class CodeTests(Env):
         self.passed_fraction = passed / len(self.expected)
         errors = [o["error"] for o in outcomes if "error" in o]
         summary = f"{passed}/{len(self.expected)} tests passed."
-        return f"{summary} First error: {errors[0]}" if errors else summary
+        text = f"{summary} First error: {errors[0]}" if errors else summary
+        # A failing test is the tool's own verdict (it predicts more turns), not a guess.
+        return ToolResult(text, "success" if passed == len(self.expected) else "failure")
 
     def reward(self, answer: str) -> float:
         return self.passed_fraction

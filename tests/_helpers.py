@@ -20,7 +20,7 @@ from libra.emulation import (
     create_app,
     render_chat_text,
 )
-from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_transport
+from libra.engine import Engine, EngineConfig, TrajectoryRecord, http_transport
 from libra.envs import Sandbox
 from libra.fleet import Endpoint
 from libra.sched.policies import LeastLoadedScheduler
@@ -44,7 +44,7 @@ async def emulated_engine(
     async with http_transport(httpx.ASGITransport(app=app)) as http:
         endpoint = Endpoint("http://emulated", model=MODEL, api=api)
         engine = Engine(
-            OpenAIClient(http),
+            http,
             LeastLoadedScheduler([endpoint]),
             config=config or EngineConfig(),
             on_record=records.append,

@@ -16,7 +16,6 @@ from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_e
 from libra.engine import (
     Engine,
     EngineConfig,
-    OpenAIClient,
     SamplingConfig,
     ServerUnavailable,
     TrajectoryRecord,
@@ -165,7 +164,7 @@ async def test_rollout_over_a_real_port() -> None:
         async with http_transport("aiohttp") as http:
             records: list[TrajectoryRecord] = []
             engine = Engine(
-                OpenAIClient(http),
+                http,
                 LeastLoadedScheduler([Endpoint(url, model=MODEL)]),
                 on_record=records.append,
             )
@@ -184,7 +183,7 @@ async def test_a_dead_server_fails_trajectories_and_a_live_one_takes_over() -> N
         async with http_transport("aiohttp") as http:
             alone: list[TrajectoryRecord] = []
             engine = Engine(
-                OpenAIClient(http),
+                http,
                 LeastLoadedScheduler([dead]),
                 config=config,
                 on_record=alone.append,
@@ -194,7 +193,7 @@ async def test_a_dead_server_fails_trajectories_and_a_live_one_takes_over() -> N
             both: list[TrajectoryRecord] = []
             live = Endpoint(url, model=MODEL, name="live")
             scheduler = LeastLoadedScheduler([dead, live])
-            engine = Engine(OpenAIClient(http), scheduler, config=config, on_record=both.append)
+            engine = Engine(http, scheduler, config=config, on_record=both.append)
             await rollout(jobs_for(Calc, "calc", 8), engine)
     assert [(r.status, r.stop_reason) for r in alone] == [("failed", "server_error")] * 4
     assert all(r.error and "dead" in r.error for r in alone)

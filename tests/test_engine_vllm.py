@@ -13,7 +13,6 @@ from libra import openai
 from libra.engine import (
     Engine,
     EngineConfig,
-    OpenAIClient,
     SamplingConfig,
     TrajectoryRecord,
     http_transport,
@@ -53,7 +52,7 @@ async def greedy_rollout(
     async with http_transport("aiohttp") as http:
         endpoint = Endpoint(server.url, model=REAL_MODEL_NAME)
         engine = Engine(
-            OpenAIClient(http),
+            http,
             LeastLoadedScheduler([endpoint]),
             config=config,
             sandboxes=sandboxes,

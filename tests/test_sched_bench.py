@@ -25,7 +25,6 @@ from libra.emulation.workloads._env import EnvClasses, WorkloadScript, tool_outp
 from libra.engine import (
     Engine,
     EngineConfig,
-    OpenAIClient,
     SamplingConfig,
     TrajectoryJob,
     TrajectoryRecord,
@@ -75,7 +74,7 @@ def test_the_env_and_the_emulated_model_play_the_same_script(tiny: Path) -> None
         ]
         async with ASGITransport(app) as http:
             scheduler = LeastLoadedScheduler([endpoint])
-            engine = Engine(OpenAIClient(http), scheduler, config=engine_config)
+            engine = Engine(http, scheduler, config=engine_config)
             await rollout(jobs, engine, on_record=records.append)
 
     anyio.run(play, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})

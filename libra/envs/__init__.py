@@ -11,8 +11,9 @@ from libra.envs._sandbox import (
     check_exec_args,
 )
 from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser, from_openai
+from libra.envs._tool_result import ToolResult
 from libra.envs._tool_return import ToolReturn
-from libra.envs._tools import ToolError, ToolSpec, tool
+from libra.envs._tools import ToolError, ToolSpec, ToolTimeout, tool
 
 __all__ = [
     "Env",
@@ -25,8 +26,10 @@ __all__ = [
     "ToolCall",
     "ToolCallParser",
     "ToolError",
+    "ToolResult",
     "ToolReturn",
     "ToolSpec",
+    "ToolTimeout",
     "UnknownEnvError",
     "available_envs",
     "check_exec_args",
