@@ -15,7 +15,7 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from libra.envs import Env, SandboxSpec, ToolError, ToolResult, ToolTimeout, tool
 
@@ -139,6 +139,8 @@ class CodeTests(Env):
     )
     max_turns = 8
     tool_timeout_s = 30.0
+    #: The hidden tests' own time limit in the sandbox (within the tool's ``tool_timeout_s``).
+    tests_timeout_s: ClassVar[float] = 20.0
     sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
 
     def reset(self, seed: int) -> str:
@@ -162,11 +164,12 @@ class CodeTests(Env):
         result = await self.sandbox.exec(
             ["python3", "-c", _RUNNER, self.problem.name],
             stdin=json.dumps(self.inputs).encode(),
-            timeout_s=20,
+            timeout_s=self.tests_timeout_s,
         )
         if result.timed_out:
             self.passed_fraction = 0.0
-            raise ToolTimeout("the tests ran longer than 20 s and were stopped")
+            limit = self.tests_timeout_s
+            raise ToolTimeout(f"the tests ran longer than {limit:g} s and were stopped")
         report = _last_json_line(result.stdout)
         if report is None or "error" in report:
             self.passed_fraction = 0.0

@@ -22,10 +22,12 @@ from libra.emulation import (
 )
 from libra.engine import Engine, EngineConfig, TrajectoryRecord, http_transport
 from libra.envs import Sandbox
-from libra.fleet import Endpoint
-from libra.sched.policies import LeastLoadedScheduler
+from libra.fleet import Endpoint, FleetSpec, InstanceSpec
+from libra.sched import Router, Scheduler
+from libra.sched.policies import LeastLoadedScheduler, RoundRobin, Track
 
 MODEL = "libra-emulated"
+EMULATED_URL = "http://emulated"
 tokenizer = ByteTokenizer()
 
 
@@ -35,21 +37,36 @@ async def emulated_engine(
     *,
     api: Literal["auto", "tokens", "chat"] = "auto",
     config: EngineConfig | None = None,
+    scheduler: Scheduler | None = None,
     **emulator: Any,
 ) -> AsyncIterator[tuple[Engine, list[TrajectoryRecord]]]:
-    """An engine whose one endpoint is the emulator, in-process, with zero latency."""
+    """An engine whose one endpoint is the emulator, in-process, with zero latency
+    (``scheduler``, if given, routes over ``EMULATED_URL``)."""
     emulator.setdefault("latency", LatencyModel.zero())
     app = create_app(EmulatorConfig(**emulator), ScriptedReplies(replies) if replies else None)
     records: list[TrajectoryRecord] = []
     async with http_transport(httpx.ASGITransport(app=app)) as http:
-        endpoint = Endpoint("http://emulated", model=MODEL, api=api)
+        endpoint = Endpoint(EMULATED_URL, model=MODEL, api=api)
         engine = Engine(
             http,
-            LeastLoadedScheduler([endpoint]),
+            scheduler or LeastLoadedScheduler([endpoint]),
             config=config or EngineConfig(),
             on_record=records.append,
         )
         yield engine, records
+
+
+class PathRecorder(RoundRobin):
+    """A real policy over the emulated endpoint that keeps, for each trajectory it saw
+    finish, its path of tool-return states: what the scheduler was told."""
+
+    def __init__(self) -> None:
+        instance = InstanceSpec(name="emulated", url=EMULATED_URL, model=MODEL)
+        super().__init__(Router(FleetSpec(instances=[instance])))
+        self.paths: dict[str, list[str]] = {}
+
+    def learn(self, track: Track, output_tokens: int) -> None:
+        self.paths[track.trajectory_id] = list(track.path)
 
 
 def assert_tokens_consistent(record: TrajectoryRecord, tools: list[dict[str, Any]]) -> None:
