@@ -1,4 +1,4 @@
-"""The contributed envs: seeded tasks, tools and rewards."""
+"""The calculator env: seeded tasks scored exactly, and arithmetic with nothing else."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from fractions import Fraction
 import pytest
 
 from envs_contrib.calc import Calc, evaluate
-from envs_contrib.guess import Guess
-from envs_contrib.python_math import PythonMath
 from libra.envs import ToolError
 
 
@@ -48,40 +46,3 @@ def test_calculator_refuses_everything_else(expression: str, message: str) -> No
 def test_calculator_formats_results() -> None:
     assert Calc().calculator("7/2") == "3.5"
     assert Calc().calculator("6*7") == "42"
-
-
-def test_guess_answers_and_ends() -> None:
-    env = Guess()
-    env.reset(5)
-    secret = env.secret
-    assert env.guess(secret - 1) == "higher" if secret > 1 else True
-    assert env.guess(secret) == "correct" and env.done
-    assert env.reward("") == 1.0
-    with pytest.raises(ToolError):
-        env.guess(0)
-
-
-def test_python_math_reads_code_blocks_as_calls() -> None:
-    parse = PythonMath.tool_call_parser.parse
-    [call] = parse("Let me compute.\n```python\nprint(6 * 7)\n```\nDone.")
-    assert (call.name, call.arguments) == ("run_python", {"code": "print(6 * 7)\n"})
-    [hermes] = parse('<tool_call>{"name": "run_python", "arguments": {"code": "1"}}</tool_call>')
-    assert hermes.arguments == {"code": "1"}
-    assert parse("The answer is 42.") == []
-
-
-def test_python_math_runs_a_program_whose_opening_fence_is_missing() -> None:
-    parse = PythonMath.tool_call_parser.parse
-    [call] = parse("x = 6 * 7\nprint(x)\n```\n")
-    assert call.arguments == {"code": "x = 6 * 7\nprint(x)\n"}
-    [escapes] = parse('print("\\d")\n```')  # a SyntaxWarning, not an error
-    assert escapes.arguments == {"code": 'print("\\d")\n'}
-    # Prose before a fence is an opening fence cut short, not a program.
-    assert parse("Here is the program:\n```\n") == []
-    assert parse("print(1)\n```\nand then\n```\n") == []
-
-
-def test_python_math_tasks_are_seeded() -> None:
-    env = PythonMath()
-    assert env.reset(1) == PythonMath().reset(1)
-    assert env.reward(f"so the answer is {env.expected:,}.") == 1.0
