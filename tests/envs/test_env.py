@@ -109,8 +109,8 @@ def test_sandbox_needs_a_spec() -> None:
 def test_envs_are_found_by_entry_point_and_path() -> None:
     assert {"calc", "guess"} <= set(available_envs())
     assert load_env("calc").__name__ == "Calc"
-    assert load_env("tests.test_envs_env:Shop") is Shop
+    assert load_env("tests.envs.test_env:Shop") is Shop
     with pytest.raises(UnknownEnvError, match=r"unknown env 'nope' \(available: .*calc"):
         load_env("nope")
     with pytest.raises(UnknownEnvError, match="not an Env subclass"):
-        load_env("tests.test_envs_env:test_schema_comes_from_hints_and_docstring")
+        load_env("tests.envs.test_env:test_schema_comes_from_hints_and_docstring")

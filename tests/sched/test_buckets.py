@@ -1,26 +1,17 @@
-"""The router: buckets, live load, stickiness, fallbacks when instances are full or down,
-signal mapping, and vLLM /metrics gauges."""
+"""The router: buckets, live load, stickiness, fallbacks when instances are full or down."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
-from libra.emulation import EmulatorConfig, LatencyModel, create_app
-from libra.engine._asgi import ASGITransport
-from libra.fleet import BucketSpec, FleetSpec, InstanceSpec, StepCost
 from libra.sched import (
     NoEndpointAvailable,
     Router,
     RouteRequest,
-    SignalMap,
-    SignalRule,
-    parse_metrics,
-    poll_once,
 )
-from libra.signals import ToolSignal
+from tests._helpers import fleet
 
 
 class Clock:
@@ -29,22 +20,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def fleet(**overrides: Any) -> FleetSpec:
-    """Two TP1 instances (short), one TP2 (medium), one TP4 (long)."""
-    instances = [
-        InstanceSpec(name="a1", url="http://a1", tp=1, max_num_seqs=4, kv_capacity_tokens=40_000),
-        InstanceSpec(name="a2", url="http://a2", tp=1, max_num_seqs=4, kv_capacity_tokens=40_000),
-        InstanceSpec(name="b", url="http://b", tp=2, max_num_seqs=8, kv_capacity_tokens=100_000),
-        InstanceSpec(name="c", url="http://c", tp=4, max_num_seqs=8, kv_capacity_tokens=250_000),
-    ]
-    buckets = [
-        BucketSpec(name="long", max_tokens=30_000, instances=["c"]),
-        BucketSpec(name="short", max_tokens=4_000, instances=["a1", "a2"]),
-        BucketSpec(name="medium", max_tokens=12_000, instances=["b"]),
-    ]
-    return FleetSpec(instances=instances, buckets=buckets, **overrides)
 
 
 def request(trajectory: str = "t/1#0", context: int = 1000, previous: Any = None) -> RouteRequest:
@@ -63,16 +38,6 @@ def test_buckets_are_ordered_shortest_first_and_cover_tokens() -> None:
     assert router.bucket_for_tokens(100).name == "short"
     assert router.bucket_for_tokens(4001).name == "medium"
     assert router.bucket_for_tokens(10**9).name == "long"  # nothing covers it: the largest
-
-
-def test_a_fleet_must_be_consistent() -> None:
-    one = [InstanceSpec(name="x", url="http://x")]
-    with pytest.raises(ValidationError, match="unknown instance"):
-        FleetSpec(instances=one, buckets=[BucketSpec(name="b", max_tokens=1, instances=["y"])])
-    with pytest.raises(ValidationError, match="exactly one bucket"):
-        FleetSpec(instances=[*one, InstanceSpec(name="z", url="http://z")],
-                  buckets=[BucketSpec(name="b", max_tokens=1, instances=["x"])])  # fmt: skip
-    assert [b.name for b in FleetSpec(instances=one).buckets] == ["all"]
 
 
 def test_least_loaded_inside_a_bucket_and_the_calls_are_counted() -> None:
@@ -159,71 +124,3 @@ def test_the_engines_exclusions_count_as_down() -> None:
     router = Router(fleet())
     instance, why = router.pick(router.bucket_of["short"], request(), frozenset({"a1", "a2"}))
     assert (instance.name, why) == ("b", "fallback_from_short")
-
-
-def test_step_cost_defaults_scale_with_tensor_parallelism() -> None:
-    one, four = StepCost.for_tp(1), StepCost.for_tp(4)
-    assert four.step_time(1, 8000) < one.step_time(1, 8000) / 2  # faster per token
-    assert four.step_time(1, 8000) * 4 > one.step_time(1, 8000)  # but not per GPU
-    assert InstanceSpec(name="x", url="http://x", tp=2).step_cost == StepCost.for_tp(2)
-
-
-# ------------------------------------------------------------------------- signals
-
-
-def test_tool_returns_become_states_per_env_rules() -> None:
-    signals = SignalMap(
-        envs={"swe": [SignalRule(tool="view_*", action="ignore")]},
-        default=[SignalRule(tool="run_tests", state="{tool}:{status}")],
-    )
-    view = ToolSignal("view_file", "large", "success")
-    tests = ToolSignal("run_tests", "large", "failure")
-    search = ToolSignal("search", "medium", "timeout")
-    assert signals.state("swe/1", view) is None
-    assert signals.state("math/1", view) == "view_file:large:success"
-    assert signals.state("swe/1", tests) == "run_tests:failure"
-    assert signals.state("swe/1", search) == "search:medium:timeout"
-    only_failures = SignalRule(status="success", action="ignore")
-    assert SignalMap(default=[only_failures]).state("x/1", view) is None
-
-
-# ------------------------------------------------------------------------- metrics
-
-
-def test_prometheus_text_is_parsed_and_label_sets_are_summed() -> None:
-    text = (
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        'vllm:num_requests_waiting{model_name="m",engine="0"} 3.0\n'
-        'vllm:num_requests_waiting{model_name="m",engine="1"} 2.0\n'
-        "vllm:kv_cache_usage_perc 0.5\n"
-        "broken_line nan-ish\n"
-    )
-    values = parse_metrics(text)
-    assert values["vllm:num_requests_waiting"] == 5.0
-    assert values["vllm:kv_cache_usage_perc"] == 0.5
-    assert "broken_line" not in values
-
-
-@pytest.mark.anyio
-async def test_polling_reads_vllm_gauges_and_marks_silent_servers() -> None:
-    spec = FleetSpec(
-        instances=[
-            InstanceSpec(name="up", url="http://up", max_num_seqs=8),
-            InstanceSpec(name="gone", url="http://gone", max_num_seqs=8),
-        ]
-    )
-    router = Router(spec)
-    app = create_app(EmulatorConfig(latency=LatencyModel()))
-
-    async def fleet_app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["server"][0] != "up":
-            raise ConnectionError("no route to host")
-        await app(scope, receive, send)
-
-    async with ASGITransport(fleet_app) as http:
-        await poll_once(router, lambda url: http.get(url, 5.0))
-    up, gone = router.by_name["up"], router.by_name["gone"]
-    assert (up.waiting_gauge, up.kv_usage_gauge) == (0.0, 0.0)
-    assert gone.failures == 1 and gone.is_down(router.clock())
-    up.waiting_gauge = 3.0  # another client's queue: the router sees it as full
-    assert router.is_full(up)

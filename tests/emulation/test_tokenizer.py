@@ -12,35 +12,13 @@ from libra.emulation import (
     IM_END_ID,
     IM_START_ID,
     ByteTokenizer,
-    parse_chatml,
     render_chat,
     render_chat_text,
 )
-from libra.openai import FunctionCall, Message, ToolCall, tool_schema
+from libra.openai import FunctionCall, Message, ToolCall
+from tests._helpers import CALCULATOR, conversation
 
 tokenizer = ByteTokenizer()
-
-CALCULATOR = tool_schema(
-    "calculator",
-    "Evaluate an arithmetic expression.",
-    {
-        "type": "object",
-        "properties": {"expression": {"type": "string"}},
-        "required": ["expression"],
-    },
-)
-
-
-def conversation() -> list[Message]:
-    call = ToolCall(id="call_1", function=FunctionCall("calculator", '{"expression": "6 * 7"}'))
-    return [
-        Message(role="system", content="You are careful."),
-        Message(role="user", content="What is 6 times 7? Ünïcödé ✓"),
-        Message(role="assistant", content="Let me compute.", tool_calls=[call]),
-        Message(role="tool", content="42", tool_call_id="call_1", name="calculator"),
-        Message(role="assistant", content="The answer is 42."),
-        Message(role="user", content="Thanks"),
-    ]
 
 
 @pytest.mark.parametrize(
@@ -120,12 +98,3 @@ def test_plain_dict_messages_render_like_structs() -> None:
         Message(role="assistant", tool_calls=[call]),
     ]
     assert render_chat(as_dicts) == render_chat(as_structs)
-
-
-def test_parse_chatml_recovers_messages_and_tools() -> None:
-    text = render_chat_text(conversation(), [CALCULATOR], add_generation_prompt=True)
-    messages, tools = parse_chatml(text)
-    assert tools == [CALCULATOR]
-    assert [m.role for m in messages] == [m.role for m in conversation()]
-    assert messages[0].content == "You are careful."
-    assert messages[3].content == "42"

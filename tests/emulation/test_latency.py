@@ -20,6 +20,7 @@ from libra.emulation import (
     render_chat,
 )
 from libra.openai import ChatCompletion
+from tests._helpers import GROWING
 
 pytestmark = pytest.mark.anyio
 
@@ -278,3 +279,51 @@ async def test_engine_runs_on_asyncio_in_real_time() -> None:
             for tokens in (5, 10, 20):
                 group.start_soon(engine.generate, 10, tokens)
     assert engine.num_running == 0
+
+
+# ------------------------------------------------ decode runs planned ahead, busy time
+
+
+def stepped(latency: LatencyModel, batch: list[tuple[int, int]]) -> list[float]:
+    """Finish times of sequences (prompt, tokens) decoded together, token by token."""
+    produced = [0] * len(batch)
+    now, finished = 0.0, [0.0] * len(batch)
+    while any(p < tokens for p, (_, tokens) in zip(produced, batch, strict=True)):
+        live = [i for i, (_, tokens) in enumerate(batch) if produced[i] < tokens]
+        context = sum(batch[i][0] + produced[i] for i in live)
+        now += latency.step_time(len(live), context)
+        for i in live:
+            produced[i] += 1
+            if produced[i] == batch[i][1]:
+                finished[i] = now
+    return finished
+
+
+async def test_a_run_of_steps_ends_exactly_where_token_by_token_steps_would() -> None:
+    engine = BatchingEngine(GROWING)
+    batch = [(100, 40), (300, 250), (50, 7)]
+    finished: dict[int, float] = {}
+
+    async def run(index: int) -> None:
+        await engine.generate(*batch[index])
+        finished[index] = anyio.current_time()
+
+    async with anyio.create_task_group() as group:
+        for index in range(3):
+            group.start_soon(run, index)
+        await anyio.sleep(0.05)  # mid-run: what has been decoded so far is visible
+        produced = engine.kv_used_tokens - sum(prompt for prompt, _ in batch)
+        assert 0 < produced < sum(tokens for _, tokens in batch)
+    assert [finished[i] for i in range(3)] == pytest.approx(stepped(GROWING, batch))
+
+
+async def test_busy_time_and_occupancy_are_recorded() -> None:
+    changes: list[tuple[float, int, int]] = []
+    engine = BatchingEngine(GROWING, observer=lambda *change: changes.append(change))
+    await anyio.sleep(1.0)
+    await engine.generate(10, 20)
+    await anyio.sleep(1.0)
+    alone = sum(GROWING.step_time(1, 10 + k) for k in range(20))
+    assert engine.busy_s == pytest.approx(alone)
+    assert changes[0][1:] == (1, 0) and changes[-1][1:] == (0, 0)
+    assert changes[-1][0] == pytest.approx(1.0 + alone)

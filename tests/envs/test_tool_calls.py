@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from libra import openai
 from libra.envs import HermesToolCallParser, ToolCall, from_openai
-from libra.signals import size_class, status_of_output
 
 parse = HermesToolCallParser().parse
 
@@ -40,13 +39,3 @@ def test_openai_tool_calls() -> None:
     good, bad = from_openai(calls)
     assert good == ToolCall("c1", "f", {"y": 3})
     assert bad.name == "g" and bad.error is not None
-
-
-def test_signal_reduction() -> None:
-    assert [size_class(n) for n in (0, 500, 501, 5000, 5001)] == [
-        "small", "small", "medium", "medium", "large"
-    ]  # fmt: skip
-    assert status_of_output("Traceback (most recent call last):\n  File") == "failure"
-    assert status_of_output("Error: division by zero") == "failure"
-    assert status_of_output("status: failed") == "failure"
-    assert status_of_output("3 tests passed, no errors") == "success"

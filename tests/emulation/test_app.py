@@ -1,15 +1,9 @@
-"""The emulated vLLM server's endpoints, in-process through httpx.ASGITransport and on a port."""
+"""The emulated vLLM server's endpoints, in-process through httpx.ASGITransport."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 import msgspec
@@ -17,80 +11,22 @@ import pytest
 
 from libra.emulation import (
     EOS_ID,
-    AgentScript,
-    EmulatorConfig,
-    LatencyModel,
-    Script,
     ScriptedReplies,
-    create_app,
     render_chat,
-    running_emulator,
 )
-from libra.emulation._serve import build_parser, config_from_args
 from libra.openai import (
-    ChatCompletion,
-    Completion,
     DetokenizeResponse,
     ErrorResponse,
     TokenizeResponse,
-    tool_schema,
 )
+from tests._helpers import CALCULATOR, LOOKUP, QUESTION, chat, complete, emulator
 
 pytestmark = pytest.mark.anyio
 
 MODEL = "libra-emulated"
-CALCULATOR = tool_schema(
-    "calculator",
-    "Evaluate an arithmetic expression.",
-    {
-        "type": "object",
-        "properties": {"expression": {"type": "string"}},
-        "required": ["expression"],
-    },
-)
-LOOKUP = tool_schema(
-    "lookup",
-    "Look up a record.",
-    {
-        "type": "object",
-        "properties": {
-            "id": {"type": "integer", "minimum": 1, "maximum": 1000},
-            "scale": {"type": "number"},
-            "verbose": {"type": "boolean"},
-            "unit": {"type": "string", "enum": ["m", "km"]},
-        },
-        "required": ["id", "scale", "verbose", "unit"],
-    },
-)
-QUESTION = [{"role": "user", "content": "What is 12 times 7 plus 3?"}]
 TOOL_CALL = (
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7 + 3"}}\n</tool_call>'
 )
-
-
-@asynccontextmanager
-async def emulator(
-    behaviour: Script | None = None, **config: Any
-) -> AsyncIterator[httpx.AsyncClient]:
-    """A client of an in-process emulator (zero latency unless given) with ``behaviour``."""
-    config.setdefault("latency", LatencyModel.zero())
-    app = create_app(EmulatorConfig(**config), behaviour)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://emulated") as client:
-        yield client
-
-
-async def chat(client: httpx.AsyncClient, **body: Any) -> ChatCompletion:
-    body = {"model": MODEL, "messages": QUESTION, **body}
-    response = await client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return msgspec.json.decode(response.content, type=ChatCompletion)
-
-
-async def complete(client: httpx.AsyncClient, **body: Any) -> Completion:
-    response = await client.post("/v1/completions", json={"model": MODEL, **body})
-    assert response.status_code == 200, response.text
-    return msgspec.json.decode(response.content, type=Completion)
 
 
 async def error(response: httpx.Response, status: int) -> str:
@@ -375,154 +311,3 @@ async def test_error_rate_injects_http_500s() -> None:
             for _ in range(200)
         ]
     assert 30 < statuses.count(500) < 90 and statuses.count(200) + statuses.count(500) == 200
-
-
-# -------------------------------------------------------------------- agent behaviour
-
-
-async def test_replies_are_deterministic_for_a_seed() -> None:
-    agent = AgentScript(think_tokens=(0, 40), garbage_rate=0.3)
-    body = {"tools": [CALCULATOR, LOOKUP], "logprobs": True, "return_token_ids": True}
-    runs = []
-    for seed in (7, 7, 8):
-        async with emulator(seed=seed, agent=agent) as client:
-            runs.append(
-                [await chat(client, **body, seed=request_seed) for request_seed in range(6)]
-            )
-    same = [[c.choices[0] for c in run] for run in runs]
-    assert same[0] == same[1]
-    assert same[0] != same[2]
-
-
-async def test_agent_calls_calculator_with_numbers_from_the_question() -> None:
-    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
-        completion = await chat(client, tools=[CALCULATOR])
-    (call,) = completion.choices[0].message.tool_calls or []
-    expression = json.loads(call.function.arguments)["expression"]
-    assert re.fullmatch(r"12 [-+*] 7 [-+*] 3", expression), expression
-
-
-async def test_agent_fills_arguments_from_the_schema() -> None:
-    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
-        for request_seed in range(10):
-            completion = await chat(client, tools=[LOOKUP], seed=request_seed)
-            (call,) = completion.choices[0].message.tool_calls or []
-            arguments = json.loads(call.function.arguments)
-            assert isinstance(arguments["id"], int) and 1 <= arguments["id"] <= 1000
-            assert isinstance(arguments["scale"], float | int)
-            assert isinstance(arguments["verbose"], bool)
-            assert arguments["unit"] in ("m", "km")
-
-
-async def test_agent_answers_with_the_latest_tool_result() -> None:
-    messages = [
-        *QUESTION,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "calculator", "arguments": '{"expression": "12 * 7 + 3"}'}}
-        ]},
-        {"role": "tool", "content": "87", "tool_call_id": "c1"},
-    ]  # fmt: skip
-    agent = AgentScript(tool_call_probability=1.0, max_tool_turns=1)
-    async with emulator(agent=agent) as client:
-        completion = await chat(client, messages=messages, tools=[CALCULATOR])
-    assert completion.choices[0].message.content == "The answer is 87."
-    assert completion.choices[0].finish_reason == "stop"
-
-
-async def test_agent_finds_tools_in_a_token_prompt() -> None:
-    prompt = render_chat(QUESTION, [CALCULATOR], add_generation_prompt=True)
-    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
-        completion = await complete(client, prompt=prompt)
-    assert completion.choices[0].text.startswith('<tool_call>\n{"name": "calculator"')
-
-
-async def test_agent_garbage_is_never_a_valid_call() -> None:
-    agent = AgentScript(garbage_rate=1.0)
-    async with emulator(agent=agent) as client:
-        for request_seed in range(40):
-            completion = await chat(client, tools=[LOOKUP], seed=request_seed)
-            (choice,) = completion.choices
-            for call in choice.message.tool_calls or []:
-                arguments = json.loads(call.function.arguments)
-                valid = call.function.name == "lookup" and isinstance(arguments.get("id"), int)
-                assert not valid, call
-
-
-async def test_agent_think_tokens_pad_the_reply() -> None:
-    agent = AgentScript(think_tokens=(50, 50), tool_call_probability=0.0)
-    async with emulator(agent=agent) as client:
-        completion = await chat(client, return_token_ids=True)
-    (choice,) = completion.choices
-    text = choice.message.content or ""
-    thinking, answer = text.rsplit("\n", 1)
-    assert len(thinking) + 1 == 50 and answer == "The answer is 3."
-
-
-async def test_echo_script_repeats_the_last_user_message() -> None:
-    async with emulator(script="echo") as client:
-        completion = await chat(client)
-    assert completion.choices[0].message.content == QUESTION[0]["content"]
-
-
-# -------------------------------------------------------------------------- real port
-
-
-def test_real_port_round_trip() -> None:
-    config = EmulatorConfig(latency=LatencyModel(step_base_s=0.001, prefill_s_per_token=0.0))
-    with running_emulator(config) as url, httpx.Client(base_url=url) as client:
-        assert client.get("/health").status_code == 200
-        body = {"model": MODEL, "messages": QUESTION, "tools": [CALCULATOR]}
-        response = client.post("/v1/chat/completions", json={**body, "return_token_ids": True})
-        completion = msgspec.json.decode(response.content, type=ChatCompletion)
-        metrics = client.get("/metrics").text
-    tokens = completion.choices[0].token_ids or []
-    assert tokens and completion.usage is not None
-    assert completion.usage.completion_tokens == len(tokens)
-    assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} {float(len(tokens))}' in metrics
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{url}/health", timeout=1.0)  # the server is gone
-
-
-def test_command_line_options_make_a_config() -> None:
-    args = build_parser().parse_args(
-        ["--latency", "zero", "--script", "echo", "--seed", "3", "--think-tokens", "2", "9"]
-    )
-    config = config_from_args(args)
-    assert config.latency.is_zero and config.script == "echo" and config.seed == 3
-    assert config.agent.think_tokens == (2, 9)
-    whole = EmulatorConfig(seed=11, error_rate=0.5)
-    assert (
-        config_from_args(build_parser().parse_args(["--config-json", whole.model_dump_json()]))
-        == whole
-    )
-
-
-def test_server_exits_when_its_parent_dies() -> None:
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time\n"
-            "from libra.emulation import running_emulator\n"
-            "with running_emulator() as url:\n"
-            "    print(url, flush=True)\n"
-            "    time.sleep(120)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    with parent:
-        assert parent.stdout is not None
-        url = parent.stdout.readline().strip()
-        assert httpx.get(f"{url}/health").status_code == 200
-        parent.kill()
-        parent.wait()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"{url}/health", timeout=0.5)
-        except httpx.TransportError:
-            return
-        time.sleep(0.1)
-    pytest.fail("the emulated server outlived its parent")

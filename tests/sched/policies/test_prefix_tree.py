@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from libra.sched.policies import PrefixForest, PrefixTree, Track, TreeConfig, TreePredictor
+from libra.sched.policies import PrefixForest, PrefixTree, TreeConfig
 
 FAIL = "run_tests:large:failure"
 PASS = "run_tests:small:success"
@@ -132,12 +132,3 @@ def test_a_file_of_another_format_version_is_refused() -> None:
     data = forest().to_bytes().replace(b'"version":1', b'"version":99')
     with pytest.raises(ValueError, match="format 99"):
         PrefixForest.from_bytes(data)
-
-
-def test_the_tree_predictor_learns_the_remaining_output_from_a_track() -> None:
-    predictor = TreePredictor(forest())
-    finished = Track("swe/1#0", "swe/1", path=[VIEW, FAIL], marks=[500, 2500], generated=4000)
-    predictor.learn(finished, output_tokens=4000)
-    live = Track("swe/2#0", "swe/2", path=[VIEW, FAIL], marks=[600, 2600], generated=2600)
-    assert predictor.residual(live).mean == 1500
-    assert predictor.residual(Track("swe/3#0", "swe/3")).mean == 4000

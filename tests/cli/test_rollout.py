@@ -1,4 +1,4 @@
-"""The ``libra`` command: rollouts end to end, and one clear line for bad input."""
+"""``libra rollout``: rollouts end to end, and one clear line for bad input."""
 
 from __future__ import annotations
 
@@ -21,16 +21,13 @@ from libra.cli._rollout import run_rollout
 from libra.config import ConfigError, load_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
-from libra.launch import FleetError, RolloutConfig, beside
+from libra.launch import RolloutConfig
 from libra.sched.policies import PrefixForest
-from libra.serving import VLLMServer, server_config
-from tests._helpers import assert_tokens_consistent
+from libra.serving import VLLMServer
+from tests._helpers import DEMO, assert_tokens_consistent
 
 if TYPE_CHECKING:
     import docker
-
-
-DEMO = Path(__file__).parents[1] / "examples" / "demo.toml"
 
 
 def test_rollout_writes_one_exact_record_per_trajectory(
@@ -75,44 +72,6 @@ def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path)
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-
-
-def test_config_precedence(tmp_path: Path) -> None:
-    file = tmp_path / "run.toml"
-    file.write_text('env = "guess"\nn = 8\n[engine]\nmax_turns = 3\nconcurrency = 2\n')
-    config = load_config(
-        RolloutConfig,
-        file,
-        {"n": 16, "seed": None},
-        ["engine.concurrency=5", "engine.sampling.temperature=0.5", "model=plain text"],
-    )
-    assert (config.env, config.n, config.seed) == ("guess", 16, 0)
-    assert config.engine.max_turns == 3 and config.engine.concurrency == 5
-    assert config.engine.sampling.temperature == 0.5 and config.model == "plain text"
-    with pytest.raises(ConfigError, match=r"expects section\.key=value"):
-        load_config(RolloutConfig, None, {"env": "calc"}, ["novalue"])
-    file.write_text("env = ")
-    with pytest.raises(ConfigError, match=r"run\.toml"):
-        load_config(RolloutConfig, file)
-
-
-def test_serve_config_precedence(tmp_path: Path) -> None:
-    assert (server_config().max_model_len, server_config().scheduling_policy) == (8192, "priority")
-    file = tmp_path / "serve.toml"
-    file.write_text("tensor_parallel_size = 2\nmax_model_len = 4096\nport = 1\n")
-    flags = {"port": 9000, "enforce_eager": False, "scheduling_policy": None}
-    config = server_config(file, flags, ["gpu_memory_utilization=0.8"])
-    assert (config.tensor_parallel_size, config.max_model_len, config.port) == (2, 4096, 9000)
-    assert config.scheduling_policy == "priority" and not config.enforce_eager
-    assert config.gpu_memory_utilization == 0.8
-    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
-        server_config(overrides=["gpu_memory_utilization=2"])
-
-
-def test_the_demo_config_is_valid() -> None:
-    config = load_config(RolloutConfig, DEMO)
-    assert (config.env, config.server, config.n) == ("python_math", "embedded", 16)
-    assert config.engine.on_max_tokens == "continue"
 
 
 def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
@@ -186,13 +145,6 @@ def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
         load_config(RolloutConfig, file, overrides=["scheduler=oracle"])
 
 
-def test_a_fleet_and_a_server_are_exclusive(tmp_path: Path) -> None:
-    fleet = {"instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
-    config = RolloutConfig(env="calc", server="emulated", fleet=fleet, out=tmp_path / "o.jsonl")
-    with pytest.raises(FleetError, match="either --server or a"):
-        anyio.run(run_rollout, config)
-
-
 @pytest.mark.slow
 def test_the_demo_runs_on_a_running_libra_serve_with_docker_tools(
     real_server: VLLMServer,
@@ -217,22 +169,3 @@ def test_the_demo_runs_on_a_running_libra_serve_with_docker_tools(
     assert any(r.tool_returns for r in records)  # programs ran in containers
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert "starting vLLM" not in capsys.readouterr().err  # it reused the running server
-
-
-def test_beside_waits_for_both_and_raises_the_main_error_as_itself() -> None:
-    warmed: list[str] = []
-
-    async def warm() -> None:
-        await anyio.sleep(0.05)
-        warmed.append("containers")
-
-    async def open_servers() -> int:
-        return 7
-
-    assert anyio.run(beside, open_servers, warm) == 7 and warmed == ["containers"]
-
-    async def no_servers() -> int:
-        raise FleetError("no servers")
-
-    with pytest.raises(FleetError, match="no servers"):  # and the endless side is cancelled
-        anyio.run(beside, no_servers, anyio.sleep_forever)

@@ -17,13 +17,11 @@ from libra.engine import (
     Engine,
     EngineConfig,
     SamplingConfig,
-    ServerUnavailable,
     TrajectoryRecord,
     http_transport,
     jobs_for,
     rollout,
 )
-from libra.engine._client import ProbeCache
 from libra.fleet import Endpoint
 from libra.sched.policies import LeastLoadedScheduler
 from tests._helpers import MODEL, assert_tokens_consistent, emulated_engine
@@ -69,32 +67,6 @@ async def test_concurrent_first_turns_share_one_probe_of_the_server() -> None:
     # All 32 first turns ask at once whether the template renders tools: one probe (two
     # renderings) answers them all.
     assert [path for path, _ in recording.sent].count("/tokenize") == 2
-
-
-async def test_concurrent_callers_share_a_probes_failure_then_probe_again() -> None:
-    cache: ProbeCache[str, bool] = ProbeCache()
-    probes, errors = 0, 0
-
-    async def probe() -> bool:
-        nonlocal probes
-        probes += 1
-        await anyio.sleep(0.001)
-        if probes == 1:
-            raise ServerUnavailable("down")
-        return True
-
-    async def ask() -> None:
-        nonlocal errors
-        try:
-            await cache.get("server", probe)
-        except ServerUnavailable:
-            errors += 1
-
-    async with anyio.create_task_group() as group:
-        for _ in range(8):
-            group.start_soon(ask)
-    assert (probes, errors) == (1, 8)
-    assert await cache.get("server", probe) and probes == 2
 
 
 async def test_samples_per_prompt_share_the_task() -> None:

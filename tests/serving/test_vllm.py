@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from libra.serving import VLLMServer, VLLMServerConfig, VLLMServerError
-from tests.conftest import REAL_MODEL_NAME, real_config, require_vllm
+from tests._helpers import REAL_MODEL_NAME, real_config, require_vllm
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="process checks read /proc"

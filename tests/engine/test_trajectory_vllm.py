@@ -23,7 +23,7 @@ from libra.fleet import Endpoint
 from libra.sandbox import DockerSandboxProvider
 from libra.sched.policies import LeastLoadedScheduler
 from libra.serving import VLLMServer
-from tests.conftest import REAL_MODEL_NAME
+from tests._helpers import REAL_MODEL_NAME
 
 if TYPE_CHECKING:
     import docker
