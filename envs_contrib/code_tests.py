@@ -15,9 +15,9 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from libra.envs import Env, SandboxSpec, ToolError, tool
+from libra.envs import Env, SandboxSpec, ToolError, ToolResult, ToolTimeout, tool
 
 _CASES = 12
 
@@ -139,6 +139,8 @@ class CodeTests(Env):
     )
     max_turns = 8
     tool_timeout_s = 30.0
+    #: The hidden tests' own time limit in the sandbox (within the tool's ``tool_timeout_s``).
+    tests_timeout_s: ClassVar[float] = 20.0
     sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
 
     def reset(self, seed: int) -> str:
@@ -152,7 +154,7 @@ class CodeTests(Env):
         return f"Write a Python function `{problem.signature}` that returns {problem.description}."
 
     @tool
-    async def run_tests(self, code: str) -> str:
+    async def run_tests(self, code: str) -> ToolResult:
         """Run the hidden unit tests against your code.
 
         Args:
@@ -162,11 +164,12 @@ class CodeTests(Env):
         result = await self.sandbox.exec(
             ["python3", "-c", _RUNNER, self.problem.name],
             stdin=json.dumps(self.inputs).encode(),
-            timeout_s=20,
+            timeout_s=self.tests_timeout_s,
         )
         if result.timed_out:
             self.passed_fraction = 0.0
-            raise ToolError("the tests ran longer than 20 s and were stopped")
+            limit = self.tests_timeout_s
+            raise ToolTimeout(f"the tests ran longer than {limit:g} s and were stopped")
         report = _last_json_line(result.stdout)
         if report is None or "error" in report:
             self.passed_fraction = 0.0
@@ -180,7 +183,9 @@ class CodeTests(Env):
         self.passed_fraction = passed / len(self.expected)
         errors = [o["error"] for o in outcomes if "error" in o]
         summary = f"{passed}/{len(self.expected)} tests passed."
-        return f"{summary} First error: {errors[0]}" if errors else summary
+        text = f"{summary} First error: {errors[0]}" if errors else summary
+        # A failing test is the tool's own verdict (it predicts more turns), not a guess.
+        return ToolResult(text, "success" if passed == len(self.expected) else "failure")
 
     def reward(self, answer: str) -> float:
         return self.passed_fraction

@@ -14,9 +14,17 @@ import random
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
-from libra.envs import Env, HermesToolCallParser, SandboxSpec, ToolCall, tool
+from libra.envs import (
+    Env,
+    ExecResult,
+    HermesToolCallParser,
+    SandboxSpec,
+    ToolCall,
+    ToolResult,
+    tool,
+)
 
 _INTEGER = re.compile(r"-?\d+")
 _OUTPUT_CHARS = 4000
@@ -58,6 +66,16 @@ def _unopened_block(text: str) -> list[str]:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []  # prose before a fence: more likely an opening fence than a program
     return [head]
+
+
+def _program_output(result: ExecResult, timeout_s: float) -> str:
+    """What the model reads of its program's run: the output's tail and how it ended."""
+    output = (result.stdout + result.stderr)[-_OUTPUT_CHARS:]
+    if result.timed_out:
+        return f"{output}\nError: the program ran longer than {timeout_s:g} s and was killed"
+    if result.exit_code != 0:
+        return f"{output}\n(exit code {result.exit_code})"
+    return output or "(the program printed nothing)"
 
 
 def _primes_below(n: int) -> list[int]:
@@ -123,6 +141,8 @@ class PythonMath(Env):
 
     max_turns = 6
     tool_timeout_s = 20.0
+    #: A program's own time limit in the sandbox (within the tool's ``tool_timeout_s``).
+    program_timeout_s: ClassVar[float] = 10.0
     sandbox_spec = SandboxSpec(image="libra/python", memory_mb=256, cpus=1.0, pids=64)
     tool_call_parser = CodeBlockParser()
     # End the turn at the code block's closing fence: the program runs at once, and a
@@ -139,20 +159,17 @@ class PythonMath(Env):
         )
 
     @tool
-    async def run_python(self, code: str) -> str:
+    async def run_python(self, code: str) -> ToolResult:
         """Run a Python 3 program and return what it prints (stdout, then stderr).
 
         Args:
             code: the program; print the values you want to see
         """
         self.ran_code = True
-        result = await self.sandbox.exec(["python3", "-"], stdin=code.encode(), timeout_s=10)
-        output = (result.stdout + result.stderr)[-_OUTPUT_CHARS:]
-        if result.timed_out:
-            return f"{output}\nError: the program ran longer than 10 s and was killed"
-        if result.exit_code != 0:
-            return f"{output}\n(exit code {result.exit_code})"
-        return output or "(the program printed nothing)"
+        timeout_s = self.program_timeout_s
+        result = await self.sandbox.exec(["python3", "-"], stdin=code.encode(), timeout_s=timeout_s)
+        # The status comes from the sandbox (exit code, timeout), not from the text.
+        return ToolResult(_program_output(result, timeout_s), result.status)
 
     def on_reply(self, text: str) -> str | None:
         if self.ran_code:

@@ -1,8 +1,11 @@
-"""Test helpers: an engine wired to the in-process emulated server, record checks, and
-checks that every sandbox must pass."""
+"""What several test modules share (no test module imports another): an engine wired to
+the in-process emulated server and record checks; requests to the emulator; checks that
+every sandbox must pass; a reference fleet and a trajectory driven through a policy;
+workload files; real vLLM settings."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -10,23 +13,31 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import httpx
+import msgspec
 import pytest
 
 from libra.emulation import (
     ByteTokenizer,
     EmulatorConfig,
     LatencyModel,
+    Script,
     ScriptedReplies,
     create_app,
     render_chat_text,
 )
-from libra.engine import Engine, EngineConfig, OpenAIClient, TrajectoryRecord, http_transport
+from libra.engine import Engine, EngineConfig, TrajectoryRecord, http_transport
 from libra.envs import Sandbox
-from libra.fleet import Endpoint
-from libra.sched.policies import LeastLoadedScheduler
+from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec
+from libra.openai import ChatCompletion, Completion, FunctionCall, Message, ToolCall, tool_schema
+from libra.sched import Route, Router, RouteRequest, Scheduler
+from libra.sched.policies import LeastLoadedScheduler, RoundRobin, Track
+from libra.serving import EMBEDDED_MODEL_NAME, VLLMServerConfig
+from libra.signals import ToolSignal
 
 MODEL = "libra-emulated"
+EMULATED_URL = "http://emulated"
 tokenizer = ByteTokenizer()
+DEMO = Path(__file__).parents[1] / "examples" / "demo.toml"
 
 
 @asynccontextmanager
@@ -35,21 +46,36 @@ async def emulated_engine(
     *,
     api: Literal["auto", "tokens", "chat"] = "auto",
     config: EngineConfig | None = None,
+    scheduler: Scheduler | None = None,
     **emulator: Any,
 ) -> AsyncIterator[tuple[Engine, list[TrajectoryRecord]]]:
-    """An engine whose one endpoint is the emulator, in-process, with zero latency."""
+    """An engine whose one endpoint is the emulator, in-process, with zero latency
+    (``scheduler``, if given, routes over ``EMULATED_URL``)."""
     emulator.setdefault("latency", LatencyModel.zero())
     app = create_app(EmulatorConfig(**emulator), ScriptedReplies(replies) if replies else None)
     records: list[TrajectoryRecord] = []
     async with http_transport(httpx.ASGITransport(app=app)) as http:
-        endpoint = Endpoint("http://emulated", model=MODEL, api=api)
+        endpoint = Endpoint(EMULATED_URL, model=MODEL, api=api)
         engine = Engine(
-            OpenAIClient(http),
-            LeastLoadedScheduler([endpoint]),
+            http,
+            scheduler or LeastLoadedScheduler([endpoint]),
             config=config or EngineConfig(),
             on_record=records.append,
         )
         yield engine, records
+
+
+class PathRecorder(RoundRobin):
+    """A real policy over the emulated endpoint that keeps, for each trajectory it saw
+    finish, its path of tool-return states: what the scheduler was told."""
+
+    def __init__(self) -> None:
+        instance = InstanceSpec(name="emulated", url=EMULATED_URL, model=MODEL)
+        super().__init__(Router(FleetSpec(instances=[instance])))
+        self.paths: dict[str, list[str]] = {}
+
+    def learn(self, track: Track, output_tokens: int) -> None:
+        self.paths[track.trajectory_id] = list(track.path)
 
 
 def assert_tokens_consistent(record: TrajectoryRecord, tools: list[dict[str, Any]]) -> None:
@@ -146,3 +172,231 @@ def processes_of(uid: int) -> list[int]:
             except FileNotFoundError:
                 continue
     return pids
+
+
+# --------------------------------------------------------- requests to the in-process emulator
+
+CALCULATOR = tool_schema(
+    "calculator",
+    "Evaluate an arithmetic expression.",
+    {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
+)
+LOOKUP = tool_schema(
+    "lookup",
+    "Look up a record.",
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 1000},
+            "scale": {"type": "number"},
+            "verbose": {"type": "boolean"},
+            "unit": {"type": "string", "enum": ["m", "km"]},
+        },
+        "required": ["id", "scale", "verbose", "unit"],
+    },
+)
+QUESTION = [{"role": "user", "content": "What is 12 times 7 plus 3?"}]
+
+
+@asynccontextmanager
+async def emulator(
+    behaviour: Script | None = None, **config: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of an in-process emulator (zero latency unless given) with ``behaviour``."""
+    config.setdefault("latency", LatencyModel.zero())
+    app = create_app(EmulatorConfig(**config), behaviour)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://emulated") as client:
+        yield client
+
+
+async def chat(client: httpx.AsyncClient, **body: Any) -> ChatCompletion:
+    """A chat completion (of QUESTION unless ``body`` says otherwise) that must succeed."""
+    body = {"model": MODEL, "messages": QUESTION, **body}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return msgspec.json.decode(response.content, type=ChatCompletion)
+
+
+async def complete(client: httpx.AsyncClient, **body: Any) -> Completion:
+    """A completion that must succeed."""
+    response = await client.post("/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return msgspec.json.decode(response.content, type=Completion)
+
+
+def conversation() -> list[Message]:
+    """A system prompt, non-ASCII text, a tool call and its result, and a next question."""
+    call = ToolCall(id="call_1", function=FunctionCall("calculator", '{"expression": "6 * 7"}'))
+    return [
+        Message(role="system", content="You are careful."),
+        Message(role="user", content="What is 6 times 7? Ünïcödé ✓"),
+        Message(role="assistant", content="Let me compute.", tool_calls=[call]),
+        Message(role="tool", content="42", tool_call_id="call_1", name="calculator"),
+        Message(role="assistant", content="The answer is 42."),
+        Message(role="user", content="Thanks"),
+    ]
+
+
+# ---------------------------------------------------------------------- the emulator's latency
+
+# Steps that grow with the batch and its context, and no prefill unless asked.
+GROWING = LatencyModel(
+    prefill_s_per_token=0.0,
+    step_base_s=0.01,
+    step_per_seq_s=0.002,
+    step_per_ctx_token_s=1e-5,
+    max_num_seqs=8,
+    kv_capacity_tokens=100_000,
+)
+
+
+# ------------------------------------------------------------------------------ workload files
+
+# Written from libra/emulation/workloads/README.md alone: a data-analysis agent that inspects
+# tables, then runs a query whose result it checks; a wrong query returns an error.
+USER_WORKLOAD = """
+name = "data-agent"
+description = "inspect tables, run SQL until the answer checks out"
+sources = ["made up for a test"]
+
+[rollout]
+prompts = 24
+samples_per_prompt = 4
+history_steps = 1
+drift_per_step = 0.05
+
+[limits]
+max_turns = 10
+max_context_tokens = 16384
+tool_timeout_s = 30
+
+[prompt_tokens]
+median = 600
+sigma = 0.3
+max = 2000
+
+[solve_rate]
+alpha = 1.0
+beta = 1.5
+give_up = 0.1
+
+[turn]
+tokens = { median = 500, sigma = 0.6, min = 96, max = 3000 }
+final_tokens = { median = 200, sigma = 0.4, min = 20 }
+growth_after_failure = 1.2
+
+[[explore]]
+name = "describe_table"
+description = "Show a table's columns and a few rows."
+calls_first_attempt = [1, 2]
+calls_later_attempts = [0, 1]
+latency_s = { median = 0.2, sigma = 0.3 }
+output = { status = "success", chars = { median = 1500, sigma = 0.5 } }
+
+[check]
+name = "run_sql"
+description = "Run a SQL query and return its result."
+latency_s = { median = 2.0, sigma = 0.8 }
+timeout_probability = 0.02
+on_pass = { status = "success", chars = { median = 400, sigma = 0.5 } }
+on_fail = { status = "failure", chars = { median = 1200, sigma = 0.4 } }
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "workload.toml") -> Path:
+    """A workload (or fleet) file of ``text`` in ``tmp_path``."""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+TINY = (
+    USER_WORKLOAD.replace("prompts = 24", "prompts = 6")
+    .replace("samples_per_prompt = 4", "samples_per_prompt = 3")
+    .replace("max_turns = 10", "max_turns = 5")
+)
+
+
+# ------------------- the scheduler: a reference fleet and a trajectory driven through a policy
+
+
+def fleet(**overrides: Any) -> FleetSpec:
+    """Two TP1 instances (short), one TP2 (medium), one TP4 (long)."""
+    instances = [
+        InstanceSpec(name="a1", url="http://a1", tp=1, max_num_seqs=4, kv_capacity_tokens=40_000),
+        InstanceSpec(name="a2", url="http://a2", tp=1, max_num_seqs=4, kv_capacity_tokens=40_000),
+        InstanceSpec(name="b", url="http://b", tp=2, max_num_seqs=8, kv_capacity_tokens=100_000),
+        InstanceSpec(name="c", url="http://c", tp=4, max_num_seqs=8, kv_capacity_tokens=250_000),
+    ]
+    buckets = [
+        BucketSpec(name="long", max_tokens=30_000, instances=["c"]),
+        BucketSpec(name="short", max_tokens=4_000, instances=["a1", "a2"]),
+        BucketSpec(name="medium", max_tokens=12_000, instances=["b"]),
+    ]
+    return FleetSpec(instances=instances, buckets=buckets, **overrides)
+
+
+FAIL = ToolSignal("run_tests", "large", "failure")
+PASS = ToolSignal("run_tests", "small", "success")
+
+
+class Trajectory:
+    """Drives one trajectory through a policy as the engine would."""
+
+    def __init__(self, policy: Scheduler, tid: str) -> None:
+        self.policy, self.tid, self.prompt = policy, tid, tid.split("#")[0]
+        self.turn = self.generated = 0
+        self.context = 500
+        self.last: Route | None = None
+
+    def call(self, tokens: int, exclude: frozenset[str] = frozenset()) -> Route:
+        previous = self.last.endpoint if self.last is not None else None
+        request = RouteRequest(
+            self.tid, self.prompt, self.turn, self.context, previous, self.generated, env="t"
+        )
+        route = self.policy.route(request, exclude)
+        self.policy.release(route, ok=True, new_tokens=tokens)
+        self.turn += 1
+        self.generated += tokens
+        self.context += tokens
+        self.last = route
+        return route
+
+    def tool(self, signal: ToolSignal) -> None:
+        self.policy.on_tool_return(self.tid, signal)
+        self.context += 2000
+
+    def finish(self) -> None:
+        self.policy.on_finish(self.tid, self.prompt, output_tokens=self.generated)
+
+    def play(self, turns: Sequence[tuple[int, ToolSignal | None]]) -> list[Route]:
+        routes = []
+        for tokens, signal in turns:
+            routes.append(self.call(tokens))
+            if signal is not None:
+                self.tool(signal)
+        self.finish()
+        return routes
+
+
+# ------------------------------------------------------ real vLLM on the embedded model (slow)
+
+REAL_MODEL_NAME = EMBEDDED_MODEL_NAME  # served as `libra serve` serves it
+
+
+def require_vllm() -> None:
+    # find_spec, not importorskip: importing vllm here would cost seconds and memory, and
+    # the server runs in its own process anyway.
+    for module in ("vllm", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            unavailable(f"{module} is not installed (make setup-serving)")
+
+
+def real_config(**overrides: Any) -> VLLMServerConfig:
+    settings: dict[str, Any] = {"startup_timeout_s": 400.0, "max_model_len": 2048}
+    return VLLMServerConfig(**(settings | overrides))

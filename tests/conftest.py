@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 
 from libra.envs import SandboxError
 from libra.sandbox import build_image, build_rootfs, connect_docker
-from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
-from tests._helpers import unavailable
+from libra.serving import VLLMServer, prepare_model
+from tests._helpers import REAL_MODEL_NAME, TINY, real_config, require_vllm, unavailable
 
 if TYPE_CHECKING:
     import docker
@@ -26,21 +25,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 # ------------------------------------------------ real vLLM on the embedded model (slow)
-
-REAL_MODEL_NAME = EMBEDDED_MODEL_NAME  # served as `libra serve` serves it
-
-
-def require_vllm() -> None:
-    # find_spec, not importorskip: importing vllm here would cost seconds and memory, and
-    # the server runs in its own process anyway.
-    for module in ("vllm", "transformers"):
-        if importlib.util.find_spec(module) is None:
-            unavailable(f"{module} is not installed (make setup-serving)")
-
-
-def real_config(**overrides: Any) -> VLLMServerConfig:
-    settings: dict[str, Any] = {"startup_timeout_s": 400.0, "max_model_len": 2048}
-    return VLLMServerConfig(**(settings | overrides))
 
 
 @pytest.fixture(scope="session")
@@ -87,3 +71,13 @@ def bwrap_root() -> Path | Literal["host"]:
     if os.geteuid() == 0 and shutil.which("debootstrap"):
         return build_rootfs("libra/python")  # idempotent: instant when already built
     return "host"
+
+
+# ------------------------------------------------------------------- a small workload file
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    return path

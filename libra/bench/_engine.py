@@ -29,7 +29,6 @@ from libra.engine import (
     Engine,
     EngineConfig,
     HTTPTransport,
-    OpenAIClient,
     SamplingConfig,
     http_transport,
     jobs_for,
@@ -86,7 +85,7 @@ async def bench_engine(
         concurrency=concurrency, sampling=SamplingConfig(max_tokens_per_turn=256, seed=0)
     )
     async with _Recording(http_transport("aiohttp", max_connections=MAX_CONNECTIONS)) as http:
-        engine = Engine(OpenAIClient(http), LeastLoadedScheduler([endpoint]), config=config)
+        engine = Engine(http, LeastLoadedScheduler([endpoint]), config=config)
         jobs = jobs_for(Lookup, "lookup", trajectories, seed=concurrency)
         started, cpu_started = time.perf_counter(), time.process_time()
         stats = await rollout(jobs, engine)

@@ -4,9 +4,9 @@ For each policy, one RL step of the workload runs through the real engine, HTTP 
 and policy against an in-process fleet of emulated vLLM servers (continuous batching
 under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock:
 a step that would take many GPU-minutes runs in seconds, and the same seed gives the
-same numbers. Before the step, each policy is shown the protocol calls of the
-workload's earlier steps (``history_steps``), as a running system would have seen
-them; the oracles are told every trajectory's true length instead.
+same numbers. Before the step, each policy is shown the protocol calls
+of the workload's earlier steps (``history_steps``), as a running system would have
+seen them; the oracles are told every trajectory's true length instead.
 
 Reported per policy: throughput (trajectories/s and output tokens/s over the step's
 makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency, the
@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 from trio.testing import MockClock
 
+from libra import signals
 from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
 from libra.bench._sched_report import plot, print_json, print_table
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
@@ -43,18 +44,18 @@ from libra.emulation.workloads import (
     WorkloadError,
     WorkloadScript,
     load_workload,
+    scripted_result,
 )
 from libra.engine import (
     ASGITransport,
     Engine,
     EngineConfig,
-    OpenAIClient,
     SamplingConfig,
     TrajectoryJob,
     TrajectoryRecord,
     rollout,
 )
-from libra.envs import Task
+from libra.envs import Task, ToolResult, ToolTimeout
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import (
     DEFAULT_POLICIES,
@@ -65,7 +66,7 @@ from libra.sched.policies import (
     RoutedPolicy,
     make_policy,
 )
-from libra.signals import ToolSignal, ToolStatus, size_class
+from libra.signals import ToolSignal
 
 MODEL = "libra-emulated"
 _FOREVER_S = 1e7  # request and trajectory limits: a benchmark step never hits them
@@ -205,8 +206,7 @@ async def _run_policy(
     ]
     records: list[TrajectoryRecord] = []
     async with ASGITransport(FleetApp(apps)) as http:
-        client = OpenAIClient(http, timeout_s=_FOREVER_S)
-        engine = Engine(client, policy, config=_engine_config(workload, len(jobs), seed))
+        engine = Engine(http, policy, config=_engine_config(workload, len(jobs), seed))
         started = anyio.current_time()
         await rollout(jobs, engine, on_record=records.append)
         makespan = anyio.current_time() - started
@@ -313,13 +313,14 @@ def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> No
 
 
 def signal_of(turn: ScriptTurn, timeout_s: float) -> ToolSignal:
-    """The signal the engine derives from a scripted tool return."""
+    """The signal the engine derives from a scripted tool return: the same reduction of
+    the same result (the workload env's, or the engine's own when it cuts a timeout)."""
     assert turn.tool is not None, "the final answer calls no tool"
     if turn.status == "timeout":
-        message = f"Error: {turn.tool} timed out after {timeout_s:g} s"
-        return ToolSignal(turn.tool, size_class(len(message)), "timeout")
-    status: ToolStatus = "failure" if turn.status == "failure" else "success"
-    return ToolSignal(turn.tool, size_class(turn.output_chars), status)
+        result = ToolResult.of_error(ToolTimeout.after(turn.tool, timeout_s))
+    else:
+        result = scripted_result(turn)
+    return signals.signal_of(turn.tool, result.content, result.status)
 
 
 # -------------------------------------------------------------------------- metrics

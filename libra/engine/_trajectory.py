@@ -32,6 +32,7 @@ from libra.engine._client import (
     ServerUnavailable,
 )
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
+from libra.engine._http import HTTPTransport
 from libra.engine._records import (
     SamplingRecord,
     Status,
@@ -51,14 +52,15 @@ from libra.envs import (
     ToolCall,
     ToolCallParser,
     ToolError,
+    ToolResult,
     ToolReturn,
+    ToolTimeout,
     TrajectoryId,
     from_openai,
 )
 from libra.fleet import Endpoint
 from libra.sched import NoEndpointAvailable, Route, RouteRequest, Scheduler
-from libra.signals import ToolStatus
-from libra.signals import status_of_output as _status_of_output
+from libra.signals import ToolStatus, signal_of
 
 T = TypeVar("T")
 
@@ -94,9 +96,13 @@ class TrajectoryJob:
 
 @dataclass
 class Engine:
-    """What trajectories share: the client, the scheduler, sandboxes and the limits."""
+    """What trajectories share: the client, the scheduler, sandboxes and the limits.
 
-    client: OpenAIClient
+    The engine builds its client over ``http`` itself, so every limit in ``config``
+    (the request timeout included) is the one that applies.
+    """
+
+    http: HTTPTransport
     scheduler: Scheduler
     _: KW_ONLY
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -104,9 +110,11 @@ class Engine:
     #: Sees every record the engine makes, whichever session ran it (a log, a test);
     #: the consumer of a rollout reads its session's stream instead.
     on_record: Callable[[TrajectoryRecord], None] | None = None
+    client: OpenAIClient = field(init=False)
     renderer: TemplateRenderer = field(init=False)
 
     def __post_init__(self) -> None:
+        self.client = OpenAIClient(self.http, timeout_s=self.config.request_timeout_s)
         self.renderer = TemplateRenderer(self.client)
 
 
@@ -283,23 +291,32 @@ def _tool_calls(env: Env, generation: Generation) -> list[ToolCall]:
 
 
 async def _run_tool(env: Env, call: ToolCall, timeout_s: float) -> ToolReturn:
-    """Run one call; every failure becomes an error message the model can read."""
+    """Run one call and reduce what came of it, once, to what is recorded and signalled."""
     started = anyio.current_time()
+    outcome = await _outcome(env, call, timeout_s)
+    latency = anyio.current_time() - started
+    reported: ToolStatus | None
+    if isinstance(outcome, ToolResult):
+        content, reported = outcome.content, outcome.status
+    else:
+        content, reported = outcome, None  # plain text: its status is read back from it
+    signal = signal_of(call.name or "?", content, reported)
+    return ToolReturn(call.id, signal.tool, content, signal.status, latency)
 
-    def result(content: str, status: ToolStatus) -> ToolReturn:
-        latency = anyio.current_time() - started
-        return ToolReturn(call.id, call.name or "?", content, status, latency)
 
+async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | str:
+    """What the call produced: a result whose status is known, or plain text. Every
+    failure becomes an error message the model can read."""
     spec = env.tool_specs().get(call.name)
     if call.error is not None:
-        return result(f"Error: {call.error}", "failure")
+        return ToolResult.failure(call.error)
     if spec is None:
         known = ", ".join(env.tool_specs()) or "none"
-        return result(f"Error: unknown tool {call.name!r}. Available tools: {known}", "failure")
+        return ToolResult.failure(f"unknown tool {call.name!r}. Available tools: {known}")
     try:
         arguments = spec.validate(call.arguments)
     except pydantic.ValidationError as exc:
-        return result(f"Error: invalid arguments for {call.name}: {_brief(exc)}", "failure")
+        return ToolResult.failure(f"invalid arguments for {call.name}: {_brief(exc)}")
     method = getattr(env, call.name)
     try:
         with anyio.fail_after(timeout_s):
@@ -310,15 +327,16 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float) -> ToolReturn:
                     partial(method, **arguments), abandon_on_cancel=True
                 )
     except TimeoutError:
-        return result(f"Error: {call.name} timed out after {timeout_s:g} s", "timeout")
-    except ToolError as exc:
-        return result(f"Error: {exc}", "failure")
+        return ToolResult.of_error(ToolTimeout.after(call.name, timeout_s))
+    except ToolError as exc:  # a ToolTimeout too: the tool ran out of its own time
+        return ToolResult.of_error(exc)
     except SandboxError:
         raise  # the sandbox itself is broken: not the model's fault, not its problem to fix
     except Exception as exc:
-        return result(f"Error: {_describe(exc)}", "failure")
-    content = output if isinstance(output, str) else json.dumps(output, default=str)
-    return result(content, _status_of_output(content))
+        return ToolResult.failure(_describe(exc))
+    if isinstance(output, ToolResult | str):
+        return output
+    return json.dumps(output, default=str)
 
 
 def _brief(exc: pydantic.ValidationError) -> str:

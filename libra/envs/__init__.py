@@ -12,8 +12,9 @@ from libra.envs._sandbox import (
 )
 from libra.envs._task import GroupId, Task, TaskId, TrajectoryId
 from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser, from_openai
+from libra.envs._tool_result import ToolResult
 from libra.envs._tool_return import ToolReturn
-from libra.envs._tools import ToolError, ToolSpec, tool
+from libra.envs._tools import ToolError, ToolSpec, ToolTimeout, tool
 
 __all__ = [
     "Env",
@@ -29,8 +30,10 @@ __all__ = [
     "ToolCall",
     "ToolCallParser",
     "ToolError",
+    "ToolResult",
     "ToolReturn",
     "ToolSpec",
+    "ToolTimeout",
     "TrajectoryId",
     "UnknownEnvError",
     "available_envs",

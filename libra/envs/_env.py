@@ -30,8 +30,11 @@ takes is read from its signature, once per class: a first parameter annotated ``
 
 Tools may be plain or ``async`` methods. A plain tool runs in a worker thread, so a
 slow or hanging one cannot stall the engine; either kind is cancelled after
-``tool_timeout_s``. Tools that run untrusted code use ``self.sandbox`` (declare
-``sandbox_spec``); the engine provides one per trajectory.
+``tool_timeout_s``. A tool returns text (or anything JSON can encode); one that knows how
+its call went returns ``ToolResult(content, status=...)`` (``success``, ``failure`` or
+``timeout``) or raises ``ToolError`` / ``ToolTimeout``, and the scheduler sees that
+status instead of one read back from the text. Tools that run untrusted code use
+``self.sandbox`` (declare ``sandbox_spec``); the engine provides one per trajectory.
 """
 
 from __future__ import annotations
@@ -114,7 +117,12 @@ class Env(ABC):
         return None
 
     def signal(self, result: ToolReturn) -> ToolSignal:
-        """The causal signal the scheduler sees for a tool return; override to refine."""
+        """The causal signal the scheduler sees for a tool return; override to refine.
+
+        ``result.status`` is already final: as the tool reported it (a ``ToolResult``, a
+        ``ToolError`` or ``ToolTimeout``, the engine's own timeout), or read from the text
+        of a plain result.
+        """
         return result.signal()
 
     async def close(self) -> None:  # noqa: B027 (an optional hook, empty on purpose)

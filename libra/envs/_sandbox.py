@@ -14,6 +14,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from libra.signals import ToolStatus
+
 
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
@@ -42,6 +44,13 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def status(self) -> ToolStatus:
+        """How the command went, as the scheduler's signal reads it."""
+        if self.timed_out:
+            return "timeout"
+        return "success" if self.exit_code == 0 else "failure"
 
 
 class SandboxError(RuntimeError):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from libra.signals import SizeClass, ToolSignal, ToolStatus, size_class
+from libra.signals import SizeClass, ToolSignal, ToolStatus, signal_of, size_class
 
 
 @dataclass(frozen=True, slots=True)
 class ToolReturn:
-    """The result of one tool call, as recorded and as fed to the scheduler."""
+    """The result of one tool call, as recorded and as fed to the scheduler.
+
+    ``status`` is final: as the tool reported it (a ``ToolResult``, a ``ToolError``, the
+    engine's timeout), or read from the text of a plain result.
+    """
 
     call_id: str
     tool: str
@@ -22,4 +26,4 @@ class ToolReturn:
         return size_class(len(self.content))
 
     def signal(self) -> ToolSignal:
-        return ToolSignal(self.tool, self.size_class, self.status)
+        return signal_of(self.tool, self.content, self.status)

@@ -30,6 +30,19 @@ class ToolError(Exception):
     """Raise from a tool to send the model an error it can act on (the message is shown)."""
 
 
+class ToolTimeout(ToolError):
+    """Raise from a tool that ran out of its own time budget (the message is shown).
+
+    The scheduler sees the call as ``timeout``, as when the engine cuts a tool off at
+    ``tool_timeout_s``, not as ``failure``.
+    """
+
+    @classmethod
+    def after(cls, tool: str, timeout_s: float) -> ToolTimeout:
+        """The engine's own: ``tool`` was cut off after ``timeout_s`` seconds."""
+        return cls(f"{tool} timed out after {timeout_s:g} s")
+
+
 def tool(fn: F) -> F:
     """Mark an env method as a tool the model may call."""
     setattr(fn, _TOOL_MARK, True)

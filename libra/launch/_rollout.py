@@ -12,7 +12,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
 from libra.emulation import EmulatorConfig
-from libra.engine import Engine, EngineConfig, OpenAIClient, TransportName
+from libra.engine import Engine, EngineConfig, TransportName
 from libra.envs import Env
 from libra.fleet import FleetSpec
 from libra.launch._fleet import Fleet, open_fleet
@@ -102,7 +102,7 @@ async def open_engine(
             config.scheduler, fleet.spec, config.cmlfq, config.scheduler_state
         )
         engine = Engine(
-            OpenAIClient(fleet.http, timeout_s=config.engine.request_timeout_s),
+            fleet.http,
             scheduler,
             config=config.engine,
             sandboxes=sandboxes,

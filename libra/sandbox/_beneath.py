@@ -69,10 +69,18 @@ def read_beneath(root: Path, parts: Sequence[str]) -> bytes:
         file_fd = os.open(parts[-1], flags, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
+    try:
+        _check_readable(file_fd, parts[-1])  # before fdopen, which leaks a directory's fd
+    except SandboxError:
+        os.close(file_fd)
+        raise
     with os.fdopen(file_fd, "rb") as handle:
-        info = os.fstat(file_fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SandboxError(f"{parts[-1]!r} is not a regular file")
-        if info.st_size > READ_FILE_LIMIT:
-            raise SandboxError(f"{parts[-1]!r} is larger than {READ_FILE_LIMIT} bytes")
         return handle.read(READ_FILE_LIMIT)
+
+
+def _check_readable(file_fd: int, name: str) -> None:
+    info = os.fstat(file_fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise SandboxError(f"{name!r} is not a regular file")
+    if info.st_size > READ_FILE_LIMIT:
+        raise SandboxError(f"{name!r} is larger than {READ_FILE_LIMIT} bytes")

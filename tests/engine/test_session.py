@@ -20,7 +20,6 @@ from libra.engine import (
     Engine,
     EngineConfig,
     Group,
-    OpenAIClient,
     RolloutSession,
     TrajectoryJob,
     TrajectoryRecord,
@@ -91,7 +90,7 @@ async def test_three_overlapping_steps_on_an_emulated_fleet(fleet: FleetSpec) ->
     overlapped: list[bool] = []
     peaks = {2: 0, 6: 0}
     async with http_transport("httpx") as http:
-        engine = Engine(OpenAIClient(http), policy, config=EngineConfig(concurrency=8))
+        engine = Engine(http, policy, config=EngineConfig(concurrency=8))
         async with RolloutSession(engine) as session, anyio.create_task_group() as watchers:
 
             def submit(step: int) -> None:

@@ -7,7 +7,7 @@ trajectory's script (turns, tokens, tool outcomes) deterministically from the wo
 the RL step, the task seed and the sample index.
 """
 
-from libra.emulation.workloads._env import EnvClasses, WorkloadScript
+from libra.emulation.workloads._env import EnvClasses, WorkloadScript, scripted_result
 from libra.emulation.workloads._format import (
     CheckTool,
     ExploreTool,
@@ -54,4 +54,5 @@ __all__ = [
     "load_workload",
     "package_file",
     "read_toml",
+    "scripted_result",
 ]

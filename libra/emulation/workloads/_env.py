@@ -5,9 +5,10 @@ The prompt carries a tag, ``[libra-workload NAME step=S task=T sample=K]``, so t
 emulated server, which sees only the conversation, knows which trajectory it is writing
 and which turn it is on: it replies with exactly the scripted number of tokens and the
 scripted tool call. The env's tools answer each call with the scripted output (its
-status and size) after the scripted latency; a scripted timeout sleeps past the tool
-timeout, so the engine times it out as it would a real tool. Nothing here is mocked:
-the engine, the HTTP client, the scheduler and the batching server all run unchanged.
+size, and its status, reported as such) after the scripted latency; a scripted timeout
+sleeps past the tool timeout, so the engine times it out as it would a real tool.
+Nothing here is mocked: the engine, the HTTP client, the scheduler and the batching
+server all run unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import anyio
 from libra.emulation._scripts import Conversation, Reply
 from libra.emulation.workloads._format import Workload
 from libra.emulation.workloads._trajectory_scripts import ScriptBook, ScriptTurn, TrajectoryScript
-from libra.envs import Env, tool
+from libra.envs import Env, ToolResult, tool
 
 _TAG = re.compile(r"\[libra-workload (\S+) step=(\d+) task=(\d+) sample=(\d+)\]")
 _FILLER = "the model reasons about the task and the last tool result step by step. " * 64
@@ -51,10 +52,15 @@ def tool_call_text(name: str, turn: int) -> str:
 
 
 def tool_output(turn: ScriptTurn) -> str:
-    """The tool's answer: a traceback for a failure (the engine reads it as one)."""
+    """The tool's answer as the model reads it: a traceback for a failure."""
     if turn.status == "failure":
         return _TRACEBACK + _filler(turn.output_chars - len(_TRACEBACK))
     return _filler(turn.output_chars)
+
+
+def scripted_result(turn: ScriptTurn) -> ToolResult:
+    """The tool's answer with its scripted status, which the scheduler sees as it is."""
+    return ToolResult(tool_output(turn), turn.status)
 
 
 _ASSISTANT = "<|im_start|>assistant\n"
@@ -103,30 +109,30 @@ class WorkloadEnv(Env):
         self.script = self.book.script(self.step, seed, self.sample)
         return prompt_text(self.script)
 
-    async def play(self, name: str, turn: int) -> str:
+    async def play(self, name: str, turn: int) -> ToolResult:
         """The scripted answer to the tool call of model turn ``turn``."""
         if not 0 <= turn < len(self.script.turns) or self.script.turns[turn].tool != name:
-            return f"Error: {name} was not expected on turn {turn}"
+            return ToolResult.failure(f"{name} was not expected on turn {turn}")
         scripted = self.script.turns[turn]
         if scripted.status == "timeout":
             await anyio.sleep(self.tool_timeout_s * 2)  # the engine cuts it at the timeout
         await anyio.sleep(scripted.latency_s)
-        return tool_output(scripted)
+        return scripted_result(scripted)
 
     def reward(self, answer: str) -> float:
         return 1.0 if self.script.solved else 0.0
 
 
-ToolMethod = Callable[[WorkloadEnv, int], Awaitable[str]]
+ToolMethod = Callable[[WorkloadEnv, int], Awaitable[ToolResult]]
 
 
 def _tool_method(name: str, description: str) -> ToolMethod:
-    async def call(self: WorkloadEnv, turn: int) -> str:
+    async def call(self: WorkloadEnv, turn: int) -> ToolResult:
         return await self.play(name, turn)
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"{description}\n\nArgs:\n    turn: the model turn making the call"
-    call.__annotations__ = {"turn": int, "return": str}
+    call.__annotations__ = {"turn": int, "return": ToolResult}
     return tool(call)
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal
 
 from libra.emulation.workloads._format import CheckTool, ExploreTool, Output, Workload
 from libra.envs import TaskId, TrajectoryId
+from libra.signals import ToolStatus
 
 #: Template tokens a turn adds besides its content (ChatML headers, tool-call wrapper,
 #: tool-response wrapper); generous, so that scripts stay inside the context limit.
@@ -29,7 +29,7 @@ class ScriptTurn:
 
     output_tokens: int
     tool: str | None = None
-    status: Literal["success", "failure", "timeout"] = "success"
+    status: ToolStatus = "success"
     output_chars: int = 0
     latency_s: float = 0.0
     passed: bool = False  # a check that solved the task

@@ -1,0 +1,86 @@
+"""``libra bench sched``: runs repeat exactly, the lower bound holds, and the command prints
+what the issue asks for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from libra.bench._sched import (
+    PolicyRun,
+    lower_bound,
+    run_policy,
+    run_sched_bench,
+)
+from libra.bench._sched_fleet import load_fleet
+from libra.cli import main
+from libra.emulation.workloads import ScriptBook, load_workload
+
+
+def _makespans(runs: list[PolicyRun]) -> dict[str, float]:
+    return {run.policy: run.makespan_s for run in runs}
+
+
+@pytest.mark.slow
+def test_the_bench_repeats_exactly_for_a_seed_and_respects_the_bound(tiny: Path) -> None:
+    workload, fleet = load_workload(str(tiny)), load_fleet()
+    policies = ["round-robin", "cmlfq", "oracle", "oracle-finish"]
+    first = run_sched_bench(workload, fleet, policies, seed=3)
+    again = run_sched_bench(workload, fleet, policies, seed=3, jobs=2)  # other processes too
+    assert first.as_json() == again.as_json()
+    assert _makespans(run_sched_bench(workload, fleet, ["cmlfq"], seed=4).runs) != {
+        "cmlfq": _makespans(first.runs)["cmlfq"]
+    }
+    for result in first.results:
+        assert result.failed == 0 and result.trajectories == 18
+        assert result.vs_bound >= 1.0 and 0.0 <= result.idle_frac < 1.0
+    oracle = next(r for r in first.results if r.policy == "oracle")
+    assert oracle.vs_oracle == 1.0
+
+
+def test_the_lower_bound_is_the_larger_of_the_longest_chain_and_the_work(tiny: Path) -> None:
+    workload, fleet = load_workload(str(tiny)), load_fleet()
+    scripts = ScriptBook(workload).step(1)
+    bound = lower_bound(scripts, fleet, workload.limits.tool_timeout_s)
+    assert bound.seconds == max(bound.chain_s, bound.work_s) > 0
+    longest_tools = max(s.tool_s for s in scripts)
+    assert bound.chain_s >= longest_tools
+    run = run_policy(workload, fleet, "oracle-finish", seed=0)
+    assert run.makespan_s >= bound.seconds
+    assert run.output_tokens == sum(s.output_tokens for s in scripts)
+    assert set(run.occupancy) == {"short", "medium", "long"}
+
+
+def test_the_command_prints_the_json_the_issue_asks_for(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "sched", "--workload", str(tiny), "--policies", "least-loaded,oracle"]
+    assert main([*argv, "--json", "--jobs", "1", "--seed", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "data-agent" and report["lower_bound_s"] > 0
+    assert [r["policy"] for r in report["results"]] == ["least-loaded", "oracle"]
+    keys = {"policy", "throughput_traj_s", "throughput_tok_s", "makespan_s", "idle_frac"}
+    for result in report["results"]:
+        assert keys | {"vs_oracle", "vs_bound"} <= set(result)
+
+
+@pytest.mark.slow
+def test_the_command_prints_a_table_and_draws_the_plot(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    picture = tmp_path / "sched.png"
+    argv = ["bench", "sched", "--workload", str(tiny), "--policies", "cmlfq,sorted"]
+    assert main([*argv, "--jobs", "1", "--plot", str(picture)]) == 0
+    out = capsys.readouterr().out
+    for text in ("cmlfq", "sorted", "makespan s", "x bound", "lower bound"):
+        assert text in out
+    assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bad_arguments_are_one_line_errors(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "sched", "--workload", "nope", "--jobs", "1"]) == 2
+    assert "unknown name 'nope'" in capsys.readouterr().err
+    assert main(["bench", "sched", "--workload", str(tiny), "--policies", "fifo"]) == 2
+    assert "unknown policies fifo" in capsys.readouterr().err

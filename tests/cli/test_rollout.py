@@ -1,0 +1,171 @@
+"""``libra rollout``: rollouts end to end, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+import pytest
+
+from envs_contrib.calc import Calc
+from libra.cli import main
+from libra.cli._rollout import run_rollout
+from libra.config import ConfigError, load_config
+from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
+from libra.engine import TrajectoryRecord
+from libra.launch import RolloutConfig
+from libra.sched.policies import PrefixForest
+from libra.serving import VLLMServer
+from tests._helpers import DEMO, assert_tokens_consistent
+
+if TYPE_CHECKING:
+    import docker
+
+
+def test_rollout_writes_one_exact_record_per_trajectory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "calc.jsonl"
+    code = main(["rollout", "--env", "calc", "-n", "64", "--out", str(out), "--no-progress"])
+    assert code == 0
+    lines = out.read_bytes().splitlines()
+    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
+    assert len(records) == 64 and len({r.id for r in records}) == 64
+    for record in records:
+        assert record.status in ("completed", "truncated", "failed")
+        assert_tokens_consistent(record, Calc.tool_schemas())
+        for returned in record.tool_returns:
+            assert returned.status in ("success", "failure", "timeout")
+    summary = capsys.readouterr().out
+    assert "64 trajectories" in summary and f"wrote 64 records to {out}" in summary
+    calls = sum(len(r.tool_returns) for r in records)
+    with_calls = sum(bool(r.tool_returns) for r in records)
+    assert f"{calls} tool calls (" in summary and f"in {with_calls} of 64 trajectories" in summary
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["rollout", "--env", "nope"], "libra: error: unknown env 'nope'"),
+        (["rollout", "--env", "calc", "-n", "0"], "libra: error: invalid config: n:"),
+        (["rollout", "--env", "calc", "--server", "ftp://x"], "--server must be 'emulated'"),
+        (["rollout", "--env", "calc", "--config", "missing.toml"], "config file not found"),
+        (["rollout", "--env", "calc", "--set", "engine.bogus=1"], "engine.bogus: Extra inputs"),
+        (["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"], "cannot list the models"),
+    ],
+)
+def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "libra", *args, "--out", str(tmp_path / "o.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
+    out = tmp_path / "guess.jsonl"
+    command = [sys.executable, "-m", "libra", "rollout", "--env", "guess", "-n", "5000"]
+    options = ["--concurrency", "20", "--out", str(out), "--no-progress"]
+    process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait until trajectories are running
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    records = [
+        msgspec.json.decode(line, type=TrajectoryRecord) for line in out.read_bytes().splitlines()
+    ]
+    cancelled = [r for r in records if r.stop_reason == "cancelled"]
+    assert len(cancelled) == 20  # exactly the ones in flight, each recorded once
+    assert len({r.id for r in records}) == len(records) < 5000
+
+
+def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
+    config = EmulatorConfig(latency=LatencyModel.zero())
+    with running_emulator(config) as short_url, running_emulator(config) as long_url:
+        file = tmp_path / "fleet.toml"
+        file.write_text(
+            f"""
+            env = "calc"
+            n = 24
+            scheduler = "cmlfq"
+            metrics_interval_s = 0.05  # the router also reads the servers' /metrics
+            plot = "{tmp_path / "progress.png"}"
+            out = "{tmp_path / "out.jsonl"}"
+            progress = false
+            [[fleet.instances]]
+            name = "small"
+            url = "{short_url}"
+            [[fleet.instances]]
+            name = "large"
+            url = "{long_url}"
+            tp = 4
+            [[fleet.buckets]]
+            name = "short"
+            max_tokens = 300
+            instances = ["small"]
+            [[fleet.buckets]]
+            name = "long"
+            max_tokens = 100000
+            instances = ["large"]
+            """
+        )
+        state = tmp_path / "forest.json"
+        rollout_config = load_config(RolloutConfig, file, {"scheduler_state": state})
+        stats = anyio.run(run_rollout, rollout_config)
+        learnt = len(PrefixForest.load(state).global_tree.root.samples)
+        anyio.run(run_rollout, rollout_config)  # the next step starts from what this one learnt
+        assert len(PrefixForest.load(state).global_tree.root.samples) > learnt > 0
+        state.write_text("{}")
+        with pytest.raises(ConfigError, match="is not a saved prefix forest"):
+            anyio.run(run_rollout, rollout_config)
+    records = [
+        msgspec.json.decode(line, type=TrajectoryRecord)
+        for line in (tmp_path / "out.jsonl").read_bytes().splitlines()
+    ]
+    assert stats.done == len(records) == 24 and stats.statuses["failed"] == 0
+    assert (tmp_path / "progress.png").read_bytes().startswith(b"\x89PNG")
+    for record in records:  # every turn ran on an instance of the fleet, by its name
+        assert len(record.endpoints) == record.turns
+        assert set(record.endpoints) <= {"small", "large"}
+    with pytest.raises(ConfigError, match="unknown scheduler 'oracle'"):
+        load_config(RolloutConfig, file, overrides=["scheduler=oracle"])
+
+
+@pytest.mark.slow
+def test_the_demo_runs_on_a_running_libra_serve_with_docker_tools(
+    real_server: VLLMServer,
+    docker_client: docker.DockerClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("LIBRA_HOME", str(tmp_path))
+    (tmp_path / "run").mkdir()
+    state = {"url": real_server.url, "pid": os.getpid()}  # as `libra serve` records itself
+    (tmp_path / "run" / "embedded.json").write_text(json.dumps(state))
+    out, plot = tmp_path / "demo.jsonl", tmp_path / "demo.png"
+    args = ["rollout", "--config", str(DEMO), "-n", "4", "--out", str(out), "--plot", str(plot)]
+    args += ["--sandbox", "docker", "--no-progress", "--set", "engine.max_turns=3"]
+    args += ["--set", "engine.sampling.max_tokens_per_turn=128"]
+    assert main(args) == 0
+    lines = out.read_bytes().splitlines()
+    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
+    assert len(records) == 4 and all(r.status != "failed" for r in records), records
+    assert all(r.tokens == "exact" and r.endpoints[0] == "embedded" for r in records)
+    assert any(r.tool_returns for r in records)  # programs ran in containers
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "starting vLLM" not in capsys.readouterr().err  # it reused the running server

@@ -1,0 +1,41 @@
+"""Reading tool calls from text and from OpenAI ``tool_calls``."""
+
+from __future__ import annotations
+
+from libra import openai
+from libra.envs import HermesToolCallParser, ToolCall, from_openai
+
+parse = HermesToolCallParser().parse
+
+
+def test_hermes_blocks() -> None:
+    text = (
+        'thinking <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call> and '
+        '<tool_call>{"name": "b"}</tool_call>'
+    )
+    assert parse(text) == [ToolCall("call_0", "a", {"x": 1}), ToolCall("call_1", "b", {})]
+    assert parse("no calls here") == []
+
+
+def test_arguments_given_as_a_json_string() -> None:
+    [call] = parse('<tool_call>{"name": "a", "arguments": "{\\"x\\": 2}"}</tool_call>')
+    assert call.arguments == {"x": 2}
+
+
+def test_unterminated_and_malformed_blocks_carry_errors() -> None:
+    [unterminated] = parse('<tool_call>{"name": "a", "arguments": {}}')
+    assert unterminated.error is None and unterminated.name == "a"
+    [bad] = parse("<tool_call>{oops}</tool_call>")
+    assert bad.error is not None and "not valid JSON" in bad.error
+    [no_object] = parse('<tool_call>{"name": "a", "arguments": [1]}</tool_call>')
+    assert no_object.error == "the arguments must be a JSON object"
+
+
+def test_openai_tool_calls() -> None:
+    calls = [
+        openai.ToolCall(id="c1", function=openai.FunctionCall(name="f", arguments='{"y": 3}')),
+        openai.ToolCall(id="c2", function=openai.FunctionCall(name="g", arguments="{bad")),
+    ]
+    good, bad = from_openai(calls)
+    assert good == ToolCall("c1", "f", {"y": 3})
+    assert bad.name == "g" and bad.error is not None

@@ -1,0 +1,124 @@
+"""C-MLFQ's decisions on constructed cases, through the scheduler protocol only."""
+
+from __future__ import annotations
+
+from libra.sched import Router, RouteRequest
+from libra.sched.policies import (
+    CMLFQ,
+    CMLFQConfig,
+    RoutedPolicy,
+    TreeConfig,
+    reference_cost,
+    reference_simple,
+)
+from tests._helpers import FAIL, PASS, Trajectory, fleet
+
+
+def teach(policy: RoutedPolicy, count: int = 6) -> None:
+    """History: a failing first check means ~20k more tokens; a passing one, ~200."""
+    for index in range(count):
+        Trajectory(policy, f"old/{index}#0").play([(1000, FAIL), (20000, PASS), (200, None)])
+        Trajectory(policy, f"old/{index}#1").play([(1000, PASS), (200, None)])
+
+
+def cmlfq(config: CMLFQConfig) -> CMLFQ:
+    tree = TreeConfig(min_samples=3)
+    return CMLFQ(Router(fleet()), config.model_copy(update={"tree": tree}))
+
+
+def test_reference_rule_starts_short_and_moves_on_a_failing_check() -> None:
+    policy = cmlfq(reference_simple())
+    teach(policy)
+    trajectory = Trajectory(policy, "new/1#0")
+    assert trajectory.call(1000).bucket == "short"
+    trajectory.tool(FAIL)
+    moved = trajectory.call(100)
+    assert moved.bucket == "long" and moved.priority is None
+    decision = policy.decisions[-1]
+    assert (decision.from_bucket, decision.to_bucket, decision.reason) == (
+        "short",
+        "long",
+        "to_longer",
+    )
+    assert decision.moved and decision.changed_bucket
+    trajectory.tool(PASS)  # the tests pass: a short answer is all that is left
+    assert trajectory.call(100).bucket == "short"
+    assert policy.decisions[-1].reason == "to_shorter"
+
+
+def test_reference_rule_stays_when_mean_and_p90_disagree() -> None:
+    policy = cmlfq(reference_simple())
+    for index in range(4):  # after a failure: usually 2k more, sometimes 25k
+        tail = 25000 if index == 0 else 2000
+        Trajectory(policy, f"old/{index}#0").play([(500, FAIL), (tail, None)])
+    trajectory = Trajectory(policy, "new/1#0")
+    trajectory.call(500)
+    trajectory.tool(FAIL)
+    assert trajectory.call(100).bucket == "short"  # mean 7,625: medium; p90 25,000: long
+    assert policy.decisions[-1].reason == "mean_p90_disagree"
+
+
+def test_reference_cost_form_prefers_the_fastest_instance_with_room() -> None:
+    policy = cmlfq(reference_cost())
+    teach(policy)
+    trajectory = Trajectory(policy, "new/1#0")
+    trajectory.call(1000)
+    trajectory.tool(FAIL)
+    assert trajectory.call(100).endpoint.name == "c"  # 20k tokens: TP4 decodes fastest
+    policy.router.by_name["c"].in_flight += 12  # 8 slots and a queue of 4: full
+    other = Trajectory(policy, "new/2#0")
+    other.call(1000)
+    other.tool(FAIL)
+    assert other.call(100).endpoint.name == "b"
+
+
+def test_finish_rule_gives_stragglers_the_fast_instance_and_keeps_others_off_it() -> None:
+    policy = cmlfq(CMLFQConfig())
+    teach(policy)
+    straggler = Trajectory(policy, "new/1#0")
+    straggler.call(1000)
+    straggler.tool(FAIL)
+    slow = straggler.call(100)
+    assert slow.endpoint.name == "c"
+    quick = Trajectory(policy, "new/2#0")
+    quick.call(1000)
+    quick.tool(PASS)
+    route = quick.call(100)
+    assert route.endpoint.name != "c"  # it would slow the straggler down for nothing
+    # Shortest first inside a server: the quick one's calls are admitted first.
+    assert route.priority is not None and slow.priority is not None
+    assert route.priority < slow.priority
+
+
+def test_finish_rule_priorities_follow_the_configured_order() -> None:
+    for order, sign in (("shortest_first", 1), ("longest_first", -1)):
+        policy = cmlfq(CMLFQConfig(priority=order))
+        teach(policy)
+        long_one, short_one = Trajectory(policy, "n/1#0"), Trajectory(policy, "n/2#0")
+        long_one.call(1000)
+        long_one.tool(FAIL)
+        short_one.call(1000)
+        short_one.tool(PASS)
+        long_priority = long_one.call(10).priority
+        short_priority = short_one.call(10).priority
+        assert long_priority is not None and short_priority is not None
+        assert sign * (long_priority - short_priority) > 0
+    unprioritised = cmlfq(CMLFQConfig(priority="none"))
+    assert unprioritised.route(RouteRequest("x/1#0", "x/1", 0, 9, env="x")).priority is None
+
+
+def test_finish_rule_places_new_trajectories_by_load_unless_told_to_start_short() -> None:
+    free = cmlfq(CMLFQConfig())
+    assert Trajectory(free, "n/1#0").call(10).endpoint.name == "c"  # nothing is known: fastest
+    reference_start = cmlfq(CMLFQConfig(start_in_shortest=True))
+    assert Trajectory(reference_start, "n/1#0").call(10).bucket == "short"
+    assert reference_start.decisions[-1].reason == "start"
+
+
+def test_cmlfq_learns_from_finished_trajectories_and_forgets_them() -> None:
+    policy = cmlfq(CMLFQConfig())
+    Trajectory(policy, "t/1#0").play([(700, FAIL), (300, None)])
+    assert policy.tracks == {} and policy.router.home == {}
+    assert policy.forest is not None
+    assert policy.forest.global_tree.root.samples.values.tolist() == [1000]
+    assert policy.reasons.total() == len(policy.decisions) == 2

@@ -1,0 +1,72 @@
+"""Loading a config: a TOML file, then command-line flags, then ``--set section.key=value``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from libra.config import ConfigError, Section, load_config
+from libra.launch import RolloutConfig
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('env = "guess"\nn = 8\n[engine]\nmax_turns = 3\nconcurrency = 2\n')
+    config = load_config(
+        RolloutConfig,
+        file,
+        {"n": 16, "seed": None},
+        ["engine.concurrency=5", "engine.sampling.temperature=0.5", "model=plain text"],
+    )
+    assert (config.env, config.n, config.seed) == ("guess", 16, 0)
+    assert config.engine.max_turns == 3 and config.engine.concurrency == 5
+    assert config.engine.sampling.temperature == 0.5 and config.model == "plain text"
+    with pytest.raises(ConfigError, match=r"expects section\.key=value"):
+        load_config(RolloutConfig, None, {"env": "calc"}, ["novalue"])
+    file.write_text("env = ")
+    with pytest.raises(ConfigError, match=r"run\.toml"):
+        load_config(RolloutConfig, file)
+
+
+class Inner(Section):
+    size: int = 1
+    names: tuple[str, ...] = ()
+
+
+class Outer(Section):
+    label: str = "default"
+    inner: Inner = Inner()
+
+
+def test_given_defaults_sit_below_the_file(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('label = "from file"\n')
+    config = load_config(Outer, file, defaults={"label": "given", "inner.size": 4})
+    assert (config.label, config.inner.size) == ("from file", 4)
+
+
+def test_set_values_are_read_as_toml_or_else_as_text() -> None:
+    overrides = ["inner.names=['a', 'b']", "inner.size = 3", "label=two words"]
+    config = load_config(Outer, overrides=overrides)
+    assert (config.inner.names, config.inner.size, config.label) == (("a", "b"), 3, "two words")
+    assert load_config(Outer, overrides=['label="7"']).label == "7"
+
+
+def test_errors_are_one_line_and_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"cannot set label\.size: label is not a section"):
+        load_config(Outer, flags={"label": "x"}, overrides=["label.size=2"])
+    with pytest.raises(ConfigError, match=r"^invalid config: inner\.size: .*integer") as error:
+        load_config(Outer, overrides=["inner.size=many"])
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=r"inner\.colour: Extra inputs are not permitted"):
+        load_config(Outer, overrides=["inner.colour=red"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(Outer, Path("missing.toml"))
+
+
+def test_a_section_is_immutable() -> None:
+    config = load_config(Outer)
+    with pytest.raises(ValidationError, match="frozen"):
+        config.label = "changed"  # type: ignore[misc]
