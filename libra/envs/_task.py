@@ -29,7 +29,7 @@ class TaskId:
         return f"{self.env}/{self.key}"
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
 class Task:
     """One task: the same task always gives the same prompt (GRPO samples it several
     times). ``payload`` is free-form data for envs driven by a dataset (a row); envs
@@ -38,6 +38,9 @@ class Task:
     id: TaskId
     seed: int = 0
     payload: Mapping[str, Any] | None = None
+
+    def __hash__(self) -> int:  # by id: a payload (a dict) is not hashable
+        return hash(self.id)
 
     @classmethod
     def from_seed(cls, env: str, seed: int) -> Task:

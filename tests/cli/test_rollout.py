@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,24 @@ def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
     cancelled = [r for r in records if r.stop_reason == "cancelled"]
     assert len(cancelled) == 20  # exactly the ones in flight, each recorded once
     assert len({r.id for r in records}) == len(records) < 5000
+
+
+def test_rollout_reads_tasks_from_a_jsonl_file(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [{"key": "first", "seed": 11}, {"seed": 12, "payload": {"row": 1}}, {}]
+    tasks.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["rollout", "--env", "calc", "--tasks", str(tasks), "--samples-per-prompt", "2"]
+    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
+    records = [
+        msgspec.json.decode(line, type=TrajectoryRecord) for line in out.read_bytes().splitlines()
+    ]
+    assert Counter(r.task_id for r in records) == {"calc/first": 2, "calc/1": 2, "calc/2": 2}
+    assert len({r.id for r in records}) == 6 and {r.step for r in records} == {0}
+    assert {r.group_id for r in records} == {"calc/first@0", "calc/1@0", "calc/2@0"}
+    prompts = {r.task_id: next(m.content for m in r.messages if m.role == "user") for r in records}
+    seeds = {"calc/first": 11, "calc/1": 12, "calc/2": 2}  # a key's default is its index
+    assert prompts == {task: Calc().reset(seed) for task, seed in seeds.items()}
 
 
 def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import anyio
 import anyio.lowlevel
-import msgspec
 import pytest
 
 from envs_contrib.calc import Calc
 from envs_contrib.guess import Guess
-from libra.cli import main
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import (
     Engine,
@@ -22,7 +18,6 @@ from libra.engine import (
     Group,
     RolloutSession,
     TrajectoryJob,
-    TrajectoryRecord,
     http_transport,
     jobs_for,
     jobs_of,
@@ -343,27 +338,3 @@ async def test_an_env_can_take_the_task_and_its_payload() -> None:
     assert first.messages[0].content == "Say 42." and first.task_id == "quiz/row-0"
     assert [r.reward for g in groups for r in g.records] == [1.0, 1.0, 0.0, 0.0]
     assert first.sampling.temperature == engine.config.sampling.temperature
-
-
-def test_rollout_reads_tasks_from_a_jsonl_file(tmp_path: Path) -> None:
-    tasks = tmp_path / "tasks.jsonl"
-    lines = [{"key": "first", "seed": 11}, {"seed": 12, "payload": {"row": 1}}, {}]
-    tasks.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    out = tmp_path / "out.jsonl"
-    argv = ["rollout", "--env", "calc", "--tasks", str(tasks), "--samples-per-prompt", "2"]
-    assert main([*argv, "--out", str(out), "--no-progress"]) == 0
-    lines = out.read_bytes().splitlines()
-    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
-    assert Counter(r.task_id for r in records) == {"calc/first": 2, "calc/1": 2, "calc/2": 2}
-    assert len({r.id for r in records}) == 6 and {r.step for r in records} == {0}
-    prompts = {r.task_id: next(m.content for m in r.messages if m.role == "user") for r in records}
-    seeds = {"calc/first": 11, "calc/1": 12, "calc/2": 2}  # a key's default is its index
-    assert prompts == {task: Calc().reset(seed) for task, seed in seeds.items()}
-
-
-def test_a_bad_task_file_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text('{"key": 1}\n{"key": 1, "sede": 3}\n')
-    assert main(["rollout", "--env", "calc", "--tasks", str(tasks)]) == 2
-    error = capsys.readouterr().err
-    assert error.startswith("libra: error: tasks ") and "line 2" in error and "sede" in error
