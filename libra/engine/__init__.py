@@ -1,4 +1,5 @@
-"""The rollout engine: every trajectory is one coroutine (see ``_trajectory.py``)."""
+"""The rollout engine: every trajectory is one coroutine (see ``_trajectory.py``), run
+by a long-lived :class:`RolloutSession` (``_session.py``) that streams their records."""
 
 from libra.engine._asgi import ASGITransport
 from libra.engine._client import (
