@@ -50,7 +50,7 @@ import anyio.abc
 from libra.engine._records import TrajectoryRecord
 from libra.engine._stats import RolloutStats
 from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
-from libra.envs import GroupId, TrajectoryId
+from libra.envs import GroupId
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,6 @@ class RolloutSession:
         self.stats = stats or RolloutStats()
         self.step_stats: dict[int, RolloutStats] = {}
         self._queue: deque[TrajectoryJob] = deque()
-        self._live: set[TrajectoryId] = set()  # queued or running
         self._group_sizes: Counter[GroupId] = Counter()
         self._scopes: set[anyio.CancelScope] = set()  # one per running trajectory
         self._running = 0
@@ -177,19 +176,20 @@ class RolloutSession:
 
         Submit all the samples of a group in one call: a group is complete when the
         samples submitted so far have ended. Raises ``ValueError`` for a job whose id is
-        already queued or running, ``RuntimeError`` once the session is closed.
+        already queued or running (in any session on the engine: the scheduler would mix
+        the two up), ``RuntimeError`` once the session is closed.
         """
         if self._group is None or self._closed:
             raise RuntimeError("submit to an open session: inside `async with`, before close")
         jobs = list(jobs)
         ids = [job.id for job in jobs]
-        clash = next((i for i in ids if i in self._live), None)
+        clash = next((i for i in ids if i in self.engine.live_ids), None)
         if clash is None and len(set(ids)) < len(ids):
             clash = next(i for i in ids if ids.count(i) > 1)
         if clash is not None:
             raise ValueError(f"trajectory {clash} is already in the session")
         for job in jobs:
-            self._live.add(job.id)
+            self.engine.live_ids.add(job.id)
             self._group_sizes[job.group_id] += 1
             self.stats.total += 1
             self._stats_of(job.step).total += 1
@@ -228,7 +228,7 @@ class RolloutSession:
         cancelled, in the stream) and drop the queued jobs, which are returned."""
         dropped = list(self._queue)
         self._queue.clear()
-        self._live.difference_update(job.id for job in dropped)
+        self.engine.live_ids.difference_update(job.id for job in dropped)
         for scope in self._scopes:
             scope.cancel()
         self.close()
@@ -330,7 +330,7 @@ class RolloutSession:
         finally:
             self._scopes.discard(scope)
             self._limiter.release_on_behalf_of(job.id)
-            self._live.discard(job.id)
+            self.engine.live_ids.discard(job.id)
             self._running -= 1
             self._changes.notify()
             self._end_stream_if_done()

@@ -112,6 +112,9 @@ class Engine:
     on_record: Callable[[TrajectoryRecord], None] | None = None
     client: OpenAIClient = field(init=False)
     renderer: TemplateRenderer = field(init=False)
+    #: The trajectories its sessions hold (queued or running): no two alike at once,
+    #: whichever session holds them, since the scheduler keys its state by them.
+    live_ids: set[TrajectoryId] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.client = OpenAIClient(self.http, timeout_s=self.config.request_timeout_s)

@@ -188,16 +188,25 @@ async def test_two_steps_of_the_same_tasks_keep_apart_in_the_scheduler() -> None
 
 
 async def test_a_job_already_in_the_session_is_refused() -> None:
-    async with emulated_engine() as (engine, _), RolloutSession(engine) as session:
-        job = TrajectoryJob.seeded(Guess, "guess", 1)
-        session.pause()
-        session.submit([job])
-        with pytest.raises(ValueError, match="already in the session"):
+    job = TrajectoryJob.seeded(Guess, "guess", 1)
+    async with emulated_engine() as (engine, _):
+        async with RolloutSession(engine) as session:
+            session.pause()
             session.submit([job])
-        with pytest.raises(ValueError, match="already in the session"):
-            session.submit([TrajectoryJob.seeded(Guess, "guess", 2)] * 2)
-        session.submit([TrajectoryJob.seeded(Guess, "guess", 1, step=1)])  # another step
-        assert session.queued == 2
+            with pytest.raises(ValueError, match="already in the session"):
+                session.submit([job])
+            with pytest.raises(ValueError, match="already in the session"):
+                session.submit([TrajectoryJob.seeded(Guess, "guess", 2)] * 2)
+            session.submit([TrajectoryJob.seeded(Guess, "guess", 1, step=1)])  # another step
+            assert session.queued == 2
+            async with RolloutSession(engine) as other:  # the same scheduler: refused too
+                with pytest.raises(ValueError, match="already in the session"):
+                    other.submit([job])
+            assert len(session.cancel()) == 2 and engine.live_ids == set()
+        async with RolloutSession(engine) as again:  # once dropped or ended, an id is free
+            again.submit([job])
+            again.close()
+            assert [record.id async for record in again] == [str(job.id)]
 
 
 # ------------------------------------------------------------------ the stream
