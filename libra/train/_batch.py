@@ -32,6 +32,7 @@ varlen kernels). ``padded``: one row per sample, right-padded, with an ``attenti
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -129,6 +130,15 @@ class MicroBatch:
     @property
     def positions(self) -> int:
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device``."""
+        moved = {
+            f.name: value.to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 @dataclass(frozen=True, slots=True)

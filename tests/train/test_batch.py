@@ -6,6 +6,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from libra.train import (
     build_batch,
     grpo_loss,
     plan_micro_batches,
+    token_logprobs,
 )
 from tests._helpers import emulated_engine
 
@@ -56,7 +58,7 @@ def record(
         env="test",
         task_id=group,
         sample=0,
-        status=status,  # type: ignore[arg-type]
+        status=status,
         stop_reason="model_stop" if status != "failed" else "server_error",
         reward=reward,
         turns=1,
@@ -64,7 +66,7 @@ def record(
         token_ids=ids,
         loss_mask=list(mask),
         logprobs=[p if m else None for p, m in zip(logprobs, mask, strict=True)],
-        tokens=tokens,  # type: ignore[arg-type]
+        tokens=tokens,
         weight_versions=spans,
         tool_returns=[],
         endpoints=[],
@@ -82,13 +84,12 @@ def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def batch_of(records: Sequence[TrajectoryRecord], **options: object) -> Batch:
+def batch_of(records: Sequence[TrajectoryRecord], *, current: int = 0, **options: Any) -> Batch:
+    """A batch of ``records``; ``options`` are ``GRPOConfig`` and ``TrainConfig`` fields."""
     grpo = GRPOConfig(**{k: v for k, v in options.items() if k in GRPOConfig.model_fields})
     train = TrainConfig(**{k: v for k, v in options.items() if k in TrainConfig.model_fields})
     samples = [Sample.from_record(r) for r in records]
-    return build_batch(
-        samples, current_version=int(options.get("current", 0)), grpo=grpo, train=train
-    )  # type: ignore[call-overload]
+    return build_batch(samples, current_version=current, grpo=grpo, train=train)
 
 
 def test_targets_mask_and_logprobs_are_shifted_by_one() -> None:
@@ -238,8 +239,6 @@ def tiny_model() -> torch.nn.Module:
 
 
 def logprobs_of(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-    from libra.train import token_logprobs
-
     logits = model(
         input_ids=micro.input_ids,
         position_ids=micro.position_ids,
@@ -265,6 +264,11 @@ def step_loss(model: torch.nn.Module, batch: Batch, grpo: GRPOConfig) -> torch.T
     return total
 
 
+@pytest.fixture(scope="module")
+def model_samples(tiny_model: torch.nn.Module) -> list[Sample]:
+    return [Sample.from_record(r) for r in model_records(tiny_model)]
+
+
 def model_records(model: torch.nn.Module) -> list[TrajectoryRecord]:
     """Records whose logprobs are the model's own, nudged, so some ratios clip."""
     rng = random.Random(1)
@@ -275,9 +279,7 @@ def model_records(model: torch.nn.Module) -> list[TrajectoryRecord]:
         mask = [0] * 3 + [rng.choice((0, 1, 1)) for _ in range(n - 3)]
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids[:-1]]), use_cache=False).logits
-        from libra.train import token_logprobs
-
-        own = token_logprobs(logits, torch.tensor([ids[1:]]))[0].tolist()
+            own = token_logprobs(logits, torch.tensor([ids[1:]]))[0].tolist()
         logprobs = [0.0] + [p + rng.uniform(-0.3, 0.3) for p in own]
         records.append(
             record(
@@ -294,14 +296,12 @@ def model_records(model: torch.nn.Module) -> list[TrajectoryRecord]:
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
-    tiny_model: torch.nn.Module, aggregation: str
+    tiny_model: torch.nn.Module, model_samples: list[Sample], aggregation: str
 ) -> None:
-    records = model_records(tiny_model)
-    grpo = GRPOConfig(aggregation=aggregation)  # type: ignore[arg-type]
-    samples = [Sample.from_record(r) for r in records]
+    grpo, samples = GRPOConfig(aggregation=aggregation), model_samples
 
     def batch(layout: str, budget: int) -> Batch:
-        train = TrainConfig(layout=layout, micro_batch_tokens=budget)  # type: ignore[arg-type]
+        train = TrainConfig(layout=layout, micro_batch_tokens=budget)
         return build_batch(samples, current_version=0, grpo=grpo, train=train)
 
     # The reference: every sample in one padded micro-batch, weights from its rows.
@@ -311,7 +311,7 @@ def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
         whole.old_logprobs,
         whole.advantages,
         whole.loss_mask,
-        aggregation=aggregation,  # type: ignore[arg-type]
+        aggregation=aggregation,
     )
     packed, padded = batch("packed", 40), batch("padded", 40)
     assert len(packed.micro_batches) > 1 and len(padded.micro_batches) > 1
@@ -319,12 +319,13 @@ def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
     torch.testing.assert_close(step_loss(tiny_model, padded, grpo), reference)
 
 
-def test_packed_and_padded_give_the_same_gradients(tiny_model: torch.nn.Module) -> None:
-    samples = [Sample.from_record(r) for r in model_records(tiny_model)]
-    grpo = GRPOConfig()
+def test_packed_and_padded_give_the_same_gradients(
+    tiny_model: torch.nn.Module, model_samples: list[Sample]
+) -> None:
+    samples, grpo = model_samples, GRPOConfig()
 
     def gradients(layout: str) -> list[torch.Tensor]:
-        train = TrainConfig(layout=layout, micro_batch_tokens=40)  # type: ignore[arg-type]
+        train = TrainConfig(layout=layout, micro_batch_tokens=40)
         tiny_model.zero_grad()
         step_loss(
             tiny_model, build_batch(samples, current_version=0, grpo=grpo, train=train), grpo
@@ -394,3 +395,11 @@ async def test_batches_from_a_real_rollout() -> None:
         total += float(loss)
         assert metrics.as_floats()["clip_fraction"] == 0.0
     assert total == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_micro_batch_moves_whole() -> None:
+    batch = batch_of([record("a", 1.0, [0, 1, 1]), record("b", 0.0, [0, 1])], layout="padded")
+    [micro] = batch.micro_batches
+    moved = micro.to("meta")
+    assert moved.input_ids.device.type == moved.attention_mask.device.type == "meta"
+    assert moved.sample_ids == micro.sample_ids and micro.input_ids.device.type == "cpu"
