@@ -43,7 +43,7 @@ import torch
 from libra.engine import TrajectoryRecord
 from libra.engine._records import Status, TokenSource
 from libra.train._config import GRPOConfig, Layout, TrainConfig
-from libra.train._loss import sequence_token_weight, staleness_weight
+from libra.train._loss import LossMetrics, grpo_loss, sequence_token_weight, staleness_weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +130,28 @@ class MicroBatch:
     @property
     def positions(self) -> int:
         return int(self.input_ids.numel())
+
+    def loss(
+        self,
+        logprobs: torch.Tensor,
+        grpo: GRPOConfig,
+        *,
+        ref_logprobs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LossMetrics]:
+        """``grpo_loss`` of the current policy's ``logprobs`` of ``targets``, weighted as
+        the whole batch aggregates."""
+        return grpo_loss(
+            logprobs,
+            self.old_logprobs,
+            self.advantages,
+            self.loss_mask,
+            clip_low=grpo.clip_low,
+            clip_high=grpo.clip_high,
+            clip_ratio_c=grpo.clip_ratio_c,
+            kl_coef=grpo.kl_coef,
+            ref_logprobs=ref_logprobs,
+            weights=self.loss_weights,
+        )
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The same micro-batch with every tensor on ``device``."""
@@ -319,8 +341,8 @@ def _columns(
     }
 
 
-# What padding holds, per column: never trained, never attended to.
 def _pad_value(name: str, train: TrainConfig) -> float:
+    """What padding holds, per column: it is never trained and never attended to."""
     if name in ("input_ids", "targets"):
         return train.pad_token_id
     return -1 if name == "sample_index" else 0

@@ -251,15 +251,7 @@ def logprobs_of(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
 def step_loss(model: torch.nn.Module, batch: Batch, grpo: GRPOConfig) -> torch.Tensor:
     total = torch.zeros(())
     for micro in batch.micro_batches:
-        loss, _ = grpo_loss(
-            logprobs_of(model, micro),
-            micro.old_logprobs,
-            micro.advantages,
-            micro.loss_mask,
-            clip_low=grpo.clip_low,
-            clip_high=grpo.clip_high,
-            weights=micro.loss_weights,
-        )
+        loss, _ = micro.loss(logprobs_of(model, micro), grpo)
         total = total + loss
     return total
 
@@ -385,13 +377,7 @@ async def test_batches_from_a_real_rollout() -> None:
     )
     total = 0.0
     for micro in batch.micro_batches:
-        loss, metrics = grpo_loss(
-            micro.old_logprobs,
-            micro.old_logprobs,
-            micro.advantages,
-            micro.loss_mask,
-            weights=micro.loss_weights,
-        )
+        loss, metrics = micro.loss(micro.old_logprobs, GRPOConfig())
         total += float(loss)
         assert metrics.as_floats()["clip_fraction"] == 0.0
     assert total == pytest.approx(expected, abs=1e-5)
