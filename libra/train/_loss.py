@@ -37,10 +37,14 @@ def token_logprobs(
 ) -> torch.Tensor:
     """Log-softmax of ``logits / temperature`` gathered at ``targets``.
 
-    ``logits`` is ``[..., vocab]`` and ``targets`` the matching ``[...]`` ids. The division
-    by the sampling temperature must match what the server's logprobs mean, or the ratio
-    against the rollout logprobs is off before training changes anything. Computed in
-    float32 through ``cross_entropy``, which never holds a second vocab-sized tensor.
+    ``logits`` is ``[..., vocab]`` and ``targets`` the matching ``[...]`` ids. The
+    temperature must match what the server's logprobs mean, or the ratio against the
+    rollout logprobs is off before training changes anything. vLLM (0.32) returns
+    ``raw_logprobs`` by default: before temperature, top-k and top-p, so compare them with
+    ``temperature=1``; a server started with ``--logprobs-mode processed_logprobs``
+    returns them after temperature (and after top-k/top-p truncation, which this does not
+    reproduce: with top_p < 1 neither matches exactly). Computed in float32 through
+    ``cross_entropy``, which never holds a second vocab-sized tensor.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive to train on samples, got {temperature}")
