@@ -43,12 +43,14 @@ def token_logprobs(
     ``raw_logprobs`` by default: before temperature, top-k and top-p, so compare them with
     ``temperature=1``; a server started with ``--logprobs-mode processed_logprobs``
     returns them after temperature (and after top-k/top-p truncation, which this does not
-    reproduce: with top_p < 1 neither matches exactly). Computed in float32 through
-    ``cross_entropy``, which never holds a second vocab-sized tensor.
+    reproduce: with top_p < 1 neither matches exactly). Computed in float32: bf16
+    (8 bits of mantissa) is too coarse for ratios that must start at exactly 1.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive to train on samples, got {temperature}")
-    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
     flat = scaled.reshape(-1, scaled.shape[-1])
     nll = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
     return -nll.reshape(targets.shape)
