@@ -12,8 +12,8 @@ see ``aggregation_weights`` and ``libra.train._batch``). The modes, as peers nam
 - ``token-mean``: every trained token of the batch weighs ``1 / N`` (``N`` trained tokens
   in the batch); long answers weigh more in total, as in DAPO.
 - ``seq-mean-token-sum``: every trained token weighs ``1 / S`` (``S`` sequences): each
-  sequence's token losses are summed, then averaged over sequences (Dr.GRPO divides by a
-  constant instead of the length; this is that constant per sequence).
+  sequence's token losses are summed, then averaged over sequences: no length
+  normalisation, as Dr.GRPO (which also divides by a constant length, a mere scale).
 - ``seq-mean-token-mean``: a token of sequence ``i`` weighs ``1 / (S * n_i)``: the
   original GRPO mean per sequence, then over sequences; every sequence weighs the same.
 """
@@ -30,6 +30,7 @@ from libra.train._config import Aggregation, GRPOConfig
 
 # The k3 estimator's exponent is clamped, as peers do, so one wild token cannot blow up.
 _KL_CLAMP = 10.0
+_RATIO_CLAMP = 20.0
 
 
 def token_logprobs(
@@ -152,7 +153,11 @@ def grpo_loss(
     if weights is None:
         weights = aggregation_weights(mask, aggregation)
     weights = weights * mask
-    log_ratio = logprobs - old_logprobs
+    # Off the mask the ratio is 1, whatever the inputs hold there: an overflowing ratio
+    # times a zero weight would be NaN. The clamp keeps a wild token finite.
+    log_ratio = torch.where(mask > 0, logprobs - old_logprobs, 0.0).clamp(
+        -_RATIO_CLAMP, _RATIO_CLAMP
+    )
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)

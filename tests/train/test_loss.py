@@ -163,3 +163,14 @@ def test_token_logprobs_divide_by_the_temperature() -> None:
     assert bf16.dtype == torch.float32
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(logits, targets, temperature=0.0)
+
+
+def test_garbage_off_the_mask_cannot_reach_the_loss() -> None:
+    # A tool token whose logprobs would overflow the ratio (e^1000) is not trained.
+    new = torch.tensor([[-1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1000.0]])
+    loss, metrics = grpo_loss(new, old, torch.ones(1, 2), torch.tensor([[1.0, 0.0]]))
+    loss.backward()
+    assert float(loss.detach()) == -1.0  # the trained token, on policy: -A * 1
+    assert metrics.as_floats()["ratio_max"] == 1.0
+    assert new.grad is not None and new.grad.tolist() == [[-1.0, 0.0]]
