@@ -109,8 +109,9 @@ class MicroBatch:
 
     The weighted sums ``(loss_weights * token_loss).sum()`` of a batch's micro-batches add
     up to the batch's loss (the aggregation weights are computed over the whole batch), so
-    gradients accumulate by plain addition; under data parallelism whose reduction
-    averages gradients, scale each rank's loss by the world size.
+    gradients accumulate by plain addition. A trainer that averages instead (over its
+    micro-batches, or over data-parallel ranks in the gradient reduction) must multiply
+    each micro-batch's loss by what it divides by, or the aggregation changes.
     """
 
     layout: Layout
