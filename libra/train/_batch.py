@@ -172,10 +172,22 @@ class Batch:
     samples: list[Sample]
     advantages: dict[str, float]  # every scored sample's, trained or not
     dropped: Counter[str] = field(default_factory=Counter)
+    ranks: int = 1
 
     @property
     def trained_tokens(self) -> int:
         return sum(sample.trained_tokens for sample in self.samples)
+
+    def for_rank(self, rank: int) -> list[MicroBatch]:
+        """Data-parallel rank ``rank``'s share: as many micro-batches as every other rank
+        (FSDP's collectives hang otherwise), longest first to the rank with the fewest
+        positions so far."""
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"rank {rank} of a batch planned for {self.ranks} ranks")
+        return [
+            self.micro_batches[i]
+            for i in _deal([m.positions for m in self.micro_batches], self.ranks)[rank]
+        ]
 
 
 def build_batch(
@@ -184,8 +196,10 @@ def build_batch(
     current_version: int,
     grpo: GRPOConfig | None = None,
     train: TrainConfig | None = None,
+    ranks: int = 1,
 ) -> Batch:
-    """Group, score and lay out ``samples`` for weights at ``current_version``."""
+    """Group, score and lay out ``samples`` for weights at ``current_version``, in a
+    multiple of ``ranks`` micro-batches (see ``Batch.for_rank``)."""
     grpo, train = grpo or GRPOConfig(), train or TrainConfig()
     samples = list(samples)
     if len({sample.id for sample in samples}) != len(samples):
@@ -201,12 +215,12 @@ def build_batch(
         else:
             kept.append((sample, weight))
     weights = _token_weights(kept, grpo)
-    plan = plan_micro_batches([sample.positions for sample, _ in kept], train)
+    plan = plan_micro_batches([sample.positions for sample, _ in kept], train, ranks=ranks)
     micro_batches = [
         _micro_batch([kept[i][0] for i in rows], [weights[i] for i in rows], advantages, train)
         for rows in plan
     ]
-    return Batch(micro_batches, [sample for sample, _ in kept], advantages, dropped)
+    return Batch(micro_batches, [sample for sample, _ in kept], advantages, dropped, ranks)
 
 
 def _scored_groups(samples: list[Sample]) -> dict[str, list[Sample]]:
@@ -268,9 +282,13 @@ def _token_weights(kept: list[tuple[Sample, float]], grpo: GRPOConfig) -> list[f
     ]
 
 
-def plan_micro_batches(lengths: Sequence[int], train: TrainConfig) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: Sequence[int], train: TrainConfig, *, ranks: int = 1
+) -> list[list[int]]:
     """Indices of ``lengths`` per micro-batch: first fit, longest first, under the budget
-    (a padded micro-batch costs its longest sample times its sample count)."""
+    (a padded micro-batch costs its longest sample times its sample count). Then, until
+    the count is a multiple of ``ranks``, the micro-batch with the most samples is cut in
+    two (its samples dealt alternately, longest first)."""
     budget = train.micro_batch_tokens
     order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
     plan: list[list[int]] = []
@@ -281,7 +299,26 @@ def plan_micro_batches(lengths: Sequence[int], train: TrainConfig) -> list[list[
                 break
         else:
             plan.append([index])
+    while len(plan) % ranks:
+        fullest = max(plan, key=len)
+        if len(fullest) < 2:
+            raise ValueError(f"{len(lengths)} samples cannot give {ranks} ranks equal shares")
+        plan.remove(fullest)
+        plan += [fullest[::2], fullest[1::2]]
     return plan
+
+
+def _deal(sizes: Sequence[int], ranks: int) -> list[list[int]]:
+    """Indices of ``sizes`` per rank, the same count each: largest first, each to the
+    rank with the least so far among those not yet full."""
+    share = len(sizes) // ranks
+    dealt: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        rank = min((r for r in range(ranks) if len(dealt[r]) < share), key=lambda r: loads[r])
+        dealt[rank].append(index)
+        loads[rank] += sizes[index]
+    return dealt
 
 
 def _cost(rows: list[int], lengths: Sequence[int], layout: Layout) -> int:

@@ -193,6 +193,37 @@ def test_micro_batches_are_first_fit_decreasing_under_the_budget() -> None:
     assert plan_micro_batches([30, 4], TrainConfig(micro_batch_tokens=10)) == [[0], [1]]
 
 
+def test_micro_batches_come_in_a_multiple_of_the_ranks() -> None:
+    roomy = TrainConfig(micro_batch_tokens=100)
+    assert plan_micro_batches([5, 4, 3, 2, 1], roomy) == [[0, 1, 2, 3, 4]]
+    assert plan_micro_batches([5, 4, 3, 2, 1], roomy, ranks=2) == [[0, 2, 4], [1, 3]]
+    # 5 samples, 3 ranks: the 3-sample half is cut again.
+    assert plan_micro_batches([5, 4, 3, 2, 1], roomy, ranks=3) == [[1, 3], [0, 4], [2]]
+    with pytest.raises(ValueError, match="equal shares"):
+        plan_micro_batches([5, 4, 3], roomy, ranks=4)
+
+
+def test_each_rank_gets_as_many_micro_batches() -> None:
+    rng = random.Random(2)
+    records = [
+        record(f"s{i}", float(i % 2), [0] * 3 + [1] * rng.randrange(1, 12), group=f"g{i // 4}")
+        for i in range(13)
+    ]
+    samples = [Sample.from_record(r) for r in records]
+    train = TrainConfig(micro_batch_tokens=24)
+    batch = build_batch(samples, current_version=0, train=train, ranks=3)
+    assert len(batch.micro_batches) >= 3
+    shares = [batch.for_rank(rank) for rank in range(3)]
+    assert len({len(share) for share in shares}) == 1
+    dealt = [id(micro) for share in shares for micro in share]
+    assert sorted(dealt) == sorted(id(micro) for micro in batch.micro_batches)
+    # The token-mean weights of all ranks together still sum to 1.
+    total = sum(float(m.loss_weights.sum()) for share in shares for m in share)
+    assert total == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="rank 3"):
+        batch.for_rank(3)
+
+
 def test_every_position_appears_once_in_packed_micro_batches() -> None:
     rng = random.Random(0)
     records = [
