@@ -28,6 +28,8 @@ longer than the budget gets a micro-batch of its own. ``packed``: one row, sampl
 end, ``position_ids`` restarting at 0 for each sample and no attention mask, which
 Hugging Face models read as block-diagonal causal attention (``cu_seqlens`` is there for
 varlen kernels). ``padded``: one row per sample, right-padded, with an ``attention_mask``.
+For data parallelism the micro-batch count is a multiple of the ranks, each rank taking an
+equal count (``Batch.for_rank``); the loss weights stay those of the whole batch.
 """
 
 from __future__ import annotations
