@@ -16,7 +16,8 @@ re-tokenized. Which records train, and how:
   policy for that prompt, and the baseline is better for it.
 - **Staleness**: a sample's version is the oldest weight version that sampled one of its
   tokens; ``current_version - version`` versions behind the trained weights it weighs
-  ``staleness_weight`` (0: dropped).
+  ``staleness_weight`` (0: dropped). A stale sample still counts in its group's
+  statistics, as the inexact ones do.
 - Samples with no sampled token leave the batch.
 
 Each dropped sample is counted under its reason in ``Batch.dropped``.
@@ -26,10 +27,11 @@ Each dropped sample is counted under its reason in ``Batch.dropped``.
 first-fit in decreasing length under ``micro_batch_tokens`` (padding counted); a sample
 longer than the budget gets a micro-batch of its own. ``packed``: one row, samples end to
 end, ``position_ids`` restarting at 0 for each sample and no attention mask, which
-Hugging Face models read as block-diagonal causal attention (``cu_seqlens`` is there for
-varlen kernels). ``padded``: one row per sample, right-padded, with an ``attention_mask``.
-For data parallelism the micro-batch count is a multiple of the ranks, each rank taking an
-equal count (``Batch.for_rank``); the loss weights stay those of the whole batch.
+transformers (5.x) reads as block-diagonal causal attention (tested against padding;
+``cu_seqlens`` is there for varlen kernels). ``padded``: one row per sample,
+right-padded, with an ``attention_mask``. For data parallelism the micro-batch count is a
+multiple of the ranks, each rank taking an equal count (``Batch.for_rank``); the loss
+weights stay those of the whole batch.
 """
 
 from __future__ import annotations
