@@ -1,0 +1,68 @@
+"""Typed ``[train]`` and ``[grpo]`` sections: how records become batches, and the loss."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+
+from libra.config import Section
+
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+Layout = Literal["packed", "padded"]
+StaleRule = Literal["drop", "reweight"]
+
+
+class GRPOConfig(Section):
+    """Group-relative advantages and the clipped surrogate loss (see ``libra.train._loss``)."""
+
+    scale_by_std: bool = Field(
+        True, description="divide advantages by the group's std; False: Dr.GRPO, mean only"
+    )
+    epsilon: PositiveFloat = Field(1e-6, description="added to the std before dividing")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="the ratio's floor is 1 - clip_low")
+    clip_high: float = Field(
+        0.2, ge=0, description="the ratio's ceiling is 1 + clip_high (clip-higher: above low)"
+    )
+    clip_ratio_c: float | None = Field(
+        None,
+        gt=1,
+        description="dual clip: for negative advantages, the loss is at most "
+        "-advantage * clip_ratio_c; None: off",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="weight of the k3 KL to a reference model; 0: no reference"
+    )
+    aggregation: Aggregation = Field(
+        "token-mean",
+        description="token-mean: every trained token of the batch counts the same; "
+        "seq-mean-token-sum: sum per sequence, mean over sequences; "
+        "seq-mean-token-mean: mean per sequence, then mean over sequences",
+    )
+    max_staleness: NonNegativeInt | None = Field(
+        None,
+        description="weight versions a sample may lag behind the trained weights; None: no bound",
+    )
+    stale: StaleRule = Field(
+        "drop", description="samples past max_staleness: dropped, or reweighted"
+    )
+    stale_decay: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="reweight: a sample k versions past the bound weighs stale_decay ** k",
+    )
+
+
+class TrainConfig(Section):
+    """How a step's records are laid out in micro-batches (see ``libra.train._batch``)."""
+
+    micro_batch_tokens: PositiveInt = Field(
+        8192, description="token budget of one micro-batch, padding included"
+    )
+    layout: Layout = Field(
+        "packed",
+        description="packed: one row per micro-batch, positions restart at each sample; "
+        "padded: one right-padded row per sample, with an attention mask",
+    )
+    pad_token_id: NonNegativeInt = Field(0, description="fills the padding (never trained)")
