@@ -66,11 +66,11 @@ class Sample:
 
     @classmethod
     def from_record(cls, record: TrajectoryRecord, *, group: str | None = None) -> Sample:
-        """``group`` defaults to the record's prompt group."""
+        """``group`` defaults to the record's group: its task at its step."""
         versions = [span.version for span in record.weight_versions if span.end > span.start]
         return cls(
             id=record.id,
-            group=record.task_id if group is None else group,
+            group=record.group_id if group is None else group,
             status=record.status,
             tokens=record.tokens,
             reward=record.reward,

@@ -15,6 +15,7 @@ from envs_contrib.calc import Calc
 from libra.engine import (
     EngineConfig,
     SamplingConfig,
+    SamplingRecord,
     Timings,
     TrajectoryRecord,
     WeightSpan,
@@ -57,6 +58,8 @@ def record(
         id=id,
         env="test",
         task_id=group,
+        group_id=group,
+        step=0,
         sample=0,
         status=status,
         stop_reason="model_stop" if status != "failed" else "server_error",
@@ -70,6 +73,8 @@ def record(
         weight_versions=spans,
         tool_returns=[],
         endpoints=[],
+        sampling=SamplingRecord(temperature=1.0, top_p=1.0, max_tokens_per_turn=1024, seed=None),
+        weight_version=version,
         timings=Timings(),
     )
 
