@@ -50,7 +50,7 @@ import anyio.abc
 from libra.engine._records import TrajectoryRecord
 from libra.engine._stats import RolloutStats
 from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
-from libra.envs import GroupId
+from libra.envs import GroupId, TrajectoryId
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,12 +182,12 @@ class RolloutSession:
         if self._group is None or self._closed:
             raise RuntimeError("submit to an open session: inside `async with`, before close")
         jobs = list(jobs)
-        ids = [job.id for job in jobs]
-        clash = next((i for i in ids if i in self.engine.live_ids), None)
-        if clash is None and len(set(ids)) < len(ids):
-            clash = next(i for i in ids if ids.count(i) > 1)
-        if clash is not None:
-            raise ValueError(f"trajectory {clash} is already in the session")
+        seen: set[TrajectoryId] = set()
+        for job in jobs:
+            if job.id in self.engine.live_ids or job.id in seen:
+                message = "is already in the session (queued or running on this engine)"
+                raise ValueError(f"trajectory {job.id} {message}")
+            seen.add(job.id)
         for job in jobs:
             self.engine.live_ids.add(job.id)
             self._group_sizes[job.group_id] += 1
