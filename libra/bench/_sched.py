@@ -297,7 +297,7 @@ def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> No
             generated_tokens=generated,
         )
         route = policy.route(request)
-        policy.release(route, ok=True, new_tokens=turn.output_tokens)
+        policy.release(route, outcome="ok", new_tokens=turn.output_tokens)
         previous = route.endpoint
         generated += turn.output_tokens
         context += turn.output_tokens
