@@ -21,11 +21,11 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from libra.fleet import Endpoint
-from libra.sched._buckets import Router
+from libra.sched._buckets import Instance, Router
 from libra.sched._protocol import RouteRequest
 from libra.sched.policies._base import Choice, RoutedPolicy, Track
 from libra.sched.policies._predict import PromptHistoryPredictor
@@ -62,12 +62,18 @@ class LeastLoadedScheduler(RoutedPolicy):
         self._turn = itertools.count()
 
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
-        candidates = self.router.usable(exclude)
+        candidates = sorted(self.router.usable(exclude), key=self._fleet_order())
         start = next(self._turn) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
         previous = self.router.instance_of(request.previous)
         instance = min(rotated, key=lambda i: (i.in_flight, i is not previous))
         return Choice(instance, None, "least_loaded")
+
+    def _fleet_order(self) -> Callable[[Instance], int]:
+        """Turns go in the fleet's instance order (the router keeps bucket order), then
+        instances that joined since: blind to buckets, as this policy is."""
+        order = {spec.name: index for index, spec in enumerate(self.router.fleet.instances)}
+        return lambda instance: order.get(instance.name, len(order))
 
 
 class StaticPrompt(RoutedPolicy):
