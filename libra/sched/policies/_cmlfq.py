@@ -196,7 +196,7 @@ class CMLFQ(RoutedPolicy):
         router = self.router
         available = router.usable(exclude)
         with_room = [i for i in available if not router.is_full(i)]
-        if track.instance is None and self.config.start_in_shortest:
+        if track.bucket is None and self.config.start_in_shortest:  # its first call
             top = [i for i in with_room if i.bucket == router.shortest.name]
             if top:
                 return top, "start"
