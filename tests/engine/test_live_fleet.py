@@ -155,3 +155,24 @@ async def test_no_capacity_in_time_is_a_server_error() -> None:
     failed = [r for r in records if r.status == "failed"]
     assert failed and all(r.stop_reason == "server_error" for r in failed)
     assert all("no endpoint" in (r.error or "") for r in failed)
+
+
+async def test_a_weight_sync_mid_call_keeps_the_routed_version_and_is_counted() -> None:
+    async with emulated_engine(
+        config=EngineConfig(concurrency=8), latency=SHORT_TURNS, agent=THINKING
+    ) as (engine, records):
+        router: Router = engine.scheduler.router
+        (endpoint,) = router.endpoints().values()
+        async with anyio.create_task_group() as group:
+            group.start_soon(rollout, jobs_for(Calc, "calc", 8), engine)
+            await until(lambda: router.instances[0].in_flight > 0)
+            in_flight = router.instances[0].in_flight
+            endpoint.weight_version = 1  # what a weight sync does to the shared registry
+    check_every_job_once(records, 8)
+    assert sum(r.weights_changed_turns for r in records) == in_flight
+    for record in records:
+        versions = [span.version for span in record.weight_versions]
+        assert versions == sorted(versions)  # routed before the sync: 0; after: 1
+        if record.weights_changed_turns:
+            assert versions[0] == 0
+    assert all(r.weight_versions[-1].version == 1 for r in records if r.turns > 1)
