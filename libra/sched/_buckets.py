@@ -446,10 +446,12 @@ class Router:
         instance name: await them and :meth:`remove` (or :meth:`retire` them). An instance
         kept under a changed URL, model or API is a new server: give it a new name."""
         wanted = {spec.name: spec for spec in fleet.instances}
-        for name, spec in wanted.items():
+        for name, spec in wanted.items():  # check it all before changing anything
             live = self.by_name.get(name)
             if live is not None and _serves_elsewhere(live.spec, spec):
                 raise ValueError(f"{name!r} changes server; drain it and add a new name")
+            if live is not None and live.state != "active":
+                raise ValueError(f"{name!r} is draining: remove it before adding it back")
         self.fleet = fleet
         for bucket_spec in fleet.buckets:
             self._apply_bucket(bucket_spec.name, bucket_spec.max_tokens)
@@ -478,8 +480,6 @@ class Router:
         if live is None:
             self.add_instance(spec, bucket)
             return
-        if live.state != "active":
-            raise ValueError(f"{spec.name!r} is draining: remove it before adding it back")
         live.spec = spec
         if live.bucket != bucket:
             old = self.bucket_of.get(live.bucket)

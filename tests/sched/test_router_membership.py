@@ -327,3 +327,19 @@ def test_policies_register_by_name_in_the_order_reports_list_them() -> None:
     )
     assert all(REGISTRY[name].name == name for name in POLICIES)
     assert isinstance(make_policy("least-loaded", two_buckets()), RoutedPolicy)
+
+
+def test_apply_checks_everything_before_changing_anything() -> None:
+    router = Router(two_buckets())
+    busy = call(router, "c")
+    router.drain("c")
+    back = two_buckets().model_copy(update={"max_queue_length": 9})
+    with pytest.raises(ValueError, match="draining"):
+        router.apply(back)
+    assert router.fleet.max_queue_length == 3 and [b.name for b in router.buckets] == [
+        "short",
+        "long",
+    ]
+    router.release(busy, outcome="ok")
+    router.remove("c")
+    assert set(router.apply(back)) == set() and router.by_name["c"].state == "active"
