@@ -1,9 +1,9 @@
 """What the engine asks of a scheduler, and nothing more.
 
 The engine calls :meth:`Scheduler.route` before every generation call and
-:meth:`Scheduler.release` after it (with the call's :data:`CallOutcome`), feeds every tool return to
-:meth:`Scheduler.on_tool_return`, and reports the end of each trajectory with
-:meth:`Scheduler.on_finish`. Policies (round robin, least-loaded, C-MLFQ, ...) live
+:meth:`Scheduler.release` after it (with the call's :data:`CallOutcome`), feeds every
+tool return to :meth:`Scheduler.on_tool_return`, and reports the end of each
+trajectory with :meth:`Scheduler.on_finish`. Policies (round robin, least-loaded, C-MLFQ, ...) live
 beside this module and see only these calls: never an env, never the engine. Every
 scheduler routes over a :class:`~libra.sched.Router`, the live fleet that membership
 changes and weight syncs go through.
