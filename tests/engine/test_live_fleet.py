@@ -176,3 +176,11 @@ async def test_a_weight_sync_mid_call_keeps_the_routed_version_and_is_counted() 
         if record.weights_changed_turns:
             assert versions[0] == 0
     assert all(r.weight_versions[-1].version == 1 for r in records if r.turns > 1)
+
+
+async def test_a_rejected_request_fails_its_trajectory_but_not_the_server() -> None:
+    async with emulated_engine(max_model_len=64) as (engine, records):  # prompts do not fit
+        await rollout(jobs_for(Calc, "calc", 3), engine)
+    assert [(r.status, r.stop_reason) for r in records] == [("failed", "server_error")] * 3
+    (instance,) = engine.scheduler.router.instances
+    assert instance.failures == 0 and not instance.is_down(engine.scheduler.router.clock())
