@@ -8,8 +8,10 @@ from typing import Any
 import anyio
 import pytest
 
+from libra.emulation import EmulatorConfig, LatencyModel, create_app
+from libra.engine._asgi import ASGITransport
 from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec
-from libra.sched import NoEndpointAvailable, Route, Router, RouteRequest
+from libra.sched import NoEndpointAvailable, Route, Router, RouteRequest, poll_once
 from libra.sched.policies import (
     CMLFQ,
     POLICIES,
@@ -343,3 +345,23 @@ def test_apply_checks_everything_before_changing_anything() -> None:
     router.release(busy, outcome="ok")
     router.remove("c")
     assert set(router.apply(back)) == set() and router.by_name["c"].state == "active"
+
+
+@pytest.mark.anyio
+async def test_polling_metrics_while_instances_leave() -> None:
+    router = Router(FleetSpec(instances=[spec("x"), spec("y"), spec("z")]))
+    app = create_app(EmulatorConfig(latency=LatencyModel()))
+
+    async def fleet_app(scope: Any, receive: Any, send: Any) -> None:
+        host = scope["server"][0]
+        if host == "x":  # while the poller waits on x, y and z leave (z unreachable)
+            router.remove("y")
+            router.remove("z")
+        if host == "z":
+            raise ConnectionError("no route to host")
+        await app(scope, receive, send)
+
+    async with ASGITransport(fleet_app) as http:
+        await poll_once(router, lambda url: http.get(url, 5.0))
+    assert [i.name for i in router.instances] == ["x"]
+    assert router.by_name["x"].waiting_gauge == 0.0
