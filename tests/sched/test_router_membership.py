@@ -298,9 +298,11 @@ def test_policies_hold_no_removed_instance_and_route_on(name: str) -> None:
         again = policy.route(request(trajectory, 3000, route.endpoint))
         assert again.endpoint.name == "a2"
         policy.release(again, outcome="ok", new_tokens=10)
-    for trajectory in routes:
-        policy.on_finish(trajectory, trajectory.split("#")[0], output_tokens=320)
+    for index, trajectory in enumerate(routes):
+        failed = index % 2 == 0  # a failed trajectory is forgotten as well
+        policy.on_finish(trajectory, trajectory.split("#")[0], output_tokens=320, failed=failed)
     assert policy.tracks == {} and policy.router.home == {}
+    assert getattr(policy, "bucket_by_trajectory", {}) == {}
 
 
 def test_cmlfq_decisions_name_instances_and_hold_none() -> None:

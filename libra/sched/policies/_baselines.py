@@ -114,8 +114,13 @@ class LengthPrediction(RoutedPolicy):
         return Choice(instance, None, reason if how == "ok" else f"{reason}+{how}")
 
     def learn(self, track: Track, output_tokens: int) -> None:
-        self.bucket_by_trajectory.pop(track.trajectory_id, None)
         self.predictor.learn(track, output_tokens)
+
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
+        self.bucket_by_trajectory.pop(trajectory_id, None)  # failed ones too: no leak
+        super().on_finish(trajectory_id, prompt_id, output_tokens=output_tokens, failed=failed)
 
 
 class SortedLength(RoutedPolicy):
