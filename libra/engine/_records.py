@@ -43,6 +43,10 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     ``tokens`` says how far to trust the ids: ``exact`` (the sampled ids, as returned),
     ``drift`` (the server re-rendered earlier turns differently; ids stop at the drift),
     or ``none`` (the server returned no ids: text only).
+
+    ``weight_versions`` gives each sampled span the version of its endpoint's weights when
+    its call was routed; ``weights_changed_turns`` counts the turns whose endpoint loaded
+    new weights while the call ran (their span may mix two versions).
     """
 
     id: str
@@ -63,3 +67,4 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     endpoints: list[str]
     timings: Timings
     error: str | None = None
+    weights_changed_turns: int = 0
