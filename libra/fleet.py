@@ -29,7 +29,9 @@ class Endpoint:
     token ids to ``/v1/completions`` (exact tokens, needs ``/tokenize``); ``"chat"``
     sends messages to ``/v1/chat/completions`` (any OpenAI-compatible server);
     ``"auto"`` uses tokens where the server has ``/tokenize``.
-    ``weight_version`` is bumped by whoever syncs weights into the server.
+    ``weight_version`` is bumped by whoever syncs weights into the server, on the object
+    the router hands out (``Router.endpoints()``); a call records the version it was
+    routed with.
     """
 
     url: str

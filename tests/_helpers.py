@@ -360,7 +360,7 @@ class Trajectory:
             self.tid, self.prompt, self.turn, self.context, previous, self.generated, env="t"
         )
         route = self.policy.route(request, exclude)
-        self.policy.release(route, ok=True, new_tokens=tokens)
+        self.policy.release(route, outcome="ok", new_tokens=tokens)
         self.turn += 1
         self.generated += tokens
         self.context += tokens

@@ -268,7 +268,10 @@ class FleetApp:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        await self.apps[scope["server"][0]](scope, receive, send)
+        app = self.apps.get(scope["server"][0])
+        if app is None:  # an instance that left the fleet: as unreachable as a real one
+            raise ConnectionRefusedError(f"no instance {scope['server'][0]!r} in the fleet")
+        await app(scope, receive, send)
 
 
 # -------------------------------------------------------------------------- history
@@ -302,7 +305,7 @@ def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> No
             env=script.workload,
         )
         route = policy.route(request)
-        policy.release(route, ok=True, new_tokens=turn.output_tokens)
+        policy.release(route, outcome="ok", new_tokens=turn.output_tokens)
         previous = route.endpoint
         generated += turn.output_tokens
         context += turn.output_tokens

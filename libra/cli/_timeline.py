@@ -27,10 +27,12 @@ class Timeline:
 
     def sample(self, elapsed_s: float, scheduler: Scheduler, stats: RolloutStats) -> None:
         self.seconds.append(elapsed_s)
-        for endpoint, calls in scheduler.calls_in_flight().items():
-            # An endpoint first seen late has had no calls before.
-            series = self.calls_in_flight.setdefault(endpoint, [0] * (len(self.seconds) - 1))
-            series.append(calls)
+        now = scheduler.calls_in_flight()
+        for endpoint in now.keys() - self.calls_in_flight.keys():
+            # An endpoint first seen late (it joined the fleet) has had no calls before.
+            self.calls_in_flight[endpoint] = [0] * (len(self.seconds) - 1)
+        for endpoint, series in self.calls_in_flight.items():
+            series.append(now.get(endpoint, 0))  # one that left the fleet has none
         for status in _STATUSES:
             self.ended.setdefault(status, []).append(stats.statuses[status])
         self.reward_mean.append(stats.reward_mean)

@@ -23,7 +23,7 @@ from libra.emulation._scripts import (
     builtin_script,
     parse_chatml,
 )
-from libra.emulation._serve import running_emulator, serve
+from libra.emulation._serve import EmulatorProcess, emulator_process, running_emulator, serve
 from libra.emulation._tokenizer import (
     ENDOFTEXT_ID,
     EOS_ID,
@@ -48,6 +48,7 @@ __all__ = [
     "EchoScript",
     "EmulatorApp",
     "EmulatorConfig",
+    "EmulatorProcess",
     "LatencyModel",
     "PrefixCache",
     "Reply",
@@ -55,6 +56,7 @@ __all__ = [
     "ScriptedReplies",
     "builtin_script",
     "create_app",
+    "emulator_process",
     "parse_chatml",
     "render_chat",
     "render_chat_text",

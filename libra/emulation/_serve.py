@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -160,13 +161,38 @@ def running_emulator(
     The port is bound here and the socket handed to the child, so no other process can
     take it in between. On exit the server is terminated (killed if it does not stop).
     """
+    with emulator_process(config, host=host, startup_timeout_s=startup_timeout_s) as server:
+        yield server.url
+
+
+@dataclass(frozen=True)
+class EmulatorProcess:
+    """An emulated server running in a subprocess (what a test kills to lose a server)."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """Gone at once, as after a crash: no graceful shutdown, calls in flight cut."""
+        self.process.kill()
+        self.process.wait()
+
+
+@contextmanager
+def emulator_process(
+    config: EmulatorConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    startup_timeout_s: float = 30.0,
+) -> Iterator[EmulatorProcess]:
+    """:func:`running_emulator`, yielding the process too."""
     config = config or EmulatorConfig()
     with tempfile.TemporaryFile() as log:
         process, port = _spawn(config, host, log)
         try:
             url = f"http://{host}:{port}"
             _wait_until_healthy(url, process, log, startup_timeout_s)
-            yield url
+            yield EmulatorProcess(url, process)
         finally:
             _stop(process)
 

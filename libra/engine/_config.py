@@ -43,7 +43,15 @@ class EngineConfig(Section):
     )
     tool_timeout_s: PositiveFloat | None = Field(None, description="default: the env's")
     request_timeout_s: PositiveFloat = Field(600.0, description="one generation call")
-    max_attempts: PositiveInt = Field(4, description="tries per generation call")
+    max_attempts: PositiveInt = Field(
+        4, description="tries per generation call (server failures; planned removals are free)"
+    )
+    capacity_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="a generation call with no usable endpoint (the fleet empty, draining "
+        "or down) waits this long in all for one to join before it fails as server_error",
+    )
     retry_backoff_s: float = Field(0.25, ge=0, description="doubles after each failed try")
     sampling: SamplingConfig = SamplingConfig()
 

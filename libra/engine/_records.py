@@ -58,7 +58,10 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     (``libra.envs.TrajectoryId``, ``TaskId``, ``GroupId``) rendered as strings; read
     ``env``, ``step`` and ``sample`` from their own fields, never from the strings.
     ``weight_version`` is the version of the weights serving its first call (None if it
-    made none); ``weight_versions`` says which weights sampled each span.
+    made none).
+    ``weight_versions`` gives each sampled span the version of its endpoint's weights when
+    its call was routed; ``weights_changed_turns`` counts the turns whose endpoint loaded
+    new weights while the call ran (their span may mix two versions).
     """
 
     id: str
@@ -83,3 +86,4 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     weight_version: int | None
     timings: Timings
     error: str | None = None
+    weights_changed_turns: int = 0

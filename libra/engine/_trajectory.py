@@ -29,6 +29,7 @@ from libra.engine._client import (
     Generation,
     GenerationError,
     OpenAIClient,
+    RequestRejected,
     ServerUnavailable,
 )
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
@@ -59,7 +60,7 @@ from libra.envs import (
     from_openai,
 )
 from libra.fleet import Endpoint
-from libra.sched import NoEndpointAvailable, Route, RouteRequest, Scheduler
+from libra.sched import CallOutcome, NoEndpointAvailable, Route, Router, RouteRequest, Scheduler
 from libra.signals import ToolStatus, signal_of
 
 T = TypeVar("T")
@@ -196,29 +197,68 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
 
 
 async def _generate(t: _Trajectory, engine: Engine) -> Generation:
-    """One model turn: route, call, and on a server failure retry (elsewhere if possible)."""
-    config = engine.config
+    """One model turn: route, call, release with what happened; on a server failure retry
+    (elsewhere if possible). A failure on an instance the fleet has retired since (drained,
+    removed) costs no attempt; with no usable endpoint the turn waits for capacity."""
+    config, scheduler = engine.config, engine.scheduler
     failed: set[str] = set()
     backoff = config.retry_backoff_s
-    for attempt in range(1, config.max_attempts + 1):
-        route = _route(t, engine.scheduler, failed)
+    attempts = 0
+    capacity = _CapacityWait(config.capacity_wait_s)
+    while True:
+        route = await _route(t, scheduler, failed, capacity)
         generation: Generation | None = None
+        outcome: CallOutcome = "cancelled"  # unless the call says otherwise below
         try:
             generation = await _call(t, engine, route)
+            outcome = "ok"
+            t.note_weights(route)
             return generation
-        except ServerUnavailable:
+        except ServerUnavailable as exc:
+            capacity.last_error = str(exc)
+            if route.retired:
+                outcome = "migrated"
+                continue  # planned: go on elsewhere at once, no attempt spent
+            outcome = "failed"
             failed.add(route.endpoint.name)
-            if attempt == config.max_attempts:
+            attempts += 1
+            if attempts >= config.max_attempts:
                 raise
+        except RequestRejected:
+            outcome = "rejected"
+            raise
         finally:
             sampled = len(generation.token_ids or ()) if generation is not None else 0
-            engine.scheduler.release(route, ok=generation is not None, new_tokens=sampled)
+            scheduler.release(route, outcome=outcome, new_tokens=sampled)
         await anyio.sleep(backoff)
         backoff *= 2
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
+class NoCapacity(ServerUnavailable):
+    """No endpoint became usable within ``capacity_wait_s``."""
+
+
+class _CapacityWait:
+    """What one turn may still wait for an endpoint, and the failure to report if none."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.last_error = ""
+
+    async def wait(self, router: Router, why: str) -> None:
+        """Until the router gains a usable endpoint (or the budget is spent: fail)."""
+        if self.budget_s <= 0:
+            after = f" (last failure: {self.last_error})" if self.last_error else ""
+            raise NoCapacity(f"no endpoint for {why}{after}")
+        started = anyio.current_time()
+        with anyio.move_on_after(self.budget_s):
+            await router.membership.wait()
+        self.budget_s -= anyio.current_time() - started
+
+
+async def _route(
+    t: _Trajectory, scheduler: Scheduler, failed: set[str], capacity: _CapacityWait
+) -> Route:
     request = RouteRequest(
         t.key,
         t.prompt_key,
@@ -228,14 +268,18 @@ def _route(t: _Trajectory, scheduler: Scheduler, failed: set[str]) -> Route:
         generated_tokens=t.output_tokens,
         env=t.job.task.id.env,
     )
-    try:
-        route = scheduler.route(request, frozenset(failed))
-    except NoEndpointAvailable:
-        failed.clear()  # every endpoint failed once: they may be back, try them all again
-        route = scheduler.route(request)
-    if t.weight_version is None:  # the weights it started on
-        t.weight_version = route.endpoint.weight_version
-    return route
+    while True:
+        try:
+            route = scheduler.route(request, frozenset(failed))
+        except NoEndpointAvailable as exc:
+            if failed:
+                failed.clear()  # every endpoint failed once: they may be back, try them all
+                continue
+            await capacity.wait(scheduler.router, str(exc))
+            continue
+        if t.weight_version is None:  # the weights it started on
+            t.weight_version = route.weight_version
+        return route
 
 
 async def _call(t: _Trajectory, engine: Engine, route: Route) -> Generation:
@@ -428,6 +472,8 @@ class _Trajectory:
         self.tool_returns: list[ToolReturnRecord] = []
         self.endpoints: list[str] = []
         self.last_endpoint: Endpoint | None = None
+        self.routed_weights = 0  # the weight version of the latest call, when routed
+        self.weights_changed_turns = 0
         self.timings = Timings()
         self.turns = 0
         self.output_tokens = 0  # generated by the model, counted even where ids are not kept
@@ -479,8 +525,13 @@ class _Trajectory:
         if generation.token_ids is None:
             self.tokens.source = "none"
             return
-        version = self.last_endpoint.weight_version
-        self.tokens.add_sampled(generation.token_ids, generation.logprobs, version)
+        self.tokens.add_sampled(generation.token_ids, generation.logprobs, self.routed_weights)
+
+    def note_weights(self, route: Route) -> None:
+        """The call on ``route`` returned: its tokens are the weights' at routing; count
+        the turn if the endpoint loaded new weights while the call ran."""
+        self.routed_weights = route.weight_version
+        self.weights_changed_turns += route.weights_changed
 
     def add_messages(self, messages: list[openai.Message]) -> None:
         self.messages += messages
@@ -533,4 +584,5 @@ class _Trajectory:
             weight_version=self.weight_version,
             timings=self.timings,
             error=self.error,
+            weights_changed_turns=self.weights_changed_turns,
         )

@@ -19,7 +19,7 @@ from libra.launch._fleet import Fleet, open_fleet
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import SCHEDULERS, build_scheduler, save_scheduler_state
 from libra.sched import poll_metrics
-from libra.sched.policies import CMLFQConfig, RoutedPolicy
+from libra.sched.policies import CMLFQConfig
 
 
 class RolloutConfig(BaseModel):
@@ -109,7 +109,7 @@ async def open_engine(
         )
         async with anyio.create_task_group() as group:
             interval = config.metrics_interval_s
-            if interval is not None and isinstance(scheduler, RoutedPolicy):
+            if interval is not None:  # every scheduler routes over the live fleet
                 get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
                 group.start_soon(poll_metrics, scheduler.router, get, interval)
             yield Assembled(engine, fleet)

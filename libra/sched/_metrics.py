@@ -37,14 +37,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 async def poll_once(router: Router, get: Get) -> None:
     """Read every instance's gauges once; mark the ones that fail to answer."""
-    for instance in router.instances:
+    for instance in list(router.instances):  # membership may change while we await
         try:
             status, body = await get(instance.endpoint.url + "/metrics")
         except Exception:  # unreachable or broken: the router avoids it for a while
-            router.mark_failed(instance)
+            if instance.state == "active":
+                router.mark_failed(instance)
             continue
         if status != 200:
-            router.mark_failed(instance)
+            if instance.state == "active":
+                router.mark_failed(instance)
             continue
         values = parse_metrics(body.decode(errors="replace"))
         instance.waiting_gauge = values.get(WAITING)

@@ -1,19 +1,38 @@
 """What the engine asks of a scheduler, and nothing more.
 
 The engine calls :meth:`Scheduler.route` before every generation call and
-:meth:`Scheduler.release` after it, feeds every tool return to
-:meth:`Scheduler.on_tool_return`, and reports the end of each trajectory with
-:meth:`Scheduler.on_finish`. Policies (round robin, least-loaded, C-MLFQ, ...) live
-beside this module and see only these calls: never an env, never the engine.
+:meth:`Scheduler.release` after it (with the call's :data:`CallOutcome`), feeds every
+tool return to :meth:`Scheduler.on_tool_return`, and reports the end of each
+trajectory with :meth:`Scheduler.on_finish`. Policies (round robin, least-loaded, C-MLFQ, ...) live
+beside this module and see only these calls: never an env, never the engine. Every
+scheduler routes over a :class:`~libra.sched.Router`, the live fleet that membership
+changes and weight syncs go through.
 """
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
-from typing import Protocol
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from libra.fleet import Endpoint
 from libra.signals import ToolSignal
+
+if TYPE_CHECKING:
+    from libra.sched._buckets import Instance, Router
+
+CallOutcome = Literal["ok", "failed", "rejected", "cancelled", "migrated"]
+"""How a generation call ended, as the engine reports it to :meth:`Scheduler.release`.
+
+- ``ok``: the server answered.
+- ``failed``: the server failed (unreachable, connection reset, 5xx or 429, a timeout, a
+  malformed answer). The only outcome that marks an instance down (for a cooldown).
+- ``rejected``: the server refused this request (4xx): the request's fault, not the
+  server's.
+- ``cancelled``: the caller gave the call up (the rollout was cancelled, the trajectory
+  ended) or never sent it.
+- ``migrated``: the call ended early on purpose (vLLM aborted it for a pause or a drain,
+  or its instance left the fleet) and the turn goes on elsewhere.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +65,42 @@ class Route:
     """Where the next generation call goes; ``priority`` is vLLM's (lower runs first).
 
     ``trajectory_id`` names the trajectory the call serves, so that :meth:`Scheduler.release`
-    can account the call's tokens to it.
+    can account the call's tokens to it. ``weight_version`` is the endpoint's weights when
+    the call was routed; ``instance`` is the router's incarnation of the endpoint that
+    counts the call (a name re-added later is another incarnation, never decremented by
+    this call's release).
     """
 
     endpoint: Endpoint
     priority: int | None = None
     bucket: str = ""
     trajectory_id: str = ""
+    weight_version: int = 0
+    instance: Instance | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def retired(self) -> bool:
+        """The call's instance has left the fleet since (draining or removed): a failure
+        there was planned, not the server's."""
+        return self.instance is not None and self.instance.state != "active"
+
+    @property
+    def weights_changed(self) -> bool:
+        """New weights were loaded into the endpoint while the call ran."""
+        return self.endpoint.weight_version != self.weight_version
 
 
 class NoEndpointAvailable(RuntimeError):
-    """Every endpoint the scheduler knows is down or excluded."""
+    """Every endpoint the scheduler knows is down, draining or excluded (or there is none)."""
 
 
 class Scheduler(Protocol):
+    @property
+    def router(self) -> Router:
+        """The live fleet: every endpoint, its load and membership (shared with whoever
+        adds, drains or removes instances and syncs weights)."""
+        ...
+
     def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
         """Pick the endpoint for the next call; skip endpoints whose name is in ``exclude``.
 
@@ -67,8 +108,9 @@ class Scheduler(Protocol):
         """
         ...
 
-    def release(self, route: Route, *, ok: bool, new_tokens: int) -> None:
-        """The call made on ``route`` is over (``ok`` is False when it failed)."""
+    def release(self, route: Route, *, outcome: CallOutcome, new_tokens: int) -> None:
+        """The call made on ``route`` is over; ``outcome`` says how (see
+        :data:`CallOutcome`), ``new_tokens`` what it sampled."""
         ...
 
     def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:

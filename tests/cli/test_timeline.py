@@ -12,7 +12,7 @@ from trio.testing import MockClock
 
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.engine import RolloutStats
-from libra.fleet import Endpoint
+from libra.fleet import Endpoint, InstanceSpec
 from libra.sched import RouteRequest
 from libra.sched.policies import LeastLoadedScheduler
 
@@ -57,3 +57,15 @@ async def test_recording_samples_every_interval_until_cancelled() -> None:
         await record_timeline(timeline, LeastLoadedScheduler([SHORT]), RolloutStats(), 0.25)
     assert timeline.seconds == pytest.approx([0.0, 0.25, 0.5, 0.75])
     assert timeline.calls_in_flight == {"short": [0, 0, 0, 0]}
+
+
+def test_every_series_has_a_sample_per_tick_while_instances_join_and_leave() -> None:
+    policy = LeastLoadedScheduler([Endpoint("http://x", name="x")])
+    timeline, stats = Timeline(), RolloutStats()
+    timeline.sample(0.0, policy, stats)
+    policy.router.add_instance(InstanceSpec(name="y", url="http://y"), "all")
+    policy.route(RouteRequest("t/0#0", "t/0", 0, 10, env="t"))
+    timeline.sample(1.0, policy, stats)
+    policy.router.remove("x", force=True)
+    timeline.sample(2.0, policy, stats)
+    assert timeline.calls_in_flight == {"x": [0, 1, 0], "y": [0, 0, 0]}

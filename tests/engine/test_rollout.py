@@ -112,7 +112,7 @@ async def test_cancelling_a_rollout_records_every_trajectory() -> None:
         engine,
         records,
     ):
-        engine.scheduler = scheduler = FinishLog(engine.scheduler.endpoints)  # type: ignore[attr-defined]
+        engine.scheduler = scheduler = FinishLog(list(engine.scheduler.router.endpoints().values()))
         with anyio.move_on_after(0.5):
             await rollout(jobs_for(Guess, "guess", 200), engine)
     check_one_record_each(records, len(records))
@@ -171,4 +171,4 @@ async def test_a_dead_server_fails_trajectories_and_a_live_one_takes_over() -> N
     assert all(r.error and "dead" in r.error for r in alone)
     assert all(r.status != "failed" for r in both)
     assert all(set(r.endpoints) == {"live"} for r in both)
-    assert scheduler.in_flight == {"dead": 0, "live": 0}
+    assert scheduler.calls_in_flight() == {"dead": 0, "live": 0}

@@ -49,7 +49,7 @@ def test_least_loaded_inside_a_bucket_and_the_calls_are_counted() -> None:
     assert (route.bucket, route.priority, route.trajectory_id) == ("short", -2, "t/1#0")
     assert (instance.in_flight, instance.in_flight_tokens) == (1, 3000)
     assert router.home["t/1#0"] is instance and "t/1#0" in instance.residents
-    router.release(route, ok=True)
+    router.release(route, outcome="ok")
     assert (instance.in_flight, instance.in_flight_tokens) == (0, 0)
     router.forget("t/1#0")
     assert "t/1#0" not in instance.residents and "t/1#0" not in router.home
@@ -95,7 +95,7 @@ def test_an_instance_that_failed_is_avoided_until_its_cooldown_ends() -> None:
     router = Router(fleet(down_cooldown_s=5.0), clock=clock)
     a1 = router.by_name["a1"]
     route = router.acquire(a1, request())
-    router.release(route, ok=False)
+    router.release(route, outcome="failed")
     assert router.pick(router.bucket_of["short"], request())[0].name == "a2"
     router.mark_failed(a1)  # a second failure in a row doubles the cooldown
     clock.now = 9.0
@@ -103,7 +103,7 @@ def test_an_instance_that_failed_is_avoided_until_its_cooldown_ends() -> None:
     clock.now = 10.0
     assert router.pick(router.bucket_of["short"], request())[0] is a1  # tie: fleet order
     route = router.acquire(a1, request())
-    router.release(route, ok=True)
+    router.release(route, outcome="ok")
     assert a1.failures == 0
 
 

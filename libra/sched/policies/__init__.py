@@ -1,23 +1,38 @@
 """The routing policies: C-MLFQ and the baselines a user would otherwise pick.
 
-Each is a :class:`RoutedPolicy` over a :class:`~libra.sched.Router` (least-loaded aside),
-implementing the engine's :class:`~libra.sched.Scheduler` protocol. C-MLFQ
-(:class:`CMLFQ`) is driven by the causal :class:`PrefixForest` of tool-return paths.
-:func:`make_policy` builds any of them by name.
+Each is a :class:`RoutedPolicy` over a :class:`~libra.sched.Router`, implementing the
+engine's :class:`~libra.sched.Scheduler` protocol, and registers itself under its
+``name``. C-MLFQ (:class:`CMLFQ`) is driven by the causal :class:`PrefixForest` of
+tool-return paths. :func:`make_policy` builds any of them by name.
 """
 
-from libra.sched.policies._base import Choice, Decision, RoutedPolicy, Track
+from libra.sched.policies._base import (
+    REGISTRY,
+    Choice,
+    Decision,
+    PolicyOptions,
+    RoutedPolicy,
+    Track,
+)
 from libra.sched.policies._baselines import (
     PLAS,
+    LeastLoadedScheduler,
     LengthPrediction,
-    Oracle,
-    OracleFinish,
     RoundRobin,
     SortedLength,
     StaticPrompt,
 )
-from libra.sched.policies._cmlfq import CMLFQ, CMLFQConfig, reference_cost, reference_simple
-from libra.sched.policies._least_loaded import LeastLoadedScheduler
+from libra.sched.policies._cmlfq import (
+    CMLFQ,
+    CMLFQConfig,
+    LibraCMLFQ,
+    Oracle,
+    OracleFinish,
+    ReferenceCMLFQ,
+    ReferenceCostCMLFQ,
+    reference_cost,
+    reference_simple,
+)
 from libra.sched.policies._predict import (
     OraclePredictor,
     Predictor,
@@ -33,18 +48,23 @@ __all__ = [
     "ORACLES",
     "PLAS",
     "POLICIES",
+    "REGISTRY",
     "CMLFQConfig",
     "Choice",
     "Decision",
     "LeastLoadedScheduler",
     "LengthPrediction",
+    "LibraCMLFQ",
     "Oracle",
     "OracleFinish",
     "OraclePredictor",
+    "PolicyOptions",
     "Predictor",
     "PrefixForest",
     "PrefixTree",
     "PromptHistoryPredictor",
+    "ReferenceCMLFQ",
+    "ReferenceCostCMLFQ",
     "Residual",
     "RoundRobin",
     "RoutedPolicy",

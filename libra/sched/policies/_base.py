@@ -6,22 +6,43 @@ tool-return states, the output tokens it has generated, where it runs) and asks 
 subclass one question per generation call, :meth:`RoutedPolicy.choose`: which instance,
 at which vLLM priority, and why. Every answer is logged as a :class:`Decision` (from
 where to where, and the reason), which the metrics and the benchmark read.
+
+A subclass with a ``name`` is registered under it (:data:`REGISTRY`, in the order the
+classes are defined: the order the benchmark reports them), so a new policy is one
+class; :meth:`RoutedPolicy.create` builds it from :class:`PolicyOptions`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
+from libra.config import Section
 from libra.sched._buckets import Instance, Router
-from libra.sched._protocol import Route, RouteRequest
+from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
 from libra.sched.policies._prefix_tree import Residual
 from libra.signals import ToolSignal
 
 DECISION_LOG_SIZE = 100_000
+
+Truth = Callable[[str], int]
+"""A trajectory's true total output (what the oracles are fed), by trajectory id."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyOptions:
+    """What building a policy by name may take: ``truth`` for the oracles, ``config`` for
+    the policies with settings of their own (a :class:`CMLFQConfig` for C-MLFQ)."""
+
+    truth: Truth | None = None
+    config: Section | None = None
+
+
+REGISTRY: dict[str, type[RoutedPolicy]] = {}
 
 
 @dataclass
@@ -36,14 +57,11 @@ class Track:
     generated: int = 0  # output tokens so far
     context: int = 0  # prompt tokens of its latest call
     turn: int = 0
-    instance: Instance | None = None  # where its latest call ran
+    instance: Instance | None = None  # where its latest call ran, while it takes calls
+    bucket: str | None = None  # the bucket of its latest call (kept when the instance left)
     estimate: Residual | None = None  # what the policy expects is left
     estimated_at: int = 0  # ``generated`` when the estimate was made
     decided_path: int = -1  # path length at the last bucket decision
-
-    @property
-    def bucket(self) -> str | None:
-        return self.instance.bucket if self.instance is not None else None
 
 
 class Choice(NamedTuple):
@@ -78,7 +96,22 @@ class Decision(NamedTuple):
 class RoutedPolicy(ABC):
     """Base of the policies: implements the scheduler protocol, asks :meth:`choose`."""
 
-    name: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # registered under it when set
+    needs_truth: ClassVar[bool] = False  # an oracle: only the benchmark can build it
+    benchmarked_by_default: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in REGISTRY:
+                raise TypeError(f"two policies are named {name!r}")
+            REGISTRY[name] = cls
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        """The policy over ``router`` (override to take ``options``)."""
+        return cls(router)
 
     def __init__(self, router: Router, *, signals: SignalMap | None = None) -> None:
         self.router = router
@@ -86,6 +119,7 @@ class RoutedPolicy(ABC):
         self.tracks: dict[str, Track] = {}
         self.decisions: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
         self.reasons: Counter[str] = Counter()
+        router.listeners.append(self._instance_left)
 
     # ------------------------------------------------------------ what policies write
 
@@ -103,13 +137,13 @@ class RoutedPolicy(ABC):
         choice = self.choose(request, track, exclude)
         route = self.router.acquire(choice.instance, request, choice.priority)
         self._log(track, choice)
-        track.instance = choice.instance
+        track.instance, track.bucket = choice.instance, choice.instance.bucket
         return route
 
-    def release(self, route: Route, *, ok: bool, new_tokens: int) -> None:
-        self.router.release(route, ok=ok)
+    def release(self, route: Route, *, outcome: CallOutcome, new_tokens: int) -> None:
+        self.router.release(route, outcome=outcome)
         track = self.tracks.get(route.trajectory_id)
-        if track is not None and ok:
+        if track is not None and outcome in ("ok", "migrated"):  # sampled tokens it keeps
             track.generated += new_tokens
 
     def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
@@ -146,6 +180,12 @@ class RoutedPolicy(ABC):
         track.generated = max(track.generated, request.generated_tokens)
         return track
 
+    def _instance_left(self, instance: Instance) -> None:
+        """``instance`` takes no more calls (draining, removed): no track points at it."""
+        for track in self.tracks.values():
+            if track.instance is instance:
+                track.instance = None
+
     def _log(self, track: Track, choice: Choice) -> None:
         previous, estimate = track.instance, track.estimate
         self.decisions.append(
@@ -153,7 +193,7 @@ class RoutedPolicy(ABC):
                 trajectory_id=track.trajectory_id,
                 turn=track.turn,
                 time=self.router.clock(),
-                from_bucket=previous.bucket if previous is not None else None,
+                from_bucket=track.bucket,
                 to_bucket=choice.instance.bucket,
                 from_instance=previous.name if previous is not None else None,
                 to_instance=choice.instance.name,
@@ -165,5 +205,6 @@ class RoutedPolicy(ABC):
         self.reasons[choice.reason] += 1
 
     def previous_instance(self, request: RouteRequest, track: Track) -> Instance | None:
-        """Where the trajectory's prefix is cached: its last instance, if still known."""
-        return self.router.instance_of(request.previous) or track.instance
+        """Where the trajectory's prefix is cached: its last instance, while it takes calls."""
+        previous = self.router.instance_of(request.previous) or track.instance
+        return previous if previous is not None and previous.state == "active" else None

@@ -1,7 +1,7 @@
 """The policies a user would pick instead of C-MLFQ, behind the same interface.
 
 - :class:`RoundRobin`: the next instance in turn, blind to load.
-- least-loaded (verl's default): :class:`~libra.sched.LeastLoadedScheduler`.
+- :class:`LeastLoadedScheduler` (verl's default): the fewest calls in flight.
 - :class:`StaticPrompt`: every trajectory of a prompt on one instance, chosen by a hash
   of the prompt id (GRPO groups share their prompt's prefix cache).
 - :class:`LengthPrediction`: the bucket whose ceiling covers the trajectory's predicted
@@ -12,8 +12,8 @@
 - :class:`PLAS` (Autellix): program-level least attained service. A trajectory's
   priority is the level of output it has already received (fewer tokens first), and
   calls of trajectories that received much stay where their KV lives.
-- :class:`Oracle`: C-MLFQ's simple rule fed the true remaining length; a reference.
-  :class:`OracleFinish`: Libra's ``finish`` rule fed the truth.
+
+The oracles (C-MLFQ fed the truth) live beside C-MLFQ.
 """
 
 from __future__ import annotations
@@ -21,21 +21,14 @@ from __future__ import annotations
 import itertools
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+from libra.fleet import Endpoint
 from libra.sched._buckets import Instance, Router
-from libra.sched._protocol import NoEndpointAvailable, RouteRequest
+from libra.sched._protocol import RouteRequest
 from libra.sched.policies._base import Choice, RoutedPolicy, Track
-from libra.sched.policies._cmlfq import CMLFQ, CMLFQConfig
-from libra.sched.policies._predict import OraclePredictor, PromptHistoryPredictor
-
-
-def _available(router: Router, exclude: frozenset[str]) -> list[Instance]:
-    available = router.available(exclude)
-    if not available:
-        raise NoEndpointAvailable(f"all {len(router.instances)} instances are down or excluded")
-    return available
+from libra.sched.policies._predict import PromptHistoryPredictor
 
 
 class RoundRobin(RoutedPolicy):
@@ -47,13 +40,40 @@ class RoundRobin(RoutedPolicy):
 
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
         instances = self.router.instances
-        available = _available(self.router, exclude)
+        available = self.router.usable(exclude)
         start = next(self._turn)
         for offset in range(len(instances)):
             instance = instances[(start + offset) % len(instances)]
             if instance in available:
                 return Choice(instance, None, "next")
-        raise AssertionError("unreachable: _available raised if none is available")
+        raise AssertionError("unreachable: usable() raised if none is available")
+
+
+class LeastLoadedScheduler(RoutedPolicy):
+    """The fewest calls in flight. Ties go to the instance that served the trajectory's
+    previous turn (its prefix is cached there), then in turn order, so an idle fleet is
+    filled evenly. Libra's default until buckets are configured."""
+
+    name: ClassVar[str] = "least-loaded"
+
+    def __init__(self, fleet: Router | Sequence[Endpoint]) -> None:
+        """``fleet``: a router, or endpoints (a one-bucket router over those objects)."""
+        super().__init__(fleet if isinstance(fleet, Router) else Router.over(fleet))
+        self._turn = itertools.count()
+
+    def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
+        candidates = sorted(self.router.usable(exclude), key=self._fleet_order())
+        start = next(self._turn) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        previous = self.router.instance_of(request.previous)
+        instance = min(rotated, key=lambda i: (i.in_flight, i is not previous))
+        return Choice(instance, None, "least_loaded")
+
+    def _fleet_order(self) -> Callable[[Instance], int]:
+        """Turns go in the fleet's instance order (the router keeps bucket order), then
+        instances that joined since: blind to buckets, as this policy is."""
+        order = {spec.name: index for index, spec in enumerate(self.router.fleet.instances)}
+        return lambda instance: order.get(instance.name, len(order))
 
 
 class StaticPrompt(RoutedPolicy):
@@ -61,13 +81,13 @@ class StaticPrompt(RoutedPolicy):
 
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
         instances = self.router.instances
-        available = _available(self.router, exclude)
+        available = self.router.usable(exclude)
         start = zlib.crc32(request.prompt_id.encode())  # stable across processes
         for offset in range(len(instances)):
             instance = instances[(start + offset) % len(instances)]
             if instance in available:
                 return Choice(instance, None, "prompt_hash" if offset == 0 else "next_up")
-        raise AssertionError("unreachable: _available raised if none is available")
+        raise AssertionError("unreachable: usable() raised if none is available")
 
 
 class LengthPrediction(RoutedPolicy):
@@ -83,18 +103,24 @@ class LengthPrediction(RoutedPolicy):
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
         router = self.router
         name = self.bucket_by_trajectory.get(track.trajectory_id)
+        bucket = router.bucket_of.get(name) if name is not None else None
         reason = "predicted"
-        if name is None:
+        if bucket is None:  # its first call, or its bucket left the fleet
             total, samples = self.predictor.total(track.prompt_id)
             bucket = router.bucket_for_tokens(total) if samples else router.shortest
-            name = self.bucket_by_trajectory[track.trajectory_id] = bucket.name
+            self.bucket_by_trajectory[track.trajectory_id] = bucket.name
             reason = "predicted" if samples else "no_history"
-        instance, how = router.pick(router.bucket_of[name], request, exclude)
+        instance, how = router.pick(bucket, request, exclude)
         return Choice(instance, None, reason if how == "ok" else f"{reason}+{how}")
 
     def learn(self, track: Track, output_tokens: int) -> None:
-        self.bucket_by_trajectory.pop(track.trajectory_id, None)
         self.predictor.learn(track, output_tokens)
+
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
+        self.bucket_by_trajectory.pop(trajectory_id, None)  # failed ones too: no leak
+        super().on_finish(trajectory_id, prompt_id, output_tokens=output_tokens, failed=failed)
 
 
 class SortedLength(RoutedPolicy):
@@ -116,7 +142,7 @@ class SortedLength(RoutedPolicy):
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
         total, samples = self.predictor.total(track.prompt_id)
         previous = self.previous_instance(request, track)
-        instance = self.router.least_loaded(_available(self.router, exclude), previous)
+        instance = self.router.least_loaded(self.router.usable(exclude), previous)
         priority = int(total // self.priority_tokens) if samples else 0
         return Choice(instance, priority, "shortest_first" if samples else "no_history")
 
@@ -145,7 +171,7 @@ class PLAS(RoutedPolicy):
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
         attained = track.generated
         level = int(math.log2(1 + attained / self.quantum_tokens))
-        available = _available(self.router, exclude)
+        available = self.router.usable(exclude)
         previous = self.previous_instance(request, track)
         if (
             attained >= self.locality_tokens
@@ -156,25 +182,3 @@ class PLAS(RoutedPolicy):
             return Choice(previous, level, "locality")
         instance = self.router.least_loaded(available, previous)
         return Choice(instance, level, "least_loaded")
-
-
-class Oracle(CMLFQ):
-    """C-MLFQ's simple rule fed the true remaining length (``truth(trajectory_id)`` is
-    the trajectory's total output). Knowing the truth, it needs no agreement of mean and
-    p90 and places a trajectory from its first call on. A reference, not a policy."""
-
-    name: ClassVar[str] = "oracle"
-
-    def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
-        config = CMLFQConfig(rule="simple", priority="none", start_in_shortest=False)
-        super().__init__(router, config, predictor=OraclePredictor(truth))
-
-
-class OracleFinish(CMLFQ):
-    """Libra's C-MLFQ (the ``finish`` rule, its default settings) fed the true remaining
-    length: what the policy would do with a perfect predictor."""
-
-    name: ClassVar[str] = "oracle-finish"
-
-    def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
-        super().__init__(router, CMLFQConfig(), predictor=OraclePredictor(truth))

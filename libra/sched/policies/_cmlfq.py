@@ -37,6 +37,7 @@ logged with its reason (see :class:`~libra.sched.Decision`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -44,10 +45,10 @@ from pydantic import Field, PositiveInt
 
 from libra.config import Section
 from libra.sched._buckets import Bucket, Instance, Router
-from libra.sched._protocol import NoEndpointAvailable, RouteRequest
+from libra.sched._protocol import RouteRequest
 from libra.sched._signals import SignalMap
-from libra.sched.policies._base import Choice, RoutedPolicy, Track
-from libra.sched.policies._predict import Predictor, TreePredictor
+from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track
+from libra.sched.policies._predict import OraclePredictor, Predictor, TreePredictor
 from libra.sched.policies._prefix_tree import PrefixForest, Residual, TreeConfig
 
 Rule = Literal["simple", "cost", "finish"]
@@ -73,7 +74,7 @@ class CMLFQConfig(Section):
 
 
 class CMLFQ(RoutedPolicy):
-    name: ClassVar[str] = "cmlfq"
+    """C-MLFQ under any :class:`CMLFQConfig`; the registered variants below fix one."""
 
     def __init__(
         self,
@@ -130,7 +131,7 @@ class CMLFQ(RoutedPolicy):
         self, request: RouteRequest, track: Track, estimate: Residual, exclude: frozenset[str]
     ) -> tuple[Instance, str]:
         router = self.router
-        current = router.bucket_of[track.bucket] if track.bucket is not None else None
+        current = router.bucket_of.get(track.bucket) if track.bucket is not None else None
         if current is None:
             target = router.shortest if self.config.start_in_shortest else None
             reason = "start"
@@ -170,7 +171,7 @@ class CMLFQ(RoutedPolicy):
         else:
             loads = self._loads(track)
             costs = [
-                self._finish_cost(i, loads.get(i.name, _Load()), track, estimate, previous)
+                self._finish_cost(i, loads.get(i, _Load()), track, estimate, previous)
                 for i in candidates
             ]
         best = min(costs)
@@ -185,7 +186,7 @@ class CMLFQ(RoutedPolicy):
             return chosen, reason
         if previous is None or chosen is previous:
             return chosen, reason or "stay"
-        moved = router.bucket_of[chosen.bucket].index - router.bucket_of[previous.bucket].index
+        moved = _bucket_index(router, chosen) - _bucket_index(router, previous)
         direction = "to_longer" if moved > 0 else "to_shorter" if moved < 0 else "rebalance"
         return chosen, f"{direction}+{reason}" if reason else direction
 
@@ -193,11 +194,9 @@ class CMLFQ(RoutedPolicy):
         """Ready instances to compare: not down, not full (unless all are); on the first
         call only those of the shortest bucket, when configured."""
         router = self.router
-        available = router.available(exclude)
-        if not available:
-            raise NoEndpointAvailable(f"all {len(router.instances)} instances are down or excluded")
+        available = router.usable(exclude)
         with_room = [i for i in available if not router.is_full(i)]
-        if track.instance is None and self.config.start_in_shortest:
+        if track.bucket is None and self.config.start_in_shortest:  # its first call
             top = [i for i in with_room if i.bucket == router.shortest.name]
             if top:
                 return top, "start"
@@ -220,16 +219,16 @@ class CMLFQ(RoutedPolicy):
         per_token = instance.cost.step_time(1, track.context + tokens / 2)
         return tokens * per_token + self._move_cost(instance, track, previous)
 
-    def _loads(self, track: Track) -> dict[str, _Load]:
+    def _loads(self, track: Track) -> dict[Instance, _Load]:
         """What lives on each instance, this trajectory aside (one pass over them all):
         estimates are aged by what each trajectory generated since it was made."""
-        loads: dict[str, _Load] = {}
+        loads: dict[Instance, _Load] = {}
         for other in self.tracks.values():
             if other.instance is None or other is track:
                 continue
-            load = loads.get(other.instance.name)
+            load = loads.get(other.instance)
             if load is None:
-                load = loads[other.instance.name] = _Load()
+                load = loads[other.instance] = _Load()
             since = other.generated - other.estimated_at
             estimate = other.estimate
             if estimate is not None:
@@ -270,6 +269,11 @@ class _Load:
     context: float = 0.0
 
 
+def _bucket_index(router: Router, instance: Instance) -> int:
+    bucket = router.bucket_of.get(instance.bucket)
+    return bucket.index if bucket is not None else -1
+
+
 def _batch_that_fits(instance: Instance, size: int, context: float) -> int:
     """How many of ``size`` sequences holding ``context`` tokens run at once."""
     per_sequence = max(1.0, context / size)
@@ -287,3 +291,78 @@ def reference_cost() -> CMLFQConfig:
     """The reference implementation's cost form: start in the shortest bucket; no
     priority."""
     return CMLFQConfig(rule="cost", priority="none", start_in_shortest=True)
+
+
+# ------------------------------------------------------- the registered variants
+
+
+class ReferenceCMLFQ(CMLFQ):
+    """The reference implementation's simple rule (:func:`reference_simple`)."""
+
+    name: ClassVar[str] = "cmlfq-ref"
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        return cls(router, reference_simple())
+
+
+class ReferenceCostCMLFQ(CMLFQ):
+    """The reference implementation's cost form (:func:`reference_cost`)."""
+
+    name: ClassVar[str] = "cmlfq-cost"
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        return cls(router, reference_cost())
+
+
+class LibraCMLFQ(CMLFQ):
+    """Libra's C-MLFQ: the ``finish`` rule by default, or the :class:`CMLFQConfig` given."""
+
+    name: ClassVar[str] = "cmlfq"
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        config = options.config
+        if config is not None and not isinstance(config, CMLFQConfig):
+            raise TypeError(f"cmlfq takes a CMLFQConfig, not {type(config).__name__}")
+        return cls(router, config)
+
+
+class Oracle(CMLFQ):
+    """C-MLFQ's simple rule fed the true remaining length (``truth(trajectory_id)`` is
+    the trajectory's total output). Knowing the truth, it needs no agreement of mean and
+    p90 and places a trajectory from its first call on. A reference, not a policy."""
+
+    name: ClassVar[str] = "oracle"
+    needs_truth: ClassVar[bool] = True
+
+    def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
+        config = CMLFQConfig(rule="simple", priority="none", start_in_shortest=False)
+        super().__init__(router, config, predictor=OraclePredictor(truth))
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        return cls(router, _truth(cls.name, options))
+
+
+class OracleFinish(CMLFQ):
+    """Libra's C-MLFQ (the ``finish`` rule, its default settings) fed the true remaining
+    length: what the policy would do with a perfect predictor."""
+
+    name: ClassVar[str] = "oracle-finish"
+    needs_truth: ClassVar[bool] = True
+    benchmarked_by_default: ClassVar[bool] = False
+
+    def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
+        super().__init__(router, CMLFQConfig(), predictor=OraclePredictor(truth))
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        return cls(router, _truth(cls.name, options))
+
+
+def _truth(name: str, options: PolicyOptions) -> Callable[[str], int]:
+    if options.truth is None:
+        raise ValueError(f"{name} needs the true lengths (truth=...)")
+    return options.truth
