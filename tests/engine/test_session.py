@@ -24,7 +24,7 @@ from libra.engine import (
 )
 from libra.envs import Env, GroupId, Task, TaskId
 from libra.fleet import FleetSpec, InstanceSpec
-from libra.sched import Route, RouteRequest, Scheduler
+from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
 from libra.sched.policies import RoutedPolicy, make_policy
 from libra.signals import ToolSignal
 from tests._helpers import MODEL, emulated_engine
@@ -141,6 +141,10 @@ class LiveKeys:
         self.ended: set[str] = set()
         self.most_per_prompt = 0
 
+    @property
+    def router(self) -> Router:
+        return self.inner.router
+
     def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
         key = request.trajectory_id
         assert key not in self.ended, f"{key} was reused"
@@ -149,8 +153,8 @@ class LiveKeys:
         self.most_per_prompt = max(self.most_per_prompt, sharing)
         return self.inner.route(request, exclude)
 
-    def release(self, route: Route, *, ok: bool, new_tokens: int) -> None:
-        self.inner.release(route, ok=ok, new_tokens=new_tokens)
+    def release(self, route: Route, *, outcome: CallOutcome, new_tokens: int) -> None:
+        self.inner.release(route, outcome=outcome, new_tokens=new_tokens)
 
     def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
         assert trajectory_id in self.live
@@ -181,6 +185,7 @@ async def test_two_steps_of_the_same_tasks_keep_apart_in_the_scheduler() -> None
             session.close()
             records = [record async for record in session]
     assert len({r.id for r in records}) == 16 == len(watch.ended)
+    assert all(r.status != "failed" for r in records)
     assert watch.most_per_prompt > 2  # both steps' samples of one task ran side by side
     assert watch.live == {}
     tasks = [{r.task_id for r in records if r.step == step} for step in (0, 1)]
@@ -206,7 +211,8 @@ async def test_a_job_already_in_the_session_is_refused() -> None:
         async with RolloutSession(engine) as again:  # once dropped or ended, an id is free
             again.submit([job])
             again.close()
-            assert [record.id async for record in again] == [str(job.id)]
+            records = [record async for record in again]
+    assert [(r.id, r.status) for r in records] == [(str(job.id), "completed")]
 
 
 # ------------------------------------------------------------------ the stream
@@ -226,7 +232,7 @@ async def test_a_slow_reader_bounds_what_is_held() -> None:
             assert session.buffered <= 3
             records.append(record)
             await anyio.sleep(0.001)
-    assert len({r.id for r in records}) == 40
+    assert len({r.id for r in records}) == 40 and all(r.status != "failed" for r in records)
 
 
 async def test_pause_lets_the_flight_land_and_resume_starts_the_queue() -> None:
@@ -303,6 +309,7 @@ async def test_cancel_records_the_flight_and_returns_the_queue() -> None:
             session.submit(jobs_for(Guess, "guess", 1, step=1))
     cancelled = [r for r in records if r.stop_reason == "cancelled"]
     assert len(cancelled) == 3 and all(r.status == "failed" for r in cancelled)
+    assert all(r.status != "failed" for r in records if r not in cancelled)
     assert len(records) + len(dropped) == 20
     assert {r.id for r in records}.isdisjoint(str(job.id) for job in dropped)
 
