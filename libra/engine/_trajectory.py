@@ -3,9 +3,10 @@
 ``run_trajectory`` is one coroutine: reset the env, then alternate generation calls
 (routed by the scheduler) with tool calls (run by the env, maybe in a sandbox), feeding
 every tool return to the scheduler, until the model stops, the env ends the episode or
-a limit is hit; then score the answer. Whatever happens (a tool that raises or hangs,
-garbage from the model, a dead server, cancellation), the trajectory ends in exactly
-one record, handed to ``Engine.on_record``.
+a limit is hit; then score the answer. A generation that a paused or drained server
+aborts does not end its turn: the turn goes on where it stopped (see ``_generate``).
+Whatever happens (a tool that raises or hangs, garbage from the model, a dead server,
+cancellation), the trajectory ends in exactly one record, handed to ``Engine.on_record``.
 """
 
 from __future__ import annotations
