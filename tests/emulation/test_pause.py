@@ -13,6 +13,7 @@ import pytest
 from libra import openai
 from libra.emulation import (
     EOS_ID,
+    BatchingEngine,
     ByteTokenizer,
     EmulatorConfig,
     LatencyModel,
@@ -241,3 +242,27 @@ async def test_without_latency_a_pause_holds_new_requests() -> None:
             await resume(client)
         assert request.choice is not None and request.choice["finish_reason"] == "stop"
         assert await is_paused(client) is False
+
+
+async def test_abort_ends_queued_requests_too_and_later_ones_wait_for_resume() -> None:
+    engine = BatchingEngine(slow().model_copy(update={"max_num_seqs": 1}))
+    produced: dict[str, int] = {}
+
+    async def request(name: str, tokens: int) -> None:
+        produced[name] = await engine.generate(10, tokens)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(request, "first", 200)
+        group.start_soon(request, "second", 200)  # one runs, the other waits its turn
+        await anyio.sleep(0.2)
+        assert (engine.num_running, engine.num_waiting) == (1, 1)
+        engine.pause("abort")
+        assert (engine.num_running, engine.num_waiting, engine.paused) == (0, 0, "abort")
+        group.start_soon(request, "later", 20)
+        await anyio.sleep(0.2)
+        assert "later" not in produced and engine.num_waiting == 1
+        engine.resume()
+    queued, running = sorted((produced["first"], produced["second"]))
+    assert queued == 0 and 0 < running < 200
+    assert produced["later"] == 20
+    assert engine.paused is None and engine.num_running == 0
