@@ -22,8 +22,9 @@ import random
 import re
 import secrets
 import time
+import urllib.parse
 from array import array
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -31,10 +32,17 @@ import anyio
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from libra.emulation._latency import BatchingEngine, LatencyModel
+from libra.emulation._latency import BatchingEngine, LatencyModel, PauseMode
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import AgentScript, Conversation, Reply, Script, builtin_script
-from libra.emulation._tokenizer import EOS_ID, VOCAB_SIZE, ByteTokenizer, pack_ids
+from libra.emulation._tokenizer import (
+    EOS_ID,
+    IM_END_ID,
+    IM_START_ID,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    pack_ids,
+)
 from libra.openai import (
     ChatChoice,
     ChatCompletion,
@@ -63,6 +71,7 @@ Receive = Callable[[], Awaitable[ASGIMessage]]
 Send = Callable[[ASGIMessage], Awaitable[None]]
 
 _JSON = b"application/json"
+_PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
 _MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 # vLLM's Hermes tool parser: closed blocks, or one unterminated block at the end.
@@ -139,12 +148,18 @@ class _Reply:
     """The tokens a request generates, why they end, and the stop string that ended them."""
 
     tokens: list[int]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     stop_string: str | None = None
+
+    def cut_to(self, produced: int) -> _Reply:
+        """What a request stopped by a pause returns: the tokens produced so far."""
+        if produced >= len(self.tokens):
+            return self
+        return _Reply(self.tokens[:produced], "abort")
 
 
 _Response = tuple[int, bytes, bytes]  # status, body, content type
-_Handler = Callable[[bytes, Receive], Awaitable[_Response]]
+_Handler = Callable[[bytes, Receive, bytes], Awaitable[_Response]]
 
 
 class EmulatorApp:
@@ -170,6 +185,10 @@ class EmulatorApp:
         self._tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
         self._detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
         self._models_body = self._encoder.encode(self._models())
+        self._assistant_header = self.tokenizer.encode("assistant\n")
+        # Without a batching engine (zero latency) nothing is ever in flight: a pause only
+        # holds new requests, until this event is set.
+        self._resumed: anyio.Event | None = None
         self._routes: dict[str, dict[str, _Handler]] = {
             "/health": {"GET": self._health},
             "/v1/models": {"GET": self._list_models},
@@ -178,6 +197,9 @@ class EmulatorApp:
             "/v1/completions": {"POST": self._completions},
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
+            "/pause": {"POST": self._pause},
+            "/resume": {"POST": self._resume},
+            "/is_paused": {"GET": self._is_paused},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -191,7 +213,8 @@ class EmulatorApp:
         try:
             handler = self._route(scope["method"], scope["path"])
             body = await _read_body(receive)
-            status, payload, content_type = await handler(body, receive)
+            query = scope.get("query_string", b"")
+            status, payload, content_type = await handler(body, receive, query)
         except _HTTPError as error:
             status, content_type = error.status, _JSON
             payload = self._encoder.encode(
@@ -222,10 +245,10 @@ class EmulatorApp:
 
     # ------------------------------------------------------------------ simple GETs
 
-    async def _health(self, body: bytes, receive: Receive) -> _Response:
+    async def _health(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         return 200, b"", _JSON
 
-    async def _list_models(self, body: bytes, receive: Receive) -> _Response:
+    async def _list_models(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         return 200, self._models_body, _JSON
 
     def _models(self) -> dict[str, Any]:
@@ -239,7 +262,7 @@ class EmulatorApp:
         }
         return {"object": "list", "data": [card]}
 
-    async def _metrics(self, body: bytes, receive: Receive) -> _Response:
+    async def _metrics(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         engine, cache = self.engine, self.prefix_cache
         gauges = {
             "vllm:num_requests_running": engine.num_running if engine else 0,
@@ -261,9 +284,41 @@ class EmulatorApp:
                 lines.append(f"{metric}{label} {float(value)}")
         return 200, ("\n".join(lines) + "\n").encode(), _PROMETHEUS
 
+    # ----------------------------------------------------------------------- pause
+
+    async def _pause(self, body: bytes, receive: Receive, query: bytes) -> _Response:
+        """vLLM's ``POST /pause?mode=abort|wait|keep`` (its dev-mode RL route): new
+        requests queue until ``/resume``; ``abort`` ends those in flight now with the
+        tokens produced so far (``finish_reason: "abort"``), ``wait`` answers once the
+        running ones have finished, ``keep`` freezes them. (vLLM's deprecated
+        ``clear_cache`` is accepted and ignored.)"""
+        mode = urllib.parse.parse_qs(query.decode()).get("mode", ["abort"])[-1]
+        if mode not in _PAUSE_MODES:
+            return 422, self._encoder.encode(_invalid_mode(mode)), _JSON
+        if self.engine is None:
+            self._resumed = self._resumed or anyio.Event()
+        else:
+            self.engine.pause(mode)
+            if mode == "wait":
+                await self.engine.wait_until_idle()
+        return 200, b'{"status":"paused"}', _JSON
+
+    async def _resume(self, body: bytes, receive: Receive, query: bytes) -> _Response:
+        if self.engine is not None:
+            self.engine.resume()
+        elif self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+        return 200, b'{"status":"resumed"}', _JSON
+
+    async def _is_paused(self, body: bytes, receive: Receive, query: bytes) -> _Response:
+        engine = self.engine
+        paused = self._resumed is not None if engine is None else engine.paused is not None
+        return 200, self._encoder.encode({"is_paused": paused}), _JSON
+
     # ------------------------------------------------------------------- tokenizer
 
-    async def _tokenize(self, body: bytes, receive: Receive) -> _Response:
+    async def _tokenize(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         request = _decode(self._tokenize_decoder, body)
         self._check_model(request.model)
         if request.messages is not None:
@@ -284,7 +339,7 @@ class EmulatorApp:
     def _rendered_tools(self, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return tools if self.config.template_renders_tools else None
 
-    async def _detokenize(self, body: bytes, receive: Receive) -> _Response:
+    async def _detokenize(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         request = _decode(self._detokenize_decoder, body)
         self._check_model(request.model)
         self._check_token_ids(request.tokens)
@@ -293,7 +348,7 @@ class EmulatorApp:
 
     # ------------------------------------------------------------------ generation
 
-    async def _chat_completions(self, body: bytes, receive: Receive) -> _Response:
+    async def _chat_completions(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         request = _decode(self._chat_decoder, body)
         self._check_model(request.model)
         self._check_streaming(request.stream)
@@ -309,13 +364,13 @@ class EmulatorApp:
         )
         reply = self._run_script(conversation)
         generation = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generation = await self._generate(prompt, generation, request.priority, receive)
         generated = generation.tokens
         finish_reason: str = generation.finish_reason
-        await self._generate(prompt, generated, request.priority, receive)
 
         text = self._reply_text(generation, request.include_stop_str_in_output, True)
         message = Message(role="assistant", content=text)
-        if request.tools:
+        if request.tools and finish_reason != "abort":
             parsed = _parse_hermes_tool_calls(text, rng)
             if parsed is not None:
                 message, finish_reason = parsed, "tool_calls"
@@ -344,7 +399,7 @@ class EmulatorApp:
         )
         return 200, self._encoder.encode(response), _JSON
 
-    async def _completions(self, body: bytes, receive: Receive) -> _Response:
+    async def _completions(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         request = _decode(self._completion_decoder, body)
         self._check_model(request.model)
         self._check_streaming(request.stream)
@@ -360,19 +415,25 @@ class EmulatorApp:
             raise _HTTPError(400, f"logprobs must be between 0 and {_MAX_LOGPROBS}.")
         max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
         self._maybe_fail()
-        key = self._seed_key(prompt, request.seed, packed)
+        # A prompt that ends inside an assistant turn (a turn a pause cut short) goes on
+        # with that turn's reply: the script sees the conversation up to the turn's start,
+        # and the reply, its seed and its logprobs are the uninterrupted turn's.
+        partial = self._partial_turn(prompt)
+        turn_prompt = prompt[: len(prompt) - len(partial)] if partial else prompt
+        turn_packed = pack_ids(turn_prompt) if partial else packed
+        key = self._seed_key(turn_prompt, request.seed, turn_packed)
         rng = random.Random(key)
-        conversation = Conversation.from_prompt(prompt, rng, self.tokenizer, packed)
+        conversation = Conversation.from_prompt(turn_prompt, rng, self.tokenizer, turn_packed)
         reply = self._run_script(conversation)
-        generation = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generation = self._reply_tokens(reply.text, request.stop, max_new_tokens, partial)
+        generation = await self._generate(prompt, generation, request.priority, receive, packed)
         generated = generation.tokens
-        await self._generate(prompt, generated, request.priority, receive, packed)
 
         skip_special = request.skip_special_tokens is not False
         logprobs = None
         if request.logprobs is not None:
             logprobs = CompletionLogprobs(
-                token_logprobs=list(_logprobs(key, len(generated))),
+                token_logprobs=list(_logprobs(key, len(partial) + len(generated))[len(partial) :]),
                 tokens=self.tokenizer.token_texts(generated),
             )
         with_ids = bool(request.return_token_ids)
@@ -397,35 +458,55 @@ class EmulatorApp:
     async def _generate(
         self,
         prompt: list[int],
-        generated: list[int],
+        reply: _Reply,
         priority: int | None,
         receive: Receive,
         packed: bytes | None = None,
-    ) -> None:
+    ) -> _Reply:
         """Spend the emulated GPU time of a request; abort it if the client goes away.
 
-        With prefix caching, the cached part of the prompt costs no prefill, and the
-        prompt and reply are cached for the next request that starts with them.
+        Returns the reply as far as it got: cut short (finish reason ``"abort"``) when a
+        pause in abort mode stopped it. With prefix caching, the cached part of the prompt
+        costs no prefill, and the prompt and reply are cached for the next request that
+        starts with them.
         """
-        self.prompt_tokens_total += len(prompt)
-        self.generation_tokens_total += len(generated)
         engine, cache = self.engine, self.prefix_cache
+        self.prompt_tokens_total += len(prompt)
         if engine is None:
-            return
+            while self._resumed is not None:  # paused: queue until /resume
+                await self._resumed.wait()
+            self.generation_tokens_total += len(reply.tokens)
+            return reply
         cached, chain, digests = (0, None, []) if cache is None else cache.lookup(prompt, packed)
-        finished = False
+        produced: int | None = None
         async with anyio.create_task_group() as group:
             group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
             # A stop string at the very start still cost the model one decode step.
-            await engine.generate(
-                len(prompt), max(1, len(generated)), priority=priority or 0, cached_tokens=cached
+            produced = await engine.generate(
+                len(prompt), max(1, len(reply.tokens)), priority=priority or 0, cached_tokens=cached
             )
-            finished = True
             group.cancel_scope.cancel()
-        if not finished:
+        if produced is None:
             raise _ClientDisconnected
+        reply = reply.cut_to(produced)
+        self.generation_tokens_total += len(reply.tokens)
         if cache is not None and chain is not None:
-            cache.store(digests + chain.extend(generated))
+            cache.store(digests + chain.extend(reply.tokens))
+        return reply
+
+    def _partial_turn(self, prompt: list[int]) -> list[int]:
+        """The tokens of the assistant turn that ``prompt`` ends inside, if any (none
+        when it ends with a bare generation prompt or outside an assistant turn)."""
+        for index in range(len(prompt) - 1, -1, -1):
+            token = prompt[index]
+            if token == IM_END_ID:
+                return []
+            if token == IM_START_ID:
+                body = index + 1 + len(self._assistant_header)
+                if prompt[index + 1 : body] != self._assistant_header:
+                    return []
+                return prompt[body:]
+        return []
 
     # --------------------------------------------------------------------- helpers
 
@@ -486,8 +567,11 @@ class EmulatorApp:
             message = f"Script failed: {type(error).__name__}: {error}"
             raise _HTTPError(500, message, "InternalServerError") from error
 
-    def _reply_tokens(self, text: str, stop: list[str] | None, max_new_tokens: int) -> _Reply:
-        """The tokens the model emits for ``text``, and why it stopped.
+    def _reply_tokens(
+        self, text: str, stop: list[str] | None, max_new_tokens: int, partial: Sequence[int] = ()
+    ) -> _Reply:
+        """The tokens the model emits for ``text`` after the ``partial`` turn it already
+        wrote (as many tokens of the reply are skipped), and why it stopped.
 
         Ends with EOS unless a stop string ended the text (its tokens are kept, as vLLM
         keeps them) or ``max_new_tokens`` truncated it (finish reason ``"length"``).
@@ -498,6 +582,8 @@ class EmulatorApp:
             tokens = self.tokenizer.encode(text[: cut + len(stop_string)])
         else:
             stop_string, tokens = None, [*self.tokenizer.encode(text), EOS_ID]
+        if partial:
+            tokens = tokens[len(partial) :] or [EOS_ID]
         if len(tokens) > max_new_tokens:
             return _Reply(tokens[:max_new_tokens], "length")
         return _Reply(tokens, "stop", stop_string)
@@ -558,6 +644,13 @@ def _parse_hermes_tool_calls(text: str, rng: random.Random) -> Message | None:
         call_id = f"call_{rng.getrandbits(96):024x}"
         calls.append(ToolCall(id=call_id, function=FunctionCall(payload["name"], arguments)))
     return Message(role="assistant", content=text[:start] or None, tool_calls=calls)
+
+
+def _invalid_mode(mode: str) -> dict[str, Any]:
+    """FastAPI's validation error, as vLLM answers a ``/pause`` mode it does not know."""
+    message = "Input should be 'wait', 'abort' or 'keep'"
+    detail = {"type": "literal_error", "loc": ["query", "mode"], "msg": message, "input": mode}
+    return {"detail": [detail]}
 
 
 def _make_logprob_table(size: int) -> list[float]:

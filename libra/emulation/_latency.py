@@ -107,7 +107,12 @@ class LatencyModel(StepCost):
         return self == LatencyModel.zero()
 
 
-SequenceState = Literal["waiting", "running", "done", "aborted"]
+SequenceState = Literal["waiting", "running", "done", "aborted", "stopped"]
+"""``aborted``: its caller went away; ``stopped``: a pause in abort mode ended it early."""
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's ``/pause`` modes: end everything in flight now (with the tokens produced so
+far), let the running requests finish, or freeze them until ``resume``. In every mode
+new requests queue until ``resume``."""
 Observer = Callable[[float, int, int], None]
 """Called with (time, requests running, requests waiting) whenever either count changes."""
 
@@ -215,6 +220,11 @@ class BatchingEngine:
     (metrics, finishing times) is the same as stepping token by token, but a benchmark
     costs a few wake-ups per request instead of one per generated token.
 
+    Pause (vLLM's ``/pause``): no mode admits a queued request until :meth:`resume`;
+    ``abort`` stops every request in flight at once (its caller gets the tokens produced
+    so far), ``wait`` lets the running batch finish, ``keep`` freezes it after the step in
+    flight and goes on from there on resume.
+
     ``busy_s`` is the time during which at least one request was running (prefilling or
     decoding); ``observer``, if set, hears every change of the running and waiting counts.
     """
@@ -236,6 +246,8 @@ class BatchingEngine:
         self._changed: anyio.Event | None = None
         self._busy_s = 0.0
         self._busy_since: float | None = None
+        self._pause: PauseMode | None = None
+        self._idle: anyio.Event | None = None  # set when the last running request leaves
 
     # ------------------------------------------------------------------------- metrics
 
@@ -278,8 +290,9 @@ class BatchingEngine:
 
     async def generate(
         self, prompt_tokens: int, new_tokens: int, *, priority: int = 0, cached_tokens: int = 0
-    ) -> None:
-        """Wait until a request of ``prompt_tokens`` has produced ``new_tokens`` tokens.
+    ) -> int:
+        """Wait until a request of ``prompt_tokens`` has produced ``new_tokens`` tokens;
+        return how many it produced (fewer when a pause in abort mode stopped it).
 
         ``cached_tokens`` of the prompt are in the prefix cache and need no prefill.
         Cancelling the caller aborts the request and frees its batch slot and KV space.
@@ -305,16 +318,68 @@ class BatchingEngine:
                 self._abort(sequence)
             if sequence.is_driver:
                 self._hand_over(sequence)
+        return sequence.produced
+
+    # ------------------------------------------------------------------------- pause
+
+    @property
+    def paused(self) -> PauseMode | None:
+        """The mode of the pause in force, or None."""
+        return self._pause
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop admitting requests; ``abort`` also stops those in flight, ``keep``
+        freezes the running batch after the step in flight (see the class docstring)."""
+        now = anyio.current_time()
+        self._sync(now)
+        self._pause = mode
+        if mode == "abort":
+            self._stop_all(now)
+        elif mode == "keep":
+            self._cut(now)
+        self._observe(now)
+
+    async def wait_until_idle(self) -> None:
+        """Return once no request is running (queued ones may wait)."""
+        while self._running:
+            self._idle = self._idle or anyio.Event()
+            await self._idle.wait()
+
+    def resume(self) -> None:
+        """End the pause: queued requests are admitted, a frozen batch goes on."""
+        if self._pause is None:
+            return
+        self._pause = None
+        now = anyio.current_time()
+        self._admit(now)
+        self._notify()
+        self._observe(now)
+
+    def _stop_all(self, now: float) -> None:
+        """End every request in flight now, with the tokens produced so far."""
+        stopped = [s for s in self._running]
+        stopped += [entry[2] for entry in self._waiting if entry[2].state == "waiting"]
+        self._waiting.clear()
+        self._num_waiting = 0
+        for sequence in stopped:
+            if sequence.state == "running":
+                self._release(sequence, now)
+            sequence.state = "stopped"
+            sequence.wakeup.set()
+        self._segment = None  # the step in flight is dropped with the batch it served
+        self._clock = max(self._clock, now)
+        self._notify()
 
     # ---------------------------------------------------------------------- the loop
 
     async def _drive(self, me: _Sequence) -> None:
-        """Run decode steps until ``me`` is done; other sequences advance alongside."""
-        while me.state != "done":
-            if self._segment is None:  # else resume the run a cancelled driver left
+        """Run decode steps until ``me`` is over; other sequences advance alongside."""
+        while me.state in ("waiting", "running"):
+            if self._segment is None and self._pause != "keep":  # else resume a left run
                 self._segment = self._plan(max(self._clock, anyio.current_time()))
-            if self._segment is None:  # nothing to decode: every sequence is prefilling
-                await self._wait_for_change(min(s.joins_at for s in self._running))
+            if self._segment is None:  # nothing to decode: prefilling, queued or frozen
+                joining = (s.joins_at for s in self._running if self._pause != "keep")
+                await self._wait_for_change(min(joining, default=math.inf))
                 continue
             await self._wait_for_change(self._segment.end)
             self._sync(anyio.current_time())
@@ -387,7 +452,9 @@ class BatchingEngine:
     def _admit(self, now: float) -> None:
         """Move waiting sequences into the batch, in queue order, while they fit."""
         admitted_any = False
-        while self._waiting and len(self._running) < self.latency.max_num_seqs:
+        while (
+            self._pause is None and self._waiting and len(self._running) < self.latency.max_num_seqs
+        ):
             head = self._waiting[0][2]
             if head.state != "waiting":  # aborted while queued; drop it lazily
                 heapq.heappop(self._waiting)
@@ -426,6 +493,9 @@ class BatchingEngine:
         if not self._running and self._busy_since is not None:
             self._busy_s += max(0.0, now - self._busy_since)
             self._busy_since = None
+        if not self._running and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     def _abort(self, sequence: _Sequence) -> None:
         now = anyio.current_time()
@@ -455,12 +525,15 @@ class BatchingEngine:
         sequence.wakeup.set()
 
     def _hand_over(self, sequence: _Sequence) -> None:
-        """Give the driver role to a running sequence, if any is left."""
+        """Give the driver role to a running sequence, else to a queued one (a pause
+        can leave requests queued with none running), if any is left."""
         sequence.is_driver = False
         self._driver = None
-        if self._running:
-            self._make_driver(self._running[0])
-        else:
+        queued = (entry[2] for entry in self._waiting if entry[2].state == "waiting")
+        heir = self._running[0] if self._running else next(queued, None)
+        if heir is not None:
+            self._make_driver(heir)
+        if not self._running:
             self._segment = None  # nobody left to finish it
 
 

@@ -54,7 +54,9 @@ class Conversation:
     token prompt (empty for a prompt that is not ChatML); ``tools`` are the request's
     tools or those listed in the prompt's ``<tools>`` block; ``turn`` is the number of
     assistant turns so far; ``rng`` is seeded from the server seed and the prompt ids.
-    A token prompt is parsed only if a script asks for its messages or tools.
+    A token prompt is parsed only if a script asks for its messages or tools. A prompt
+    that ends inside an assistant turn (one a pause cut short) is shown up to that turn's
+    start: the script writes the whole turn, and the server sends what is still missing.
     """
 
     def __init__(

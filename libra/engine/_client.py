@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import anyio
 import msgspec
 
 from libra import openai
-from libra.engine._config import SamplingConfig, TurnSampling
+from libra.engine._config import TurnSampling
 from libra.engine._http import HTTPTransport, TransportError
 from libra.fleet import Endpoint
 
@@ -40,7 +40,12 @@ class RequestRejected(GenerationError):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """One model turn as the server returned it."""
+    """One generation as the server returned it (``finish_reason`` ``"abort"``: a pause
+    or a drain ended it early, with what it had sampled so far).
+
+    ``path`` is the API it went through: ``tokens`` (a token-id prompt to
+    ``/v1/completions``) or ``chat`` (messages to ``/v1/chat/completions``, which
+    returns the server's rendering of them as ``prompt_token_ids``)."""
 
     text: str
     finish_reason: str
@@ -49,6 +54,22 @@ class Generation:
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None
     tool_calls: list[openai.ToolCall] | None = None
+    path: Literal["tokens", "chat"] = "chat"
+
+
+class Conversation(Protocol):
+    """What a generation request is made of: the chat, and (for servers that take token
+    ids) the exact token list, rendered on demand for the endpoint."""
+
+    @property
+    def messages(self) -> list[openai.Message]: ...
+
+    @property
+    def tools(self) -> list[dict[str, Any]]: ...
+
+    async def token_ids(self, endpoint: Endpoint) -> list[int] | None:
+        """The prompt as token ids for ``endpoint``; None when they are not kept."""
+        ...
 
 
 _JSON = {"content-type": "application/json"}
@@ -95,12 +116,29 @@ class OpenAIClient:
         self._tokenize_support: ProbeCache[str, bool] = ProbeCache()
         self._renders_tools: ProbeCache[str, bool] = ProbeCache()
 
+    async def generate(
+        self, endpoint: Endpoint, conversation: Conversation, sampling: TurnSampling
+    ) -> Generation:
+        """One generation: the token path when the endpoint speaks token ids and the
+        conversation keeps them (the ids sent are exactly those recorded), else chat."""
+        if await self.speaks_tokens(endpoint):
+            prompt_ids = await conversation.token_ids(endpoint)
+            if prompt_ids is not None:
+                return await self.complete(endpoint, prompt_ids, sampling)
+        return await self.chat(endpoint, conversation.messages, conversation.tools, sampling)
+
+    async def speaks_tokens(self, endpoint: Endpoint) -> bool:
+        """Whether to send ``endpoint`` token ids: its ``api`` says so, or (``auto``) it
+        renders chats into ids (see :meth:`supports_tokens`)."""
+        if endpoint.api == "chat":
+            return False
+        return endpoint.api == "tokens" or await self.supports_tokens(endpoint)
+
     async def chat(
         self,
         endpoint: Endpoint,
         messages: list[openai.Message],
         tools: list[dict[str, Any]] | None,
-        sampling: SamplingConfig,
         turn: TurnSampling,
     ) -> Generation:
         request = openai.ChatCompletionRequest(
@@ -108,8 +146,8 @@ class OpenAIClient:
             messages=messages,
             tools=tools or None,
             max_tokens=turn.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
+            temperature=turn.temperature,
+            top_p=turn.top_p,
             seed=turn.seed,
             logprobs=True,
             return_token_ids=True,
@@ -132,21 +170,18 @@ class OpenAIClient:
             logprobs=[t.logprob for t in logprobs] if logprobs is not None else None,
             prompt_token_ids=response.prompt_token_ids,
             tool_calls=choice.message.tool_calls,
+            path="chat",
         )
 
     async def complete(
-        self,
-        endpoint: Endpoint,
-        prompt_ids: list[int],
-        sampling: SamplingConfig,
-        turn: TurnSampling,
+        self, endpoint: Endpoint, prompt_ids: list[int], turn: TurnSampling
     ) -> Generation:
         request = openai.CompletionRequest(
             model=endpoint.model,
             prompt=prompt_ids,
             max_tokens=turn.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
+            temperature=turn.temperature,
+            top_p=turn.top_p,
             seed=turn.seed,
             logprobs=0,
             return_token_ids=True,
@@ -164,6 +199,7 @@ class OpenAIClient:
             completion_tokens=len(choice.token_ids),
             token_ids=choice.token_ids,
             logprobs=[lp or 0.0 for lp in logprobs] if logprobs is not None else None,
+            path="tokens",
         )
 
     async def tokenize(

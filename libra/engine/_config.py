@@ -53,14 +53,23 @@ class EngineConfig(Section):
         "or down) waits this long in all for one to join before it fails as server_error",
     )
     retry_backoff_s: float = Field(0.25, ge=0, description="doubles after each failed try")
+    max_continuations: int = Field(
+        8,
+        ge=0,
+        description="times one turn may go on after an aborted generation (a paused or "
+        "drained server); one more abort fails the trajectory as a server error",
+    )
     sampling: SamplingConfig = SamplingConfig()
 
 
 @dataclass(frozen=True, slots=True)
 class TurnSampling:
-    """What varies per generation call on top of ``SamplingConfig``."""
+    """Every sampling parameter of one generation request, built in one place (the
+    trajectory's ``_turn_sampling``) and sent as is by either API path of the client."""
 
     max_tokens: int
+    temperature: float
+    top_p: float
     seed: int | None
     priority: int | None
     stop: list[str] | None = None

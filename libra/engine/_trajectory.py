@@ -3,10 +3,12 @@
 ``run_trajectory`` is one coroutine: reset the env, then alternate generation calls
 (routed by the scheduler) with tool calls (run by the env, maybe in a sandbox), feeding
 every tool return to the scheduler, until the model stops, the env ends the episode or
-a limit is hit; then score the answer. Whatever happens (a tool that raises or hangs,
-garbage from the model, a dead server, cancellation), the trajectory ends in exactly
-one record: returned, or, when cancelled, handed to ``on_cancelled`` (a cancelled
-coroutine cannot return). ``Engine.on_record`` sees every record too.
+a limit is hit; then score the answer. A generation that a paused or drained server
+aborts does not end its turn: the turn goes on where it stopped (see ``_generate``).
+Whatever happens (a tool that raises or hangs, garbage from the model, a dead server,
+cancellation), the trajectory ends in exactly one record: returned, or, when cancelled,
+handed to ``on_cancelled`` (a cancelled coroutine cannot return). ``Engine.on_record``
+sees every record too.
 """
 
 from __future__ import annotations
@@ -171,8 +173,9 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
     while True:
         if t.turns >= max_turns:
             raise _End("truncated", "max_turns")
-        generation = await _generate(t, engine)
-        t.add_model_turn(generation)
+        turn = await _generate(t, engine)
+        t.add_model_turn(turn)
+        generation = turn.generation
         calls = _tool_calls(env, generation)
         if generation.finish_reason == "length":
             if len(t.tokens) >= engine.config.max_context_tokens:
@@ -196,24 +199,51 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
 # ------------------------------------------------------------------------- generation
 
 
-async def _generate(t: _Trajectory, engine: Engine) -> Generation:
-    """One model turn: route, call, release with what happened; on a server failure retry
-    (elsewhere if possible). A failure on an instance the fleet has retired since (drained,
-    removed) costs no attempt; with no usable endpoint the turn waits for capacity."""
+async def _generate(t: _Trajectory, engine: Engine) -> _Turn:
+    """One model turn, in as many generations as it takes.
+
+    A generation that ends with ``finish_reason: "abort"`` (a paused or drained server)
+    is not the end of the turn. On the token path its sampled tokens are kept and the
+    same turn is asked for again, through routing (so maybe on another endpoint), as a
+    continuation of the token list with what is left of the turn's token budget; the
+    pieces make one turn. The chat path cannot continue a partial reply, so there the
+    turn starts over (what it had sampled is dropped). After ``max_continuations`` such
+    restarts a further abort fails the trajectory as a server error.
+    """
+    config = engine.config
+    turn = _Turn()
+    for _ in range(config.max_continuations + 1):
+        if turn.pieces and _turn_budget(t, config, turn) <= 0:
+            return turn.ended("length")  # the abort came on the turn's last token
+        piece = await _attempt(t, engine, turn)
+        if piece.generation.path == "chat":
+            turn.pieces.clear()  # a chat reply is always the whole turn
+        turn.pieces.append(piece)
+        if piece.generation.finish_reason != "abort":
+            return turn
+    raise ServerUnavailable(f"a turn was aborted {config.max_continuations + 1} times")
+
+
+async def _attempt(t: _Trajectory, engine: Engine, turn: _Turn) -> _Piece:
+    """One generation call: route, call, release with what happened; on a server failure
+    retry (elsewhere if possible). A failure on an instance the fleet has retired since
+    (drained, removed) costs no attempt; with no usable endpoint the call waits for
+    capacity. An aborted generation came from a healthy server (paused or drained): it
+    is released as ``migrated``, and the turn goes on in the next piece."""
     config, scheduler = engine.config, engine.scheduler
     failed: set[str] = set()
     backoff = config.retry_backoff_s
     attempts = 0
     capacity = _CapacityWait(config.capacity_wait_s)
     while True:
-        route = await _route(t, scheduler, failed, capacity)
+        route = await _route(t, turn, scheduler, failed, capacity)
         generation: Generation | None = None
         outcome: CallOutcome = "cancelled"  # unless the call says otherwise below
         try:
-            generation = await _call(t, engine, route)
-            outcome = "ok"
-            t.note_weights(route)
-            return generation
+            generation = await _call(t, engine, route, turn)
+            outcome = "migrated" if generation.finish_reason == "abort" else "ok"
+            t.weights_changed_turns += route.weights_changed
+            return _Piece(generation, route.endpoint, route.weight_version)
         except ServerUnavailable as exc:
             capacity.last_error = str(exc)
             if route.retired:
@@ -239,7 +269,7 @@ class NoCapacity(ServerUnavailable):
 
 
 class _CapacityWait:
-    """What one turn may still wait for an endpoint, and the failure to report if none."""
+    """What one call may still wait for an endpoint, and the failure to report if none."""
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
@@ -257,15 +287,15 @@ class _CapacityWait:
 
 
 async def _route(
-    t: _Trajectory, scheduler: Scheduler, failed: set[str], capacity: _CapacityWait
+    t: _Trajectory, turn: _Turn, scheduler: Scheduler, failed: set[str], capacity: _CapacityWait
 ) -> Route:
     request = RouteRequest(
         t.key,
         t.prompt_key,
         t.turns,
-        len(t.tokens),
+        len(t.tokens) + turn.produced,
         t.last_endpoint,
-        generated_tokens=t.output_tokens,
+        generated_tokens=t.output_tokens + turn.produced,
         env=t.job.task.id.env,
     )
     while True:
@@ -282,29 +312,44 @@ async def _route(
         return route
 
 
-async def _call(t: _Trajectory, engine: Engine, route: Route) -> Generation:
+async def _call(t: _Trajectory, engine: Engine, route: Route, turn: _Turn) -> Generation:
     endpoint, client = route.endpoint, engine.client
     if t.turns == 0 and t.tools and not await client.renders_tools(endpoint):
         t.describe_tools_in_system_message()
     started = anyio.current_time()
-    sampling = engine.config.sampling
-    if await _speaks_tokens(t, endpoint, client):
-        await _render_pending(t, engine.renderer, endpoint)
-        turn = _turn_sampling(t, engine.config, route)
-        generation = await client.complete(endpoint, t.tokens.ids, sampling, turn)
-    else:
-        turn = _turn_sampling(t, engine.config, route)
-        generation = await client.chat(endpoint, t.messages, t.tools, sampling, turn)
+    if t.tokens.source == "exact" and await client.speaks_tokens(endpoint):
+        await _render_pending(t, engine.renderer, endpoint)  # the budget sees the whole prompt
+    sampling = _turn_sampling(t, engine.config, route, turn)
+    generation = await client.generate(endpoint, _Prompt(t, turn, engine.renderer), sampling)
+    if generation.path == "chat":
         t.tokens.absorb_prompt(generation.prompt_token_ids)
     t.timings.generation_s += anyio.current_time() - started
     t.last_endpoint = endpoint
     return generation
 
 
-async def _speaks_tokens(t: _Trajectory, endpoint: Endpoint, client: OpenAIClient) -> bool:
-    if t.tokens.source != "exact" or endpoint.api == "chat":
-        return False
-    return endpoint.api == "tokens" or await client.supports_tokens(endpoint)
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """A generation request's conversation (see ``OpenAIClient.generate``): the chat, or
+    the exact token list, a partial turn included, with pending messages rendered."""
+
+    t: _Trajectory
+    turn: _Turn
+    renderer: TemplateRenderer
+
+    @property
+    def messages(self) -> list[openai.Message]:
+        return self.t.messages
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return self.t.tools
+
+    async def token_ids(self, endpoint: Endpoint) -> list[int] | None:
+        if self.t.tokens.source != "exact":
+            return None
+        await _render_pending(self.t, self.renderer, endpoint)
+        return self.t.tokens.ids + self.turn.token_ids
 
 
 async def _render_pending(t: _Trajectory, renderer: TemplateRenderer, endpoint: Endpoint) -> None:
@@ -316,16 +361,76 @@ async def _render_pending(t: _Trajectory, renderer: TemplateRenderer, endpoint: 
     t.pending = []
 
 
-def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route) -> TurnSampling:
-    """This turn's limits: capped by the room left in the context, seeded per turn."""
+def _turn_budget(t: _Trajectory, config: EngineConfig, turn: _Turn) -> int:
+    """Tokens the turn may still sample: its own limit, and the room left in the context."""
     room = config.max_context_tokens - len(t.tokens)
-    if room <= 0:
+    return min(room, config.sampling.max_tokens_per_turn) - turn.produced
+
+
+def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route, turn: _Turn) -> TurnSampling:
+    """Every sampling parameter of the next request: the turn's remaining budget (capped
+    by the room left in the context), a per-turn seed, the route's priority."""
+    if config.max_context_tokens - len(t.tokens) <= 0:
         raise _End("truncated", "max_context_tokens")
-    seed = config.sampling.seed
+    sampling = config.sampling
+    seed = sampling.seed
     if seed is not None:  # reproducible, yet different for every sample and turn
         seed = zlib.crc32(f"{seed}/{t.key}/{t.turns}".encode())
-    max_tokens = min(room, config.sampling.max_tokens_per_turn)
-    return TurnSampling(max_tokens, seed, route.priority, t.stop_strings)
+    return TurnSampling(
+        max_tokens=_turn_budget(t, config, turn),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=seed,
+        priority=route.priority,
+        stop=t.stop_strings,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One generation of a turn, and where and by which weights it was sampled."""
+
+    generation: Generation
+    endpoint: Endpoint
+    weight_version: int
+
+
+@dataclass(slots=True)
+class _Turn:
+    """A model turn: one generation, or several when aborted ones were continued."""
+
+    pieces: list[_Piece] = field(default_factory=list)
+    finish_reason: str | None = None  # set when the turn ended for a reason of its own
+
+    @property
+    def produced(self) -> int:
+        return sum(piece.generation.completion_tokens for piece in self.pieces)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [i for piece in self.pieces for i in piece.generation.token_ids or ()]
+
+    def ended(self, finish_reason: str) -> _Turn:
+        self.finish_reason = finish_reason
+        return self
+
+    @property
+    def generation(self) -> Generation:
+        """The pieces as one generation (the text joined, the ids and logprobs too)."""
+        last = self.pieces[-1].generation
+        if len(self.pieces) == 1 and self.finish_reason is None:
+            return last
+        generations = [piece.generation for piece in self.pieces]
+        return Generation(
+            text="".join(g.text for g in generations),
+            finish_reason=self.finish_reason or last.finish_reason,
+            completion_tokens=self.produced,
+            token_ids=self.token_ids,
+            logprobs=[lp for g in generations for lp in g.logprobs or ()],
+            prompt_token_ids=last.prompt_token_ids,
+            tool_calls=last.tool_calls,
+            path=last.path,
+        )
 
 
 # ---------------------------------------------------------------------------- tools
@@ -472,8 +577,7 @@ class _Trajectory:
         self.tool_returns: list[ToolReturnRecord] = []
         self.endpoints: list[str] = []
         self.last_endpoint: Endpoint | None = None
-        self.routed_weights = 0  # the weight version of the latest call, when routed
-        self.weights_changed_turns = 0
+        self.weights_changed_turns = 0  # turns whose endpoint loaded new weights mid-call
         self.timings = Timings()
         self.turns = 0
         self.output_tokens = 0  # generated by the model, counted even where ids are not kept
@@ -510,28 +614,27 @@ class _Trajectory:
         replies = [m for m in self.messages if m.role == "assistant"]
         return (replies[-1].content or "") if replies else ""
 
-    def add_model_turn(self, generation: Generation) -> None:
+    def add_model_turn(self, turn: _Turn) -> None:
+        """The turn's reply, and its sampled tokens piece by piece (each with the weight
+        version of the endpoint that sampled it)."""
+        generation = turn.generation
         self.turns += 1
         self.output_tokens += generation.completion_tokens
-        assert self.last_endpoint is not None
-        self.endpoints.append(self.last_endpoint.name)
+        self.endpoints.append(turn.pieces[-1].endpoint.name)
         self.messages.append(
             openai.Message(
                 role="assistant", content=generation.text, tool_calls=generation.tool_calls
             )
         )
-        if self.tokens.source != "exact":
-            return
-        if generation.token_ids is None:
-            self.tokens.source = "none"
-            return
-        self.tokens.add_sampled(generation.token_ids, generation.logprobs, self.routed_weights)
-
-    def note_weights(self, route: Route) -> None:
-        """The call on ``route`` returned: its tokens are the weights' at routing; count
-        the turn if the endpoint loaded new weights while the call ran."""
-        self.routed_weights = route.weight_version
-        self.weights_changed_turns += route.weights_changed
+        for piece in turn.pieces:
+            if self.tokens.source != "exact":
+                return
+            if piece.generation.token_ids is None:
+                self.tokens.source = "none"
+                return
+            if piece.generation.token_ids:  # an abort can come before the first token
+                ids, logprobs = piece.generation.token_ids, piece.generation.logprobs
+                self.tokens.add_sampled(ids, logprobs, piece.weight_version)
 
     def add_messages(self, messages: list[openai.Message]) -> None:
         self.messages += messages

@@ -52,6 +52,7 @@ _LOG_TAIL_BYTES = 64 * 1024
 _LOGS_KEPT = 16  # default-named logs; older ones are deleted when a server starts
 _POLL_S = 0.5
 _HEALTH_TIMEOUT_S = 5.0
+PauseMode = Literal["abort", "wait", "keep"]
 # Extra time the parent gives the guard beyond its own SIGTERM-to-SIGKILL grace.
 _GUARD_SLACK_S = 5.0
 
@@ -261,6 +262,39 @@ class VLLMServer:
             )
         self._check_rpc(response)
 
+    async def pause(self, mode: PauseMode = "abort", timeout_s: float = 300.0) -> None:
+        """Stop generating (``POST /pause``, needs ``dev_mode``): new requests queue until
+        :meth:`resume`; ``abort`` ends those in flight now (they answer with
+        ``finish_reason: "abort"`` and what they sampled so far), ``wait`` returns once
+        they have finished, ``keep`` freezes them until :meth:`resume`."""
+        self._require_dev_mode("pause")
+        response = await self._control("POST", f"/pause?mode={mode}", timeout_s)
+        self._check_control(response)
+
+    async def resume(self, timeout_s: float = 60.0) -> None:
+        """Go on generating after :meth:`pause` (``POST /resume``)."""
+        self._require_dev_mode("resume")
+        self._check_control(await self._control("POST", "/resume", timeout_s))
+
+    async def is_paused(self, timeout_s: float = 60.0) -> bool:
+        """Whether the server is paused (``GET /is_paused``)."""
+        self._require_dev_mode("is_paused")
+        response = await self._control("GET", "/is_paused", timeout_s)
+        self._check_control(response)
+        return bool(response.json()["is_paused"])
+
+    async def _control(self, method: str, path: str, timeout_s: float) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return await client.request(method, f"{self.url}{path}")
+
+    @staticmethod
+    def _check_control(response: httpx.Response) -> None:
+        if response.status_code != 200:
+            raise VLLMServerError(
+                f"{response.request.url.path} answered {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server log."""
         if self._log_file is None or not self._log_file.exists():
@@ -400,9 +434,9 @@ class VLLMServer:
                 self._server_pid = int(data)
             self._close_pid_pipe()
 
-    def _require_dev_mode(self) -> None:
+    def _require_dev_mode(self, what: str = "reload_weights") -> None:
         if not self.config.dev_mode:
-            raise VLLMServerError("reload_weights needs a server started with dev_mode=True")
+            raise VLLMServerError(f"{what} needs a server started with dev_mode=True")
 
     @staticmethod
     def _check_rpc(response: httpx.Response) -> None:

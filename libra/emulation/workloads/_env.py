@@ -64,12 +64,16 @@ def scripted_result(turn: ScriptTurn) -> ToolResult:
 
 
 _ASSISTANT = "<|im_start|>assistant\n"
+_END = "<|im_end|>"
 
 
 def _turns_so_far(prompt: str) -> int:
-    """Assistant turns in a ChatML prompt (the open generation prompt does not count);
-    the same as ``Conversation.turn`` without parsing every message of a long chat."""
-    return prompt.count(_ASSISTANT) - prompt.endswith(_ASSISTANT)
+    """Closed assistant turns in a ChatML prompt: neither the open generation prompt nor
+    a turn the prompt ends inside (a partial turn being continued) counts; the same as
+    ``Conversation.turn`` without parsing every message of a long chat."""
+    last = prompt.rfind(_ASSISTANT)
+    is_open = last >= 0 and _END not in prompt[last:]
+    return prompt.count(_ASSISTANT) - is_open
 
 
 class WorkloadScript:
