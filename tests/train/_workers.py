@@ -1,0 +1,90 @@
+"""What the trainer tests run on each rank (module-level, so that spawned processes can
+import it), and the plain losses they train with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from libra.train import FSDPTrainer, TrainerConfig, export_weights
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Token ids ``[B, T]`` and a 0/1 mask over the predicted tokens ``[B, T - 1]``."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def masked_token_nll(model: nn.Module, batch: MicroBatch, scale: float) -> torch.Tensor:
+    """Sum of the masked next-token negative log-likelihoods, times ``scale``."""
+    logits = model(input_ids=batch.ids).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, batch.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return -(chosen * batch.mask).sum() * scale
+
+
+def fixed_batch(vocab: int, sequences: int, length: int, seed: int = 0) -> MicroBatch:
+    """Random ids and a mask that hides a different prefix of each sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sequences, length), generator=generator)
+    mask = torch.ones(sequences, length - 1)
+    for row in range(sequences):
+        mask[row, : 3 * row + 1] = 0  # as if the first tokens were the prompt
+    return MicroBatch(ids, mask)
+
+
+def rank_gradients(
+    model_dir: Path, batch: MicroBatch, config: TrainerConfig
+) -> tuple[dict[str, torch.Tensor], float]:
+    """This rank's share of ``batch``, one sequence per micro-batch: full gradients, loss.
+
+    The loss is scaled so that FSDP's mean over ranks and the trainer's mean over
+    micro-batches give the masked token mean over the whole batch.
+    """
+    trainer = FSDPTrainer(model_dir, config)
+    rank, world = trainer.dist.rank, trainer.dist.world_size
+    mine = range(rank, len(batch.ids), world)
+    micro = [MicroBatch(batch.ids[i : i + 1], batch.mask[i : i + 1]) for i in mine]
+    scale = world * len(micro) / float(batch.mask.sum())
+    loss = trainer.accumulate(micro, lambda model, mb: masked_token_nll(model, mb, scale))
+    return trainer.full_gradients(), loss
+
+
+def reference_gradients(
+    model_dir: Path, batch: MicroBatch
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The same loss on one process, without FSDP, the whole batch at once."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loss = masked_token_nll(model, batch, 1.0 / float(batch.mask.sum()))
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, float(loss.detach())
+
+
+def train_and_export(
+    model_dir: Path, run_dir: Path, batch: MicroBatch, config: TrainerConfig, probe: list[int]
+) -> dict[str, Any]:
+    """One step that pushes ``batch`` up, export as version 1; logprobs of ``probe`` before
+    and after (at temperatures 1 and 0.7), the step's metrics and the exported parameters."""
+    trainer = FSDPTrainer(model_dir, config)
+    probe_ids = torch.tensor([probe])
+    before = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
+    scale = 1.0 / float(batch.mask.sum())
+    metrics = trainer.step([batch], lambda model, mb: masked_token_nll(model, mb, scale))
+    after = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
+    folder = export_weights(trainer, run_dir, version=1)
+    return {
+        "before": before,
+        "after": after,
+        "metrics": metrics,
+        "folder": folder,
+        "parameters": trainer.full_parameters(),
+    }
