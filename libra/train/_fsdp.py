@@ -30,6 +30,14 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import Field
 
 from libra.config import Section
+from libra.engine import TrajectoryRecord
+from libra.train._logprobs import (
+    LogprobGap,
+    LogprobsMode,
+    records_logprob_gap,
+    sequence_logprobs,
+    server_logprob_temperature,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -240,10 +248,35 @@ class FSDPTrainer:
 
     def logprobs(self, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """``log_softmax(logits / temperature)`` at each next token: shape ``[B, T - 1]``."""
-        from libra.train._logprobs import sequence_logprobs
-
         self.model.eval()
         return sequence_logprobs(self.model, token_ids.to(self.dist.device), temperature)
+
+    def compare_logprobs(
+        self,
+        records: Sequence[TrajectoryRecord],
+        mode: LogprobsMode,
+        sampling_temperature: float,
+    ) -> LogprobGap:
+        """The gap between this model and the logprobs the server recorded (collective:
+        every rank passes the same records), logged on rank 0.
+
+        ``mode`` is the servers' ``--logprobs-mode`` and ``sampling_temperature`` the
+        rollout's: together they say at which temperature the two sides agree.
+        """
+        temperature = server_logprob_temperature(mode, sampling_temperature)
+        self.model.eval()
+        gap = records_logprob_gap(self.model, records, temperature)
+        if self.dist.is_main:
+            log.info(
+                "logprob gap after %d steps: mean %.4f, max %.4f over %d tokens (%s, T=%.2f)",
+                self.steps_done,
+                gap.mean_abs,
+                gap.max_abs,
+                gap.tokens,
+                mode,
+                temperature,
+            )
+        return gap
 
     # ----------------------------------------------------------------- internals
 

@@ -3,6 +3,7 @@ import it), and the plain losses they train with."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from libra.engine import Timings, TrajectoryRecord
 from libra.train import FSDPTrainer, TrainerConfig, export_weights
 
 
@@ -70,13 +72,21 @@ def reference_gradients(
 
 
 def train_and_export(
-    model_dir: Path, run_dir: Path, batch: MicroBatch, config: TrainerConfig, probe: list[int]
+    model_dir: Path,
+    run_dir: Path,
+    batch: MicroBatch,
+    config: TrainerConfig,
+    probe: list[int],
+    sampled: Sequence[TrajectoryRecord] = (),
+    sampling_temperature: float = 1.0,
 ) -> dict[str, Any]:
     """One step that pushes ``batch`` up, export as version 1; logprobs of ``probe`` before
-    and after (at temperatures 1 and 0.7), the step's metrics and the exported parameters."""
+    and after (at temperatures 1 and 0.7), the gap to the server's ``sampled`` records
+    (processed logprobs) before the step, the step's metrics and the exported parameters."""
     trainer = FSDPTrainer(model_dir, config)
     probe_ids = torch.tensor([probe])
     before = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
+    gap = trainer.compare_logprobs(sampled, "processed_logprobs", sampling_temperature)
     scale = 1.0 / float(batch.mask.sum())
     metrics = trainer.step([batch], lambda model, mb: masked_token_nll(model, mb, scale))
     after = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
@@ -85,6 +95,32 @@ def train_and_export(
         "before": before,
         "after": after,
         "metrics": metrics,
+        "sampled_gap": gap,
         "folder": folder,
         "parameters": trainer.full_parameters(),
     }
+
+
+def make_record(
+    ids: list[int], mask: list[int], logprobs: list[float | None], tokens: str = "exact"
+) -> TrajectoryRecord:
+    """A finished trajectory holding these tokens, as the rollout engine records it."""
+    return TrajectoryRecord(
+        id="t#0",
+        env="calc",
+        task_id="t",
+        sample=0,
+        status="completed",
+        stop_reason="model_stop",
+        reward=1.0,
+        turns=1,
+        messages=[],
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        tokens=tokens,  # type: ignore[arg-type]
+        weight_versions=[],
+        tool_returns=[],
+        endpoints=[],
+        timings=Timings(),
+    )
