@@ -79,6 +79,7 @@ def train_and_export(
     probe: list[int],
     sampled: Sequence[TrajectoryRecord] = (),
     sampling_temperature: float = 1.0,
+    export_dtype: str | None = None,
 ) -> dict[str, Any]:
     """One step that pushes ``batch`` up, export as version 1; logprobs of ``probe`` before
     and after (at temperatures 1 and 0.7), the gap to the server's ``sampled`` records
@@ -90,7 +91,7 @@ def train_and_export(
     scale = 1.0 / float(batch.mask.sum())
     metrics = trainer.step([batch], lambda model, mb: masked_token_nll(model, mb, scale))
     after = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
-    folder = export_weights(trainer, run_dir, version=1)
+    folder = export_weights(trainer, run_dir, version=1, dtype=export_dtype)
     return {
         "before": before,
         "after": after,
@@ -124,3 +125,36 @@ def make_record(
         endpoints=[],
         timings=Timings(),
     )
+
+
+def save_tiny_llama(folder: Path, vocab: int = 64) -> Path:
+    """A two-layer Llama with tied embeddings, saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def checkpointing_and_steps(model_dir: Path, batch: MicroBatch) -> dict[str, Any]:
+    """Gradients with and without activation checkpointing, then three warmup steps."""
+    scale = 1.0 / float(batch.mask.sum())
+    loss_fn = lambda model, mb: masked_token_nll(model, mb, scale)  # noqa: E731
+    grads = {}
+    for checkpointing in (False, True):
+        config = TrainerConfig(activation_checkpointing=checkpointing, lr=1e-2, warmup_steps=2)
+        trainer = FSDPTrainer(model_dir, config)
+        trainer.accumulate([batch], loss_fn)
+        grads[checkpointing] = trainer.full_gradients()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    steps = [trainer.step([batch], loss_fn) for _ in range(3)]
+    return {"grads": grads, "steps": steps}

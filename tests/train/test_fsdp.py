@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from libra.train import TrainerConfig, spawn, split_by_tokens
-from tests.train._workers import fixed_batch, rank_gradients, reference_gradients
+from tests.train._workers import (
+    checkpointing_and_steps,
+    fixed_batch,
+    rank_gradients,
+    reference_gradients,
+    save_tiny_llama,
+)
 
 VOCAB = 49152  # SmolLM2's
 
@@ -50,3 +56,21 @@ def test_trainer_config_defaults_pick_the_backend_and_precision_from_the_device(
     with pytest.raises(ValueError):
         TrainerConfig(mixed_precision="fp16")  # type: ignore[arg-type]
     assert torch.float32.is_floating_point
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_keeps_the_gradients_and_steps_warm_up(tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    batch = fixed_batch(64, sequences=2, length=16)
+
+    [result] = spawn(1, checkpointing_and_steps, model_dir, batch)
+
+    plain, checkpointed = result["grads"][False], result["grads"][True]
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    steps = result["steps"]
+    assert [s.lr for s in steps] == pytest.approx([5e-3, 1e-2, 1e-2])  # linear warmup of 2
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert steps[2].loss < steps[0].loss  # the same batch three times: it is learned
+    assert all(s.grad_norm > 0 and s.micro_batches == 1 for s in steps)
