@@ -42,9 +42,10 @@ def fixed_batch(vocab: int, sequences: int, length: int, seed: int = 0) -> Micro
 
 
 def rank_gradients(
-    model_dir: Path, batch: MicroBatch, config: TrainerConfig
-) -> tuple[dict[str, torch.Tensor], float]:
-    """This rank's share of ``batch``, one sequence per micro-batch: full gradients, loss.
+    model_dir: Path, batch: MicroBatch, config: TrainerConfig, run_dir: Path
+) -> tuple[dict[str, torch.Tensor], float, Path]:
+    """This rank's share of ``batch``, one sequence per micro-batch: full gradients, loss,
+    and the weights exported (unchanged: no step is taken) from the sharded model.
 
     The loss is scaled so that FSDP's mean over ranks and the trainer's mean over
     micro-batches give the masked token mean over the whole batch.
@@ -55,7 +56,8 @@ def rank_gradients(
     micro = [MicroBatch(batch.ids[i : i + 1], batch.mask[i : i + 1]) for i in mine]
     scale = world * len(micro) / float(batch.mask.sum())
     loss = trainer.accumulate(micro, lambda model, mb: masked_token_nll(model, mb, scale))
-    return trainer.full_gradients(), loss
+    grads = trainer.full_gradients()
+    return grads, loss, export_weights(trainer, run_dir, version=0)
 
 
 def reference_gradients(

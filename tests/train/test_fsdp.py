@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from libra.train import TrainerConfig, spawn, split_by_tokens
 from tests.train._workers import (
@@ -20,14 +21,22 @@ VOCAB = 49152  # SmolLM2's
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_compute_the_single_process_gradients(embedded_model: Path) -> None:
+def test_two_gloo_ranks_compute_the_single_process_gradients(
+    embedded_model: Path, tmp_path: Path
+) -> None:
     batch = fixed_batch(VOCAB, sequences=4, length=48)
     config = TrainerConfig(backend="gloo", cpu_threads=1)
 
-    ranks = spawn(2, rank_gradients, embedded_model, batch, config)
+    ranks = spawn(2, rank_gradients, embedded_model, batch, config, tmp_path)
     expected, expected_loss = reference_gradients(embedded_model, batch)
 
-    for grads, loss in ranks:
+    # Rank 0 gathered the shards and wrote them: the served weights, bit for bit.
+    assert {folder for _, _, folder in ranks} == {tmp_path / "weights" / "v0"}
+    exported = load_file(tmp_path / "weights" / "v0" / "model.safetensors")
+    served = load_file(embedded_model / "model.safetensors")
+    assert exported.keys() == served.keys() - {"lm_head.weight"}
+    assert all(torch.equal(exported[k], served[k]) for k in exported)
+    for grads, loss, _ in ranks:
         assert loss == pytest.approx(expected_loss, rel=1e-5)
         assert grads.keys() == expected.keys()
         worst = max(float((grads[k] - expected[k]).abs().max()) for k in expected)
