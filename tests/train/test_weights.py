@@ -21,6 +21,7 @@ from libra.train import (
     WeightSync,
     WeightSyncConfig,
     logprob_gap,
+    servable_model,
     server_prompt_logprobs,
     spawn,
     write_weights_folder,
@@ -32,7 +33,10 @@ pytestmark = pytest.mark.anyio
 
 SERVED = "trained"
 SAMPLING_TEMPERATURE = 0.7
-BOUND = 0.1  # mean |trainer - vLLM| logprob, see the test
+# Mean |trainer - vLLM| logprob, both in fp32. Measured here: 0.0000 before the step,
+# 0.0000 (max 1e-4) on sampled tokens, and, once the reloaded head is untied, the same
+# after it; 10x margin over the largest single-token difference seen.
+BOUND = 1e-3
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
@@ -68,11 +72,14 @@ def test_exported_folder_is_complete_servable_and_never_overwritten(tmp_path: Pa
     write_weights_folder(state, source, target)
 
     written = load_file(target / "model.safetensors")
-    assert "lm_head.weight" not in written  # tied: vLLM and HF take it from the embeddings
-    assert written.keys() == state.keys() - {"lm_head.weight"}
+    assert written.keys() == state.keys()
     assert all(t.dtype == torch.bfloat16 for t in written.values())  # the config's dtype
     assert all(torch.equal(written[k], state[k].to(torch.bfloat16)) for k in written)
-    assert (target / "config.json").read_bytes() == source_files["config.json"]
+    # Untied for serving: the head is a copy of the embeddings, and the config says so.
+    assert torch.equal(written["lm_head.weight"], written["model.embed_tokens.weight"])
+    config = json.loads((target / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["num_hidden_layers"] == 2
     assert (target / "tokenizer.json").exists()
     assert [p.name for p in target.parent.iterdir()] == ["v3"]  # no staging left behind
     assert {p.name: p.read_bytes() for p in source.iterdir()} == source_files
@@ -80,17 +87,20 @@ def test_exported_folder_is_complete_servable_and_never_overwritten(tmp_path: Pa
         write_weights_folder(state, source, target)
 
 
-def test_exported_folder_loads_back_with_tied_embeddings(tmp_path: Path) -> None:
+def test_exported_folder_loads_back_untied_with_the_same_values(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     source = tmp_path / "source"
     state = _tiny_tied_llama(source)
-    target = tmp_path / "v1"
-    write_weights_folder(state, source, target, dtype="float32")
+    source_bytes = (source / "model.safetensors").read_bytes()
+    target = servable_model(source, tmp_path / "run")
+    assert target == tmp_path / "run" / "weights" / "v0"
+    assert servable_model(source, tmp_path / "run") == target  # once per run
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"].float())
+    assert (source / "model.safetensors").read_bytes() == source_bytes
 
 
 # ------------------------------------------------------------- sync into a real server
@@ -126,7 +136,8 @@ def server(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         log_file=tmp_path_factory.mktemp("vllm-logs") / "server.log",
         extra_args=("--logprobs-mode", "processed_logprobs", "--dtype", "float32"),
     )
-    with VLLMServer(embedded_model, served_model_name=SERVED, config=config) as running:
+    served = servable_model(embedded_model, tmp_path_factory.mktemp("run"))
+    with VLLMServer(served, served_model_name=SERVED, config=config) as running:
         yield running
 
 
@@ -201,7 +212,7 @@ async def test_changed_weights_take_effect_and_match_the_trainer(
         served_after = await server_prompt_logprobs(client, server.url, SERVED, probe)
         paused = (await client.get(f"{server.url}/is_paused")).json()["is_paused"]
 
-        await server.areload_weights_from(embedded_model)
+        await server.areload_weights_from(server.model)  # v0: the embedded weights
         served_restored = await server_prompt_logprobs(client, server.url, SERVED, probe)
 
     # Like with like: prompt logprobs are raw (T = 1); the sampled ones, in processed
@@ -227,11 +238,11 @@ async def test_changed_weights_take_effect_and_match_the_trainer(
 
     assert gaps["before"].tokens == len(probe) - 1
     assert gaps["sampled"].tokens == len(sampled)
-    # bf16 compute in vLLM against fp32 in the trainer: measured 0.04 mean here.
     assert gaps["before"].mean_abs < BOUND
     assert gaps["sampled"].mean_abs < BOUND
     assert gaps["after"].mean_abs < BOUND
-    assert gaps["moved"].mean_abs > 5 * BOUND  # the change is real, and far beyond noise
+    assert gaps["moved"].mean_abs > 100 * BOUND  # the change is real, far beyond noise
+    assert gaps["exported_vs_served"].max_abs < 10 * BOUND
     assert gaps["restored"].max_abs < 1e-3
     assert endpoint.weight_version == 1
     assert not paused
