@@ -295,6 +295,25 @@ class VLLMServer:
                 f"{response.text[:500]}"
             )
 
+    def reload_weights_from(self, weights_path: str | Path, timeout_s: float = 300.0) -> None:
+        """Make the server load the weights in ``weights_path`` (a folder holding
+        safetensors); later reloads read that folder too (needs ``dev_mode``)."""
+        self._require_dev_mode()
+        with httpx.Client(timeout=timeout_s) as client:
+            response = client.post(f"{self.url}/collective_rpc", json=_reload_from(weights_path))
+        self._check_rpc(response)
+
+    async def areload_weights_from(
+        self, weights_path: str | Path, timeout_s: float = 300.0
+    ) -> None:
+        """Async :meth:`reload_weights_from`."""
+        self._require_dev_mode()
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.post(
+                f"{self.url}/collective_rpc", json=_reload_from(weights_path)
+            )
+        self._check_rpc(response)
+
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server log."""
         if self._log_file is None or not self._log_file.exists():
@@ -469,6 +488,13 @@ class VLLMServer:
             self._log.close()
             self._log = None
         _live_servers.discard(self)
+
+
+def _reload_from(weights_path: str | Path) -> dict[str, object]:
+    # vLLM's worker takes the folder as ``weights_path`` and reads it with the loader it
+    # started with; /collective_rpc passes kwargs through as strings.
+    path = str(Path(weights_path).resolve())
+    return {"method": "reload_weights", "kwargs": {"weights_path": path}}
 
 
 def _wait_for_exit(process: subprocess.Popen[bytes], timeout_s: float) -> bool:

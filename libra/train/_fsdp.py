@@ -1,0 +1,432 @@
+"""The FSDP2 trainer: one process per rank, the same code on CPU (gloo) and GPU (NCCL).
+
+Every rank loads the Hugging Face model folder, shards each decoder layer and then the
+root with ``fully_shard`` on a one-dimensional device mesh, and steps an AdamW optimizer
+over its shards. A rank is started either by ``torchrun`` (which sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) or by :func:`spawn`,
+which sets the same variables for processes it starts itself: tests and single-machine
+runs. Either way the trainer lives in its own processes, apart from the event loop that
+drives rollouts.
+
+Every call that runs the model (:meth:`FSDPTrainer.step`, :meth:`FSDPTrainer.accumulate`,
+:meth:`FSDPTrainer.logprobs`, :meth:`FSDPTrainer.full_gradients`) is collective: all
+ranks make it, with the same number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from pydantic import Field
+
+from libra.config import Section
+from libra.engine import TrajectoryRecord
+from libra.train._logprobs import (
+    LogprobGap,
+    LogprobsMode,
+    records_logprob_gap,
+    sequence_logprobs,
+    server_logprob_temperature,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "DistContext",
+    "FSDPTrainer",
+    "StepMetrics",
+    "TrainerConfig",
+    "init_distributed",
+    "spawn",
+    "split_by_tokens",
+]
+
+log = logging.getLogger("libra.train")
+
+B = TypeVar("B")
+R = TypeVar("R")
+T = TypeVar("T")
+
+LossFn = Callable[["nn.Module", B], "torch.Tensor"]
+
+
+class TrainerConfig(Section):
+    """How the trainer optimizes (the model comes from its folder)."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(default=0, ge=0, description="linear warmup, then constant lr")
+    grad_clip: float | None = Field(default=1.0, gt=0, description="max grad norm; None: off")
+    micro_batch_tokens: int = Field(
+        default=8192, ge=1, description="token budget of one forward/backward pass"
+    )
+    activation_checkpointing: bool = False
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="auto: bf16 compute with fp32 reductions on CUDA, fp32 on CPU"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="auto: nccl where CUDA is available, else gloo"
+    )
+    cpu_threads: int | None = Field(
+        default=None, ge=1, description="torch threads per rank on CPU; None: cores / ranks"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """Where this rank stands in the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """One optimizer step, averaged over ranks where that means something."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    micro_batches: int
+    seconds: float
+
+
+def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistContext:
+    """Join (or create) the default process group from torchrun's environment variables.
+
+    Without them this is a group of one, so the same code runs in a plain process.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ.setdefault("RANK", "0"))
+    world_size = int(os.environ.setdefault("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.setdefault("LOCAL_RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    chosen = _pick_backend(backend)
+    if chosen == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(chosen, rank=rank, world_size=world_size)
+    return DistContext(rank, world_size, local_rank, chosen, device)
+
+
+def _pick_backend(backend: Literal["auto", "gloo", "nccl"]) -> str:
+    import torch
+
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class FSDPTrainer:
+    """A causal LM sharded with FSDP2, its AdamW optimizer and its LR schedule."""
+
+    def __init__(self, model_dir: str | Path, config: TrainerConfig | None = None) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.config = config if config is not None else TrainerConfig()
+        self.model_dir = Path(model_dir)
+        self.dist = init_distributed(self.config.backend)
+        if self.dist.device.type == "cpu":
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(self.config.cpu_threads or max(1, cores // self.dist.world_size))
+        mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
+        self.model = _load_sharded(self.model_dir, self.config, mesh, self._compute_dtype())
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+        warmup = self.config.warmup_steps
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
+        self.steps_done = 0
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of forward and backward: bf16 under mixed precision, else fp32."""
+        return self._compute_dtype()
+
+    def _compute_dtype(self) -> torch.dtype:
+        import torch
+
+        wanted = self.config.mixed_precision
+        if wanted == "bf16" or (wanted == "auto" and self.dist.device.type == "cuda"):
+            return torch.bfloat16
+        return torch.float32
+
+    # ------------------------------------------------------------------ training
+
+    def step(self, micro_batches: Sequence[B], loss_fn: LossFn[B]) -> StepMetrics:
+        """Accumulate gradients over ``micro_batches``, clip, and take one optimizer step.
+
+        The loss that is minimized is the mean of ``loss_fn`` over this rank's micro-batches,
+        averaged over ranks: scale each loss inside ``loss_fn`` for another normalization.
+        """
+        started = time.perf_counter()
+        loss = self.accumulate(micro_batches, loss_fn)
+        grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.lr_schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        metrics = StepMetrics(
+            step=self.steps_done,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=float(lr),
+            micro_batches=len(micro_batches),
+            seconds=time.perf_counter() - started,
+        )
+        if self.dist.is_main:
+            log.info("train step %d: %s", metrics.step, metrics)
+        return metrics
+
+    def accumulate(self, micro_batches: Sequence[B], loss_fn: LossFn[B]) -> float:
+        """Forward and backward every micro-batch; gradients are reduced once, on the last.
+
+        Returns the loss averaged over micro-batches and ranks.
+        """
+        import torch
+
+        count = len(micro_batches)
+        self._check_same_count(count)
+        self.model.train()
+        total = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        for index, micro_batch in enumerate(micro_batches):
+            # Reduce-scatter once per step instead of once per micro-batch.
+            self.model.set_requires_gradient_sync(index == count - 1)
+            loss = loss_fn(self.model, micro_batch)
+            (loss / count).backward()
+            total += loss.detach().double()
+        return _mean_over_ranks(total / count)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient, on CPU, on every rank (collective)."""
+        return {
+            name: _full(param.grad).cpu()
+            for name, param in self.model.named_parameters()
+            if param.grad is not None
+        }
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole value, on CPU, on every rank (collective)."""
+        return {name: _full(param.detach()).cpu() for name, param in self.model.named_parameters()}
+
+    # ----------------------------------------------------------------- inference
+
+    def logprobs(self, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """``log_softmax(logits / temperature)`` at each next token: shape ``[B, T - 1]``."""
+        self.model.eval()
+        return sequence_logprobs(self.model, token_ids.to(self.dist.device), temperature)
+
+    def compare_logprobs(
+        self,
+        records: Sequence[TrajectoryRecord],
+        mode: LogprobsMode,
+        sampling_temperature: float,
+    ) -> LogprobGap:
+        """The gap between this model and the logprobs the server recorded (collective:
+        every rank passes the same records), logged on rank 0.
+
+        ``mode`` is the servers' ``--logprobs-mode`` and ``sampling_temperature`` the
+        rollout's: together they say at which temperature the two sides agree.
+        """
+        temperature = server_logprob_temperature(mode, sampling_temperature)
+        self.model.eval()
+        gap = records_logprob_gap(self.model, records, temperature)
+        if self.dist.is_main:
+            log.info(
+                "logprob gap after %d steps: mean %.4f, max %.4f over %d tokens (%s, T=%.2f)",
+                self.steps_done,
+                gap.mean_abs,
+                gap.max_abs,
+                gap.tokens,
+                mode,
+                temperature,
+            )
+        return gap
+
+    # ----------------------------------------------------------------- internals
+
+    def _clip_gradients(self) -> float:
+        import torch
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(_full(norm))
+
+    def _check_same_count(self, count: int) -> None:
+        """Unequal micro-batch counts would hang FSDP's collectives: fail on all ranks."""
+        import torch
+        import torch.distributed as dist
+
+        counts = torch.tensor([count, -count], device=self.dist.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        if int(counts[0]) != -int(counts[1]):
+            raise ValueError(
+                f"ranks passed between {-int(counts[1])} and {int(counts[0])} micro-batches; "
+                "every rank must pass the same number"
+            )
+        if count == 0:
+            raise ValueError("a step needs at least one micro-batch")
+
+
+def _load_sharded(model_dir: Path, config: TrainerConfig, mesh: Any, dtype: Any) -> nn.Module:
+    """Load the HF model in fp32 (the master weights) and shard layers, then the root.
+
+    The root group holds the embeddings and the LM head, so tied weights stay one
+    parameter.
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    if config.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: the units FSDP gathers one at a time."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no model.layers to shard")
+    return list(layers)
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    """A DTensor's whole value (collective), or the tensor itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    import torch.distributed as dist
+
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    world: int = dist.get_world_size()
+    return float(value) / world
+
+
+# ------------------------------------------------------------------ micro-batches
+
+
+def split_by_tokens(items: Sequence[T], lengths: Sequence[int], max_tokens: int) -> list[list[T]]:
+    """Greedy, in order: cut ``items`` into runs whose lengths sum to at most ``max_tokens``.
+
+    An item longer than the budget gets a micro-batch of its own.
+    """
+    if len(items) != len(lengths):
+        raise ValueError(f"{len(items)} items but {len(lengths)} lengths")
+    batches: list[list[T]] = []
+    used = max_tokens
+    for item, length in zip(items, lengths, strict=True):
+        if used + length > max_tokens:
+            batches.append([])
+            used = 0
+        batches[-1].append(item)
+        used += length
+    return batches
+
+
+# ----------------------------------------------------------------------- launching
+
+
+def spawn(world_size: int, fn: Callable[..., R], *args: Any) -> list[R]:
+    """Run ``fn(*args)`` on ``world_size`` new processes, set up as torchrun would.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function); returns each
+    rank's result, rank 0 first. A rank that raises makes this raise.
+    """
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="libra-spawn-") as results:
+        mp.start_processes(
+            _run_rank,
+            args=(world_size, port, fn, args, results),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [_read_result(Path(results), rank) for rank in range(world_size)]
+
+
+def _run_rank(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: str
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    with _process_group_torn_down():
+        result = fn(*args)
+    with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
+        pickle.dump(result, file)
+
+
+@contextlib.contextmanager
+def _process_group_torn_down() -> Iterator[None]:
+    import torch.distributed as dist
+
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _read_result(folder: Path, rank: int) -> Any:
+    with (folder / f"rank{rank}.pkl").open("rb") as file:
+        return pickle.load(file)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port

