@@ -7,7 +7,7 @@ import gc
 import sys
 from collections.abc import Sequence
 
-from libra.cli import _bench, _images, _rollout, _serve
+from libra.cli import _bench, _images, _rollout, _serve, _train
 from libra.config import ConfigError
 from libra.envs import SandboxError, UnknownEnvError, available_envs
 from libra.launch import FleetError
@@ -22,6 +22,7 @@ _USER_ERRORS = (
     ModelError,
     VLLMServerError,
     FileNotFoundError,
+    FileExistsError,
     PermissionError,
 )
 
@@ -62,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     _bench.add_parser(commands)
     _images.add_parser(commands)
     _serve.add_parsers(commands)
+    _train.add_parsers(commands)
     envs = commands.add_parser("envs", help="list the installed envs")
     envs.set_defaults(run=lambda args: print("\n".join(available_envs())) or 0)
     return parser

@@ -1,5 +1,5 @@
 """Training: batches from rollout records, the GRPO loss, the FSDP2 trainer, weight sync
-into the serving fleet, and trainer/server logprob agreement."""
+into the serving fleet, trainer/server logprob agreement, and the loop of ``libra train``."""
 
 from libra.train._batch import (
     Batch,
@@ -28,6 +28,15 @@ from libra.train._logprobs import (
     server_logprob_temperature,
     server_prompt_logprobs,
 )
+from libra.train._loop import (
+    METRICS_FILE,
+    Checkpoint,
+    StepRecord,
+    TrainRun,
+    iter_metrics,
+    open_run,
+    train,
+)
 from libra.train._loss import (
     LossMetrics,
     aggregation_weights,
@@ -36,6 +45,7 @@ from libra.train._loss import (
     staleness_weight,
     token_logprobs,
 )
+from libra.train._run import Mode, TrainRunConfig
 from libra.train._weights import (
     SyncReport,
     WeightSync,
@@ -45,11 +55,25 @@ from libra.train._weights import (
     servable_model,
     write_weights_folder,
 )
+from libra.train._worker import (
+    Compare,
+    Export,
+    Train,
+    TrainerError,
+    TrainerProcess,
+    TrainResult,
+    combine_loss_metrics,
+    grpo_micro_batch_loss,
+)
 
 __all__ = [
+    "METRICS_FILE",
     "Aggregation",
     "Batch",
+    "Checkpoint",
+    "Compare",
     "DistContext",
+    "Export",
     "FSDPTrainer",
     "GRPOConfig",
     "Layout",
@@ -57,22 +81,34 @@ __all__ = [
     "LogprobsMode",
     "LossMetrics",
     "MicroBatch",
+    "Mode",
     "Sample",
     "StaleRule",
     "StepMetrics",
+    "StepRecord",
     "SyncReport",
+    "Train",
     "TrainConfig",
+    "TrainResult",
+    "TrainRun",
+    "TrainRunConfig",
     "TrainerConfig",
+    "TrainerError",
+    "TrainerProcess",
     "WeightSync",
     "WeightSyncConfig",
     "WeightSyncError",
     "aggregation_weights",
     "build_batch",
+    "combine_loss_metrics",
     "export_weights",
     "group_advantages",
     "grpo_loss",
+    "grpo_micro_batch_loss",
     "init_distributed",
+    "iter_metrics",
     "logprob_gap",
+    "open_run",
     "plan_micro_batches",
     "records_logprob_gap",
     "sequence_logprobs",
@@ -84,5 +120,6 @@ __all__ = [
     "split_by_tokens",
     "staleness_weight",
     "token_logprobs",
+    "train",
     "write_weights_folder",
 ]

@@ -1,0 +1,153 @@
+"""``libra train``: the RL loop (``libra.train.train``); ``libra plot RUN_DIR``: its curves."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from libra.cli._config import add_config_arguments
+from libra.cli._progress import counters
+from libra.config import load_config
+from libra.engine import RolloutStats
+from libra.train import METRICS_FILE, StepRecord, TrainRunConfig, iter_metrics, train
+
+
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "train", help="GRPO: rollouts, FSDP2 training, weights synced into the servers"
+    )
+    parser.add_argument("--steps", type=int, help="RL steps (default 2)")
+    parser.add_argument(
+        "--serve", help="attach to running vLLM server URL(s) in dev mode instead of starting one"
+    )
+    parser.add_argument("--run-dir", type=Path, help="where the run is written (runs/train)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config (TOML) and exit"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_arguments(parser, "the run's settings", "trainer.lr=1e-5")
+    parser.set_defaults(run=run)
+    plot = commands.add_parser("plot", help="draw a training run's curves as RUN_DIR/plot.png")
+    plot.add_argument("run_dir", type=Path, help="a `libra train` run folder")
+    plot.set_defaults(run=run_plot)
+
+
+def run(args: argparse.Namespace) -> int:
+    flags = {"steps": args.steps, "serve": args.serve, "run_dir": args.run_dir}
+    config = load_config(TrainRunConfig, args.config, flags, args.set)
+    if args.dry_run:
+        print(config.to_toml(), end="")
+        return 0
+    console = Console()
+    console.print(
+        f"libra train: {config.steps} steps of {config.prompts_per_step} prompts x "
+        f"{config.samples_per_prompt} samples ({config.rollout.env}, {config.mode}) "
+        f"into {config.run_dir}"
+    )
+    progress = _progress(enabled=not args.no_progress and config.rollout.progress)
+    anyio.run(_train, config, console, progress)
+    plot = plot_run(config.run_dir)
+    console.print(f"metrics in {config.run_dir / METRICS_FILE}; plot in {plot}")
+    return 0
+
+
+async def _train(
+    config: TrainRunConfig,
+    console: Console,
+    progress: Callable[[int, RolloutStats], Any],
+) -> None:
+    await train(config, on_step=lambda record: console.print(step_line(record)), progress=progress)
+
+
+def step_line(record: StepRecord) -> str:
+    """The console's line for one step."""
+    reward = "-" if record.reward_mean is None else f"{record.reward_mean:.3f}"
+    loss = record.loss.get("policy_loss")
+    return (
+        f"[bold]step {record.step}[/] reward {reward} · response {record.response_tokens_mean:.0f} "
+        f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
+        f"({record.groups_used}/{record.groups} groups) · loss "
+        f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.4f} · "
+        f"rollout {record.rollout_s:.1f} s, train {record.train_s:.1f} s, "
+        f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}"
+    )
+
+
+def _progress(*, enabled: bool) -> Callable[[int, RolloutStats], Any]:
+    @contextmanager
+    def bar(step: int, stats: RolloutStats) -> Iterator[Callable[[], None]]:
+        progress = Progress(
+            TextColumn(f"[bold]rollout {step}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[counters]}"),
+            console=Console(stderr=True),
+            disable=not enabled,
+            transient=True,
+        )
+        task = progress.add_task("rollout", total=stats.total, counters="")
+        with progress:
+            yield lambda: progress.update(task, completed=stats.done, counters=counters(stats))
+
+    return bar
+
+
+# ------------------------------------------------------------------------- plot
+
+_PANELS = (
+    ("reward", (("reward_mean", "mean reward"),)),
+    ("response tokens", (("response_tokens_mean", "mean response length"),)),
+    (
+        "seconds",
+        (
+            ("rollout_s", "rollout"),
+            ("train_s", "train"),
+            ("export_s", "export"),
+            ("sync_s", "sync"),
+        ),
+    ),
+)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    print(f"plotted {plot_run(args.run_dir)}")
+    return 0
+
+
+def plot_run(run_dir: Path) -> Path:
+    """``RUN_DIR/plot.png``: reward, response length and stage times over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = list(iter_metrics(run_dir))
+    steps = [line["step"] for line in lines]
+    figure, axes = plt.subplots(len(_PANELS), 1, figsize=(7, 8), sharex=True)
+    for axis, (title, series) in zip(axes, _PANELS, strict=True):
+        for key, label in series:
+            axis.plot(steps, [_number(line.get(key)) for line in lines], marker="o", label=label)
+        axis.set_ylabel(title)
+        axis.grid(alpha=0.3)
+        if len(series) > 1:
+            axis.legend(loc="upper left", fontsize="small")
+    axes[-1].set_xlabel("step")
+    figure.suptitle(f"libra train: {run_dir}")
+    figure.tight_layout()
+    target = run_dir / "plot.png"
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+    return target
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else math.nan

@@ -1,0 +1,361 @@
+"""The RL loop of ``libra train``, top to bottom.
+
+Open the run: the trainer's processes (they load the model while the rest starts), the
+serving fleet (our own vLLM in dev mode on an untied copy of the model, or servers given
+by URL, or the emulator), sandboxes, scheduler and engine (``libra.launch``), and one
+rollout session for the whole run. Then, per step ``k``:
+
+1. the step's jobs (``prompts_per_step`` tasks x ``samples_per_prompt``) are in the
+   session: submitted after the last sync (``sync``), or while step ``k - 1`` trained
+   (``one-step-off``: they sample on weights one version old, and ``grpo.max_staleness``
+   decides in the batch builder what is too old);
+2. collect the step's groups, write their records to ``rollouts/step-k.jsonl``;
+3. build the batch for weights at version ``k`` (versions count the loop's steps: the
+   servers start on v0, and the weights after step ``k`` are ``v{k+1}``, even when no
+   group carried a signal and the step changed nothing);
+4. compare the trainer's logprobs with the server's on the records sampled entirely at
+   version ``k`` (the trainer holds the same weights, so the gap is numerics only);
+5. train one optimizer step, export ``weights/v{k+1}``;
+6. pause admission, load the folder into every endpoint, bump their versions, resume;
+7. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), call the
+   checkpoint hook (:class:`Checkpoint`) with the run and the line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import msgspec
+
+from libra.engine import Group, RolloutSession, RolloutStats, TrajectoryRecord, jobs_for
+from libra.envs import Env, load_env
+from libra.fleet import Endpoint
+from libra.launch import open_engine
+from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, prepare_model
+from libra.train._batch import Batch, Sample, build_batch
+from libra.train._logprobs import LogprobGap
+from libra.train._run import TrainRunConfig
+from libra.train._weights import WeightSync, servable_model
+from libra.train._worker import Compare, Export, Train, TrainerProcess, TrainResult
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One line of ``metrics.jsonl``: step ``step`` trained weights ``version`` into
+    ``version + 1``. Seconds: ``rollout_s`` the loop waited for the step's groups
+    (in ``one-step-off`` most of the rollout hides behind the previous step's training),
+    ``train_s`` the optimizer step, ``export_s`` the weights written, ``sync_s`` loaded
+    into every endpoint. ``logprob_gap_*``: trainer versus server on the records sampled
+    at ``version`` only (``tokens`` 0: none was)."""
+
+    step: int
+    version: int
+    trajectories: int
+    statuses: dict[str, int]
+    reward_mean: float | None
+    reward_std: float | None
+    response_tokens_mean: float
+    groups: int
+    groups_used: int
+    samples_trained: int
+    dropped: dict[str, int]
+    tokens_trained: int
+    rollout_s: float
+    train_s: float
+    export_s: float
+    sync_s: float
+    weight_version: int
+    logprob_gap_mean: float
+    logprob_gap_max: float
+    logprob_gap_tokens: int
+    loss: dict[str, float] = field(default_factory=dict)
+    grad_norm: float | None = None
+    lr: float | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=False)
+
+
+class Checkpoint(Protocol):
+    """Called after each step's metrics line is written: save what resuming needs."""
+
+    def __call__(self, run: TrainRun, record: StepRecord) -> Awaitable[None]: ...
+
+
+Progress = Callable[[int, RolloutStats], AbstractContextManager[Callable[[], None]]]
+
+
+def _no_progress(step: int, stats: RolloutStats) -> AbstractContextManager[Callable[[], None]]:
+    return nullcontext(lambda: None)
+
+
+async def train(
+    config: TrainRunConfig,
+    *,
+    checkpoint: Checkpoint | None = None,
+    on_step: Callable[[StepRecord], None] = lambda record: None,
+    progress: Progress = _no_progress,
+) -> list[StepRecord]:
+    """Run ``config.steps`` steps; returns their metrics lines (also in the run folder)."""
+    run_dir = _prepare_run_dir(config)
+    env_cls = load_env(config.rollout.env)
+    records: list[StepRecord] = []
+    async with open_run(config, env_cls, run_dir) as run:
+        run.submit(0)
+        for step in range(config.steps):
+            record = await run.step(step, progress)
+            with (run_dir / METRICS_FILE).open("a") as out:
+                out.write(record.to_json() + "\n")
+            records.append(record)
+            on_step(record)
+            if checkpoint is not None:
+                await checkpoint(run, record)
+    return records
+
+
+def _prepare_run_dir(config: TrainRunConfig) -> Path:
+    run_dir = config.run_dir
+    if (run_dir / METRICS_FILE).exists():
+        raise FileExistsError(f"{run_dir} holds a run already: choose another run_dir")
+    (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(config.to_toml())
+    return run_dir
+
+
+@dataclass
+class TrainRun:
+    """A running loop's parts: what a checkpoint hook may read (and, for a resume, set)."""
+
+    config: TrainRunConfig
+    run_dir: Path
+    env_cls: type[Env]
+    env_name: str
+    trainer: TrainerProcess
+    session: RolloutSession
+    endpoints: list[Endpoint]
+    version: int = 0  # the weights the trainer holds: v0 before the first step
+    groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
+    _changed: anyio.Event = field(default_factory=anyio.Event)
+    _stream_ended: bool = False
+
+    # ------------------------------------------------------------------ one step
+
+    def submit(self, step: int) -> None:
+        if step >= self.config.steps:
+            return
+        self.session.submit(
+            jobs_for(
+                self.env_cls,
+                self.env_name,
+                self.config.prompts_per_step * self.config.samples_per_prompt,
+                samples_per_prompt=self.config.samples_per_prompt,
+                seed=self.config.seed + step,
+                step=step,
+            )
+        )
+
+    async def step(self, step: int, progress: Progress) -> StepRecord:
+        started = time.perf_counter()
+        with progress(step, self.session.step_stats[step]) as tick:
+            groups = await self._groups_of(step, tick)
+        rollout_s = time.perf_counter() - started
+        if self.config.mode == "one-step-off":
+            self.submit(step + 1)  # sampled on the current weights while this step trains
+        step_records = [r for group in groups for r in group.records]
+        self._write_rollouts(step, step_records)
+        samples = [Sample.from_record(r) for r in step_records]
+        batch = build_batch(
+            samples,
+            current_version=self.version,
+            grpo=self.config.grpo,
+            train=self.config.train,
+            ranks=self.config.world_size,
+        )
+        gap = await self._logprob_gap(step_records)
+        started = time.perf_counter()
+        result: TrainResult | None = None
+        if batch.micro_batches:
+            command = Train(batch, self.config.grpo, self.config.trainer_temperature)
+            result = await self.trainer.call(command)
+        train_s = time.perf_counter() - started
+        export_s, sync_s = await self._publish(self.version + 1)
+        self.version += 1
+        if self.config.mode == "sync":
+            self.submit(step + 1)
+        seconds = (rollout_s, train_s, export_s, sync_s)
+        return _step_record(step, self, groups, batch, result, gap, seconds)
+
+    async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
+        while len(self.groups[step]) < self.config.prompts_per_step:
+            if self._stream_ended:
+                raise RuntimeError(f"the rollout session ended before step {step}'s groups")
+            seen = len(self.groups[step])
+            await self._changed.wait()
+            for _ in range(len(self.groups[step]) - seen):
+                tick()
+        return self.groups.pop(step)
+
+    async def read_groups(self) -> None:
+        """Sort the session's groups by step as they complete (one reader for the run)."""
+        async for group in self.session.groups():
+            self.groups[group.id.step].append(group)
+            self._changed.set()
+            self._changed = anyio.Event()
+        self._stream_ended = True
+        self._changed.set()
+
+    def _write_rollouts(self, step: int, records: list[TrajectoryRecord]) -> None:
+        encoder = msgspec.json.Encoder()
+        with (self.run_dir / "rollouts" / f"step-{step}.jsonl").open("wb") as out:
+            for record in records:
+                out.write(encoder.encode(record) + b"\n")
+
+    async def _logprob_gap(self, records: list[TrajectoryRecord]) -> LogprobGap:
+        """Trainer versus server on the records sampled entirely at the trainer's version."""
+        current = tuple(
+            r
+            for r in records
+            if r.weight_versions and all(s.version == self.version for s in r.weight_versions)
+        )
+        if not current:
+            return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
+        temperature = self.config.rollout.engine.sampling.temperature or 1.0
+        gap: LogprobGap = await self.trainer.call(
+            Compare(current, self.config.logprobs_mode, temperature)
+        )
+        return gap
+
+    async def _publish(self, version: int) -> tuple[float, float]:
+        """Export ``version`` and load it into every endpoint (admission paused meanwhile)."""
+        started = time.perf_counter()
+        folder = await self.trainer.call(Export(self.run_dir, version, self.config.export_dtype))
+        export_s = time.perf_counter() - started
+        self.session.pause()
+        try:
+            if self.config.reloads:
+                report = await WeightSync(self.endpoints, self.config.sync).sync(folder, version)
+                sync_s = report.seconds
+            else:  # servers that hold no weights: the version is all that changes
+                for endpoint in self.endpoints:
+                    endpoint.weight_version = version
+                sync_s = 0.0
+        finally:
+            self.session.resume()
+        self._forget_old_weights(version)
+        return export_s, sync_s
+
+    def _forget_old_weights(self, version: int) -> None:
+        """Keep the served folder and the one before it (a resume's, or a comparison's)."""
+        for old in range(max(version - 2, 0), max(version - 1, 0)):
+            shutil.rmtree(self.run_dir / "weights" / f"v{old}", ignore_errors=True)
+
+
+def _step_record(
+    step: int,
+    run: TrainRun,
+    groups: list[Group],
+    batch: Batch,
+    result: TrainResult | None,
+    gap: LogprobGap,
+    seconds: tuple[float, float, float, float],
+) -> StepRecord:
+    rollout_s, train_s, export_s, sync_s = seconds
+    records = [r for group in groups for r in group.records]
+    rewards = [r.reward for r in records if r.status != "failed" and r.reward is not None]
+    trained_groups = {sample.group for sample in batch.samples}
+    statuses: dict[str, int] = defaultdict(int)
+    for r in records:
+        statuses[r.status] += 1
+    return StepRecord(
+        step=step,
+        version=run.version - 1,
+        trajectories=len(records),
+        statuses=dict(statuses),
+        reward_mean=statistics.fmean(rewards) if rewards else None,
+        reward_std=statistics.pstdev(rewards) if rewards else None,
+        response_tokens_mean=statistics.fmean(sum(r.loss_mask) for r in records)
+        if records
+        else 0.0,
+        groups=len(groups),
+        groups_used=len(trained_groups),
+        samples_trained=len(batch.samples),
+        dropped=dict(batch.dropped),
+        tokens_trained=batch.trained_tokens,
+        rollout_s=rollout_s,
+        train_s=train_s,
+        export_s=export_s,
+        sync_s=sync_s,
+        weight_version=run.version,
+        logprob_gap_mean=gap.mean_abs,
+        logprob_gap_max=gap.max_abs,
+        logprob_gap_tokens=gap.tokens,
+        loss=result.loss if result else {},
+        grad_norm=result.step.grad_norm if result else None,
+        lr=result.step.lr if result else None,
+    )
+
+
+# ---------------------------------------------------------------------- opening
+
+
+@asynccontextmanager
+async def open_run(
+    config: TrainRunConfig, env_cls: type[Env], run_dir: Path
+) -> AsyncIterator[TrainRun]:
+    """The trainer's processes, the fleet, the engine and one session, all started."""
+    model_dir = config.model_dir
+    if model_dir is None:
+        model_dir = await anyio.to_thread.run_sync(prepare_model)
+    rollout = config.rollout
+    async with AsyncExitStack() as stack:
+        trainer = await stack.enter_async_context(
+            TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
+        )  # it loads the model while the servers start
+        server, model = config.server, rollout.model
+        if server == "embedded":
+            served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
+            vllm = await stack.enter_async_context(_own_server(config, served))
+            server, model = vllm.url, EMBEDDED_MODEL_NAME
+        rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
+        warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
+        assembled = await stack.enter_async_context(open_engine(rollout, env_cls, warm))
+        session = await stack.enter_async_context(RolloutSession(assembled.engine))
+        await trainer.ready()
+        env_name = rollout.env if ":" not in rollout.env else env_cls.__name__.lower()
+        endpoints = list(assembled.engine.scheduler.router.endpoints().values())
+        run = TrainRun(config, run_dir, env_cls, env_name, trainer, session, endpoints)
+        async with anyio.create_task_group() as group:
+            group.start_soon(run.read_groups)
+            yield run
+            group.cancel_scope.cancel()
+
+
+def _own_server(config: TrainRunConfig, served: Path) -> VLLMServer:
+    """vLLM on ``served`` in dev mode (reloads), with the logprobs the trainer expects."""
+    extra: tuple[str, ...] = ("--logprobs-mode", config.logprobs_mode)
+    if config.export_dtype is not None:
+        extra += ("--dtype", config.export_dtype)
+    vllm_config = config.vllm.model_copy(
+        update={"dev_mode": True, "extra_args": (*config.vllm.extra_args, *extra)}
+    )
+    return VLLMServer(served, served_model_name=EMBEDDED_MODEL_NAME, config=vllm_config)
+
+
+def iter_metrics(run_dir: Path) -> Iterator[dict[str, object]]:
+    """The metrics lines of a run folder, as written."""
+    with (run_dir / METRICS_FILE).open() as lines:
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)

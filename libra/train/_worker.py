@@ -1,0 +1,253 @@
+"""The trainer's processes, and the channel the loop drives them through.
+
+The rollout's event loop never trains: :class:`TrainerProcess` spawns the FSDP ranks
+(``world_size`` processes, set up as torchrun would: gloo on CPU, NCCL on CUDA with one
+GPU per rank, so a GPU run is the same code with ``world_size`` = the GPUs given to
+training) and sends them commands through a pipe. Rank 0 reads each command, broadcasts
+it to the other ranks, every rank runs it (the commands are collective), and rank 0
+answers. Commands and answers are small picklable objects: a :class:`Batch` to train on,
+a version to export, records to compare logprobs on.
+
+**Loss scaling.** ``MicroBatch.loss`` is a weighted sum whose sum over *all* of a batch's
+micro-batches is the batch's loss; :meth:`FSDPTrainer.accumulate` divides each
+micro-batch's loss by this rank's micro-batch count, and FSDP's gradient reduction
+averages over ranks. So each micro-batch's loss is multiplied by ``count * world_size``:
+the gradient is then that of the batch's loss, however it is split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from libra.engine import TrajectoryRecord
+from libra.train._batch import Batch, MicroBatch
+from libra.train._config import GRPOConfig
+from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig, spawn
+from libra.train._logprobs import LogprobGap, LogprobsMode
+from libra.train._loss import LossMetrics, token_logprobs
+from libra.train._weights import export_weights
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class TrainerError(RuntimeError):
+    """The trainer's processes failed; the message holds rank 0's traceback."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """One optimizer step: the trainer's metrics and the GRPO loss's, over the batch."""
+
+    step: StepMetrics
+    loss: dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------ commands
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    batch: Batch
+    grpo: GRPOConfig
+    temperature: float
+
+    def run(self, trainer: FSDPTrainer) -> TrainResult:
+        import torch.distributed as dist
+
+        device, world = trainer.dist.device, trainer.dist.world_size
+        micro = [m.to(device) for m in self.batch.for_rank(trainer.dist.rank)]
+        collected: list[LossMetrics] = []
+        loss_fn = partial(
+            grpo_micro_batch_loss,
+            grpo=self.grpo,
+            temperature=self.temperature,
+            scale=float(len(micro) * world),
+            out=collected,
+        )
+        step = trainer.step(micro, loss_fn)
+        gathered: list[list[dict[str, float]]] = [[] for _ in range(world)]
+        dist.all_gather_object(gathered, [m.as_floats() for m in collected])
+        return TrainResult(step, combine_loss_metrics([m for rank in gathered for m in rank]))
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    run_dir: Path
+    version: int
+    dtype: str | None
+
+    def run(self, trainer: FSDPTrainer) -> Path:
+        return export_weights(trainer, self.run_dir, self.version, dtype=self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    records: tuple[TrajectoryRecord, ...]
+    mode: LogprobsMode
+    sampling_temperature: float
+
+    def run(self, trainer: FSDPTrainer) -> LogprobGap:
+        return trainer.compare_logprobs(self.records, self.mode, self.sampling_temperature)
+
+
+Command = Train | Export | Compare
+
+
+def grpo_micro_batch_loss(
+    model: nn.Module,
+    micro: MicroBatch,
+    *,
+    grpo: GRPOConfig,
+    temperature: float,
+    scale: float,
+    out: list[LossMetrics],
+) -> torch.Tensor:
+    """``micro``'s share of the batch's GRPO loss, times ``scale`` (see the module)."""
+    logits = model(
+        input_ids=micro.input_ids,
+        position_ids=micro.position_ids,
+        attention_mask=micro.attention_mask,
+        use_cache=False,
+    ).logits
+    loss, metrics = micro.loss(token_logprobs(logits, micro.targets, temperature), grpo)
+    out.append(metrics)
+    return loss * scale
+
+
+_SUMMED = ("policy_loss", "kl_loss", "tokens")
+_LOWEST, _HIGHEST = ("ratio_min",), ("ratio_max",)
+
+
+def combine_loss_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Micro-batches' loss metrics as the whole batch's: losses and tokens add up,
+    extremes are extremes, the rest are means weighted by trained tokens."""
+    tokens = sum(part["tokens"] for part in parts)
+    trained = [part for part in parts if part["tokens"] > 0]
+    combined: dict[str, float] = {}
+    for name in parts[0] if parts else ():
+        if name in _SUMMED:
+            combined[name] = sum(part[name] for part in parts)
+        elif not trained:
+            combined[name] = 0.0
+        elif name in _LOWEST:
+            combined[name] = min(part[name] for part in trained)
+        elif name in _HIGHEST:
+            combined[name] = max(part[name] for part in trained)
+        else:
+            combined[name] = sum(part[name] * part["tokens"] for part in trained) / tokens
+    return combined
+
+
+# ------------------------------------------------------------------- the processes
+
+
+def _serve_rank(conn: Connection, model_dir: Path, config: TrainerConfig) -> None:
+    """One rank: load the model, then run commands until told to stop (None) or the
+    loop's end of the pipe closes."""
+    import torch.distributed as dist
+
+    trainer = FSDPTrainer(model_dir, config)
+    main = trainer.dist.is_main
+    if main:
+        conn.send(("ready", None))
+    while True:
+        box: list[Command | None] = [_receive(conn) if main else None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        if command is None:
+            return
+        try:
+            result = command.run(trainer)
+        except Exception:
+            if main:
+                conn.send(("error", traceback.format_exc()))
+            raise
+        if main:
+            conn.send(("ok", result))
+
+
+def _receive(conn: Connection) -> Command | None:
+    try:
+        command: Command | None = conn.recv()
+    except EOFError:  # the loop is gone
+        return None
+    return command
+
+
+class TrainerProcess:
+    """The FSDP ranks, in processes of their own, driven from the event loop::
+
+    async with TrainerProcess(model_dir, config, world_size=1) as trainer:
+        await trainer.ready()  # optional: the first call waits for it too
+        result = await trainer.call(Train(batch, grpo, temperature))
+    """
+
+    def __init__(self, model_dir: Path, config: TrainerConfig, *, world_size: int = 1):
+        self.model_dir, self.config, self.world_size = model_dir, config, world_size
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        # Not a daemon: the ranks are its children. It ends when rank 0 does, which ends
+        # when this end of the pipe says stop or closes.
+        self._process = context.Process(
+            target=spawn,
+            args=(world_size, _serve_rank, child, model_dir, config),
+            name="libra-trainer",
+        )
+        self._child = child
+        self._ready = False
+
+    async def __aenter__(self) -> TrainerProcess:
+        self._process.start()
+        self._child.close()
+        return self
+
+    async def ready(self) -> None:
+        """Wait until every rank has loaded and sharded the model."""
+        if not self._ready:
+            await self._answer()
+            self._ready = True
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(None)
+            self._conn.close()
+            await anyio.to_thread.run_sync(self._process.join, 60.0)
+            if self._process.is_alive():
+                self._process.terminate()
+                await anyio.to_thread.run_sync(self._process.join, 10.0)
+
+    async def call(self, command: Command) -> Any:
+        """Run ``command`` on every rank; rank 0's result."""
+        await self.ready()
+        await anyio.to_thread.run_sync(self._conn.send, command)
+        return await self._answer()
+
+    async def _answer(self) -> Any:
+        try:
+            kind, value = await anyio.to_thread.run_sync(self._conn.recv, abandon_on_cancel=True)
+        except EOFError:
+            raise TrainerError(
+                f"the trainer's processes ended (exit code {self._process.exitcode})"
+            ) from None
+        if kind == "error":
+            raise TrainerError(f"the trainer failed:\n{value}")
+        return value
