@@ -26,7 +26,7 @@ from libra.emulation import (
     render_chat_text,
 )
 from libra.engine import Engine, EngineConfig, TrajectoryRecord, http_transport
-from libra.envs import Sandbox
+from libra.envs import Env, Sandbox
 from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec
 from libra.openai import ChatCompletion, Completion, FunctionCall, Message, ToolCall, tool_schema
 from libra.sched import Route, Router, RouteRequest, Scheduler
@@ -400,3 +400,40 @@ def require_vllm() -> None:
 def real_config(**overrides: Any) -> VLLMServerConfig:
     settings: dict[str, Any] = {"startup_timeout_s": 400.0, "max_model_len": 2048}
     return VLLMServerConfig(**(settings | overrides))
+
+
+# ------------------------------------------------------------------ training loop
+
+
+class Brevity(Env):
+    """Rewards short answers, continuously: the samples of a group (almost) never tie,
+    so every group carries a policy signal, on the emulator as on a real model."""
+
+    def reset(self, seed: int) -> str:
+        return f"Say something short about the number {seed % 100}."
+
+    def reward(self, answer: str) -> float:
+        return 1.0 / (1.0 + len(answer) / 100.0)
+
+
+BREVITY = "tests._helpers:Brevity"
+
+
+def tiny_llama(folder: Path, vocab_size: int = 320) -> Path:
+    """A random 2-layer Llama with tied embeddings, covering the emulator's byte tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

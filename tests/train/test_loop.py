@@ -1,0 +1,241 @@
+"""The loop of ``libra train``: rollout session, GRPO step in the trainer's processes,
+weights exported and versions bumped, one metrics line a step.
+
+The fast tests run on the in-process emulator with a tiny random Llama (its vocabulary
+covers the emulator's byte tokens). The emulator holds no weights: its endpoints' versions
+are bumped without a reload (``reload_weights`` is False there by default), and its
+logprobs are made up, so the gap it reports is large and only checked to be measured.
+The real reload, and a gap that means something, are the slow test's, on the embedded
+model with vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from libra.config import load_config
+from libra.train import (
+    Batch,
+    FSDPTrainer,
+    GRPOConfig,
+    Sample,
+    StepMetrics,
+    Train,
+    TrainConfig,
+    TrainerConfig,
+    TrainRunConfig,
+    build_batch,
+    combine_loss_metrics,
+    iter_metrics,
+    spawn,
+    train,
+)
+from tests._helpers import BREVITY, tiny_llama
+
+pytestmark = pytest.mark.anyio
+# Each run spawns the trainer's processes (seconds): one backend, but for the first test.
+asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def run_config(run_dir: Path, model_dir: Path, **overrides: Any) -> TrainRunConfig:
+    data: dict[str, Any] = {
+        "rollout": {
+            "env": BREVITY,
+            # Per-request seeds (from each trajectory's id) and filler of random length
+            # before each answer: the samples of a group differ, and so do their rewards.
+            "engine": {"concurrency": 8, "sampling": {"max_tokens_per_turn": 48, "seed": 0}},
+            "emulator": {"agent": {"think_tokens": [0, 40]}},
+        },
+        "model_dir": str(model_dir),
+        "steps": 2,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 3,
+        "run_dir": str(run_dir),
+        "trainer": {"lr": 1e-3, "cpu_threads": 1, "backend": "gloo"},
+    }
+    data.update(overrides)
+    return TrainRunConfig.model_validate(data)
+
+
+def read_records(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    lines = (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+async def test_two_sync_steps_train_export_and_bump_versions(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = run_config(tmp_path / "run", tiny_model)
+    seen: list[int] = []
+    lines = await train(config, on_step=lambda record: seen.append(record.step))
+
+    assert seen == [0, 1]
+    assert [line.version for line in lines] == [0, 1]
+    assert [line.weight_version for line in lines] == [1, 2]
+    for line in lines:
+        assert line.trajectories == 6 and line.groups == 2
+        assert line.groups_used == 2 and line.samples_trained == 6  # rewards never tie
+        assert line.tokens_trained > 0 and line.dropped == {}
+        assert line.loss["tokens"] == line.tokens_trained
+        assert line.grad_norm is not None and line.grad_norm > 0
+        assert line.logprob_gap_tokens > 0 and math.isfinite(line.logprob_gap_mean)
+        assert line.rollout_s > 0 and line.train_s > 0 and line.export_s > 0
+        assert line.sync_s == 0.0  # no reload on the emulator
+    # Sync mode: every record of step k was sampled on version k, and says so.
+    for step in (0, 1):
+        records = read_records(config.run_dir, step)
+        assert len(records) == 6
+        assert {r["step"] for r in records} == {step}
+        assert {r["weight_version"] for r in records} == {step}
+        assert {span[2] for r in records for span in r["weight_versions"]} == {
+            step
+        }  # [start, end, version]
+    written = list(iter_metrics(config.run_dir))
+    assert [w["step"] for w in written] == [0, 1] and written[1]["weight_version"] == 2
+    # The served v0 is forgotten once two later versions exist; v1 and v2 stay.
+    weights = sorted(p.name for p in (config.run_dir / "weights").iterdir())
+    assert weights == ["v1", "v2"]
+    assert (config.run_dir / "weights" / "v2" / "model.safetensors").is_file()
+
+
+@asyncio_only
+async def test_one_step_off_samples_the_next_step_on_the_old_weights(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = run_config(
+        tmp_path / "run",
+        tiny_model,
+        steps=3,
+        mode="one-step-off",
+        grpo={"max_staleness": 0},
+    )
+    lines = await train(config)
+
+    # Step 0 samples v0 and trains it; steps 1 and 2 were submitted before the previous
+    # step's sync, so their trajectories start one version behind the trainer.
+    first = {r["weight_version"] for r in read_records(config.run_dir, 0)}
+    later = [{r["weight_version"] for r in read_records(config.run_dir, s)} for s in (1, 2)]
+    assert first == {0}
+    assert later[0] <= {0, 1} and later[1] <= {1, 2}
+    assert lines[0].samples_trained == 6
+    # A bound of 0 drops what started on older weights, counted under its reason.
+    for line, versions in zip(lines[1:], later, strict=True):
+        stale = sum(1 for r in versions if r < line.version)
+        assert stale == 0 or line.dropped.get("stale", 0) > 0
+    assert [line.weight_version for line in lines] == [1, 2, 3]
+
+
+@asyncio_only
+async def test_a_run_folder_is_never_reused(tiny_model: Path, tmp_path: Path) -> None:
+    config = run_config(tmp_path / "run", tiny_model, steps=1)
+    await train(config)
+    with pytest.raises(FileExistsError):
+        await train(config)
+
+
+def test_the_resolved_config_loads_back_the_same(tmp_path: Path) -> None:
+    config = run_config(tmp_path / "run", tmp_path / "model", mode="one-step-off")
+    file = tmp_path / "config.toml"
+    file.write_text(config.to_toml())
+    assert load_config(TrainRunConfig, file) == config
+
+
+def test_the_loop_owns_the_rollout_size_and_refuses_a_reference_kl(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"rollout\.n"):
+        run_config(tmp_path, tmp_path, rollout={"env": BREVITY, "n": 8})
+    with pytest.raises(ValueError, match="reference model"):
+        run_config(tmp_path, tmp_path, grpo={"kl_coef": 0.1})
+
+
+# ------------------------------------------------------------------- loss scaling
+
+
+def _samples(count: int, seed: int = 0) -> list[Sample]:
+    """Two groups of ``count // 2`` samples of varied lengths, prompts masked out."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(count):
+        prompt, response = 5 + index % 3, 4 + 3 * index
+        ids = torch.randint(0, 320, (prompt + response,), generator=generator).tolist()
+        samples.append(
+            Sample(
+                id=f"s{index}",
+                group=f"g{index % 2}",
+                status="completed",
+                tokens="exact",
+                reward=float(index),
+                token_ids=tuple(ids),
+                loss_mask=(0,) * prompt + (1,) * response,
+                logprobs=(0.0,) * prompt + (-5.0,) * response,
+                weight_version=0,
+            )
+        )
+    return samples
+
+
+def train_once(model_dir: Path, batch: Batch, grpo: GRPOConfig) -> tuple[StepMetrics, float]:
+    """One step on a fresh trainer (each rank): its metrics and the summed policy loss."""
+    trainer = FSDPTrainer(model_dir, TrainerConfig(backend="gloo", cpu_threads=1, grad_clip=None))
+    result = Train(batch, grpo, temperature=1.0).run(trainer)
+    return result.step, result.loss["policy_loss"]
+
+
+def reference_gradient_norm(model_dir: Path, batch: Batch, grpo: GRPOConfig) -> float:
+    """The batch's loss computed at once on a plain model (one micro-batch), backward."""
+    from transformers import AutoModelForCausalLM
+
+    from libra.train import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    [micro] = batch.micro_batches
+    logits = model(
+        input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False
+    ).logits
+    loss, _ = micro.loss(token_logprobs(logits, micro.targets), grpo)
+    loss.backward()
+    squares = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
+    return math.sqrt(squares)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_micro_batches_and_ranks_give_the_whole_batch_gradient(
+    tiny_model: Path, ranks: int
+) -> None:
+    """The trainer averages over micro-batches and ranks; the loop's loss undoes it."""
+    grpo = GRPOConfig()
+    samples = _samples(8)
+    whole = build_batch(samples, current_version=0, grpo=grpo, train=TrainConfig())
+    split = build_batch(
+        samples, current_version=0, grpo=grpo, train=TrainConfig(micro_batch_tokens=40), ranks=ranks
+    )
+    assert len(whole.micro_batches) == 1 and len(split.micro_batches) >= 2 * ranks
+    expected = reference_gradient_norm(tiny_model, whole, grpo)
+    [(one, one_loss)] = spawn(1, train_once, tiny_model, whole, grpo)
+    (many, many_loss), *_ = spawn(ranks, train_once, tiny_model, split, grpo)
+    assert one.grad_norm == pytest.approx(expected, rel=1e-4)
+    assert many.grad_norm == pytest.approx(expected, rel=1e-4)
+    assert many.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
+    assert many_loss == pytest.approx(one_loss, rel=1e-5, abs=1e-7)
+
+
+def test_loss_metrics_combine_as_the_whole_batch() -> None:
+    parts = [
+        {"policy_loss": 0.5, "tokens": 2.0, "ratio_min": 0.9, "ratio_max": 1.1, "approx_kl": 0.1},
+        {"policy_loss": -0.25, "tokens": 6.0, "ratio_min": 0.8, "ratio_max": 1.0, "approx_kl": 0.3},
+        {"policy_loss": 0.0, "tokens": 0.0, "ratio_min": 0.0, "ratio_max": 0.0, "approx_kl": 0.0},
+    ]
+    combined = combine_loss_metrics(parts)
+    assert combined == pytest.approx(
+        {"policy_loss": 0.25, "tokens": 8.0, "ratio_min": 0.8, "ratio_max": 1.1, "approx_kl": 0.25}
+    )
