@@ -1,4 +1,4 @@
-# Libra: `make demo` runs a real rollout, `make test` runs the checks and all tests.
+# Libra: `make demo` runs a few steps of RL training, `make test` the checks and all tests.
 # Every target installs what it needs into .venv first. Each install step leaves a
 # stamp, so a second run does nothing; editing pyproject.toml redoes them.
 
@@ -54,9 +54,11 @@ unit: setup-serving setup-sandbox
 
 test: lint unit
 
+# The RL loop: a few GRPO steps on the embedded model, weights reloaded into vLLM.
 demo: setup-serving setup-sandbox
 	mkdir -p $(RUNS)
-	$(BIN)/libra rollout --config examples/demo.toml
+	rm -rf $(RUNS)/train-demo
+	$(BIN)/libra train --config examples/train.toml
 
 bench: setup-serving setup-sandbox
 	$(BIN)/libra bench engine
