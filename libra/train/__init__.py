@@ -30,7 +30,7 @@ from libra.train._logprobs import (
 )
 from libra.train._loop import (
     METRICS_FILE,
-    Checkpoint,
+    CheckpointHook,
     StepRecord,
     TrainRun,
     iter_metrics,
@@ -59,6 +59,7 @@ from libra.train._worker import (
     Compare,
     Export,
     Train,
+    TrainerCommand,
     TrainerError,
     TrainerProcess,
     TrainResult,
@@ -70,7 +71,7 @@ __all__ = [
     "METRICS_FILE",
     "Aggregation",
     "Batch",
-    "Checkpoint",
+    "CheckpointHook",
     "Compare",
     "DistContext",
     "Export",
@@ -92,6 +93,7 @@ __all__ = [
     "TrainResult",
     "TrainRun",
     "TrainRunConfig",
+    "TrainerCommand",
     "TrainerConfig",
     "TrainerError",
     "TrainerProcess",

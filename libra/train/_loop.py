@@ -18,7 +18,7 @@ rollout session for the whole run. Then, per step ``k``:
 5. train one optimizer step, export ``weights/v{k+1}``;
 6. pause admission, load the folder into every endpoint, bump their versions, resume;
 7. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), call the
-   checkpoint hook (:class:`Checkpoint`) with the run and the line.
+   checkpoint hook (:class:`CheckpointHook`) with the run and the line.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class StepRecord:
         return json.dumps(asdict(self), sort_keys=False)
 
 
-class Checkpoint(Protocol):
+class CheckpointHook(Protocol):
     """Called after each step's metrics line is written: save what resuming needs."""
 
     def __call__(self, run: TrainRun, record: StepRecord) -> Awaitable[None]: ...
@@ -104,7 +104,7 @@ def _no_progress(step: int, stats: RolloutStats) -> AbstractContextManager[Calla
 async def train(
     config: TrainRunConfig,
     *,
-    checkpoint: Checkpoint | None = None,
+    checkpoint: CheckpointHook | None = None,
     on_step: Callable[[StepRecord], None] = lambda record: None,
     progress: Progress = _no_progress,
 ) -> list[StepRecord]:
@@ -232,10 +232,7 @@ class TrainRun:
         if not current:
             return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
         temperature = self.config.rollout.engine.sampling.temperature or 1.0
-        gap: LogprobGap = await self.trainer.call(
-            Compare(current, self.config.logprobs_mode, temperature)
-        )
-        return gap
+        return await self.trainer.call(Compare(current, self.config.logprobs_mode, temperature))
 
     async def _publish(self, version: int) -> tuple[float, float]:
         """Export ``version`` and load it into every endpoint (admission paused meanwhile)."""

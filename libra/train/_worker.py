@@ -26,7 +26,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
@@ -103,7 +103,16 @@ class Compare:
         return trainer.compare_logprobs(self.records, self.mode, self.sampling_temperature)
 
 
-Command = Train | Export | Compare
+R_co = TypeVar("R_co", covariant=True)
+T = TypeVar("T")
+
+
+class TrainerCommand(Protocol[R_co]):
+    """What the trainer's processes run: picklable, collective (every rank runs it with
+    its own trainer), rank 0's result is the answer. ``Train``, ``Export`` and ``Compare``
+    are the loop's; others (a checkpoint's write or restore) plug in the same way."""
+
+    def run(self, trainer: FSDPTrainer) -> R_co: ...
 
 
 def grpo_micro_batch_loss(
@@ -164,7 +173,7 @@ def _serve_rank(conn: Connection, model_dir: Path, config: TrainerConfig) -> Non
     if main:
         conn.send(("ready", None))
     while True:
-        box: list[Command | None] = [_receive(conn) if main else None]
+        box: list[TrainerCommand[Any] | None] = [_receive(conn) if main else None]
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if command is None:
@@ -179,9 +188,9 @@ def _serve_rank(conn: Connection, model_dir: Path, config: TrainerConfig) -> Non
             conn.send(("ok", result))
 
 
-def _receive(conn: Connection) -> Command | None:
+def _receive(conn: Connection) -> TrainerCommand[Any] | None:
     try:
-        command: Command | None = conn.recv()
+        command: TrainerCommand[Any] | None = conn.recv()
     except EOFError:  # the loop is gone
         return None
     return command
@@ -235,11 +244,12 @@ class TrainerProcess:
                 self._process.terminate()
                 await anyio.to_thread.run_sync(self._process.join, 10.0)
 
-    async def call(self, command: Command) -> Any:
+    async def call(self, command: TrainerCommand[T]) -> T:
         """Run ``command`` on every rank; rank 0's result."""
         await self.ready()
         await anyio.to_thread.run_sync(self._conn.send, command)
-        return await self._answer()
+        result: T = await self._answer()
+        return result
 
     async def _answer(self) -> Any:
         try:
