@@ -254,9 +254,10 @@ class TrainRun:
         return export_s, sync_s
 
     def _forget_old_weights(self, version: int) -> None:
-        """Keep the served folder and the one before it (a resume's, or a comparison's)."""
-        for old in range(max(version - 2, 0), max(version - 1, 0)):
-            shutil.rmtree(self.run_dir / "weights" / f"v{old}", ignore_errors=True)
+        """Keep the served version, the one before it, and v0 (the servers' start folder,
+        the model they were launched on): each version is the size of the model."""
+        if version - 2 >= 1:
+            shutil.rmtree(self.run_dir / "weights" / f"v{version - 2}", ignore_errors=True)
 
 
 def _step_record(

@@ -103,7 +103,8 @@ async def test_two_sync_steps_train_export_and_bump_versions(
         }  # [start, end, version]
     written = list(iter_metrics(config.run_dir))
     assert [w["step"] for w in written] == [0, 1] and written[1]["weight_version"] == 2
-    # The served v0 is forgotten once two later versions exist; v1 and v2 stay.
+    # Weights kept: the served version and the one before it (the emulator starts from
+    # no folder of the run's: there is no v0 here).
     weights = sorted(p.name for p in (config.run_dir / "weights").iterdir())
     assert weights == ["v1", "v2"]
     assert (config.run_dir / "weights" / "v2" / "model.safetensors").is_file()
@@ -134,6 +135,8 @@ async def test_one_step_off_samples_the_next_step_on_the_old_weights(
         stale = sum(1 for r in versions if r < line.version)
         assert stale == 0 or line.dropped.get("stale", 0) > 0
     assert [line.weight_version for line in lines] == [1, 2, 3]
+    weights = sorted(p.name for p in (config.run_dir / "weights").iterdir())
+    assert weights == ["v2", "v3"]
 
 
 @asyncio_only
