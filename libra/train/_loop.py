@@ -36,6 +36,7 @@ from typing import Protocol
 
 import anyio
 import msgspec
+from rich.console import Console
 
 from libra.engine import Group, RolloutSession, RolloutStats, TrajectoryRecord, jobs_for
 from libra.envs import Env, load_env
@@ -324,7 +325,10 @@ async def open_run(
         server, model = config.server, rollout.model
         if server == "embedded":
             served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
-            vllm = await stack.enter_async_context(_own_server(config, served))
+            console = Console(stderr=True)
+            with console.status(f"starting vLLM (dev mode) on {served}"):
+                vllm = await stack.enter_async_context(_own_server(config, served))
+            console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
             server, model = vllm.url, EMBEDDED_MODEL_NAME
         rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
         warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
