@@ -76,7 +76,8 @@ def step_line(record: StepRecord) -> str:
         f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
         f"({record.groups_used}/{record.groups} groups) · loss "
         f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.4f} · "
-        f"rollout {record.rollout_s:.1f} s, train {record.train_s:.1f} s, "
+        f"rollout {record.rollout_s:.1f} s, check {record.compare_s:.1f} s, "
+        f"train {record.train_s:.1f} s, "
         f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}"
     )
 
@@ -110,6 +111,7 @@ _PANELS = (
         "seconds",
         (
             ("rollout_s", "rollout"),
+            ("compare_s", "logprob check"),
             ("train_s", "train"),
             ("export_s", "export"),
             ("sync_s", "sync"),
@@ -129,6 +131,7 @@ def plot_run(run_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     lines = list(iter_metrics(run_dir))
     steps = [line["step"] for line in lines]
@@ -141,6 +144,7 @@ def plot_run(run_dir: Path) -> Path:
         if len(series) > 1:
             axis.legend(loc="upper left", fontsize="small")
     axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     figure.suptitle(f"libra train: {run_dir}")
     figure.tight_layout()
     target = run_dir / "plot.png"

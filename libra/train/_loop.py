@@ -57,9 +57,10 @@ class StepRecord:
     """One line of ``metrics.jsonl``: step ``step`` trained weights ``version`` into
     ``version + 1``. Seconds: ``rollout_s`` the loop waited for the step's groups
     (in ``one-step-off`` most of the rollout hides behind the previous step's training),
-    ``train_s`` the optimizer step, ``export_s`` the weights written, ``sync_s`` loaded
-    into every endpoint. ``logprob_gap_*``: trainer versus server on the records sampled
-    at ``version`` only (``tokens`` 0: none was)."""
+    ``compare_s`` the logprob comparison, ``train_s`` the optimizer step, ``export_s``
+    the weights written, ``sync_s`` loaded into every endpoint. ``logprob_gap_*``:
+    trainer versus server on the records sampled at ``version`` only (``tokens`` 0: none
+    was, as in ``one-step-off`` after the first step)."""
 
     step: int
     version: int
@@ -74,6 +75,7 @@ class StepRecord:
     dropped: dict[str, int]
     tokens_trained: int
     rollout_s: float
+    compare_s: float
     train_s: float
     export_s: float
     sync_s: float
@@ -184,7 +186,9 @@ class TrainRun:
             train=self.config.train,
             ranks=self.config.world_size,
         )
+        started = time.perf_counter()
         gap = await self._logprob_gap(step_records)
+        compare_s = time.perf_counter() - started
         started = time.perf_counter()
         result: TrainResult | None = None
         if batch.micro_batches:
@@ -195,7 +199,7 @@ class TrainRun:
         self.version += 1
         if self.config.mode == "sync":
             self.submit(step + 1)
-        seconds = (rollout_s, train_s, export_s, sync_s)
+        seconds = (rollout_s, compare_s, train_s, export_s, sync_s)
         return _step_record(step, self, groups, batch, result, gap, seconds)
 
     async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
@@ -268,9 +272,9 @@ def _step_record(
     batch: Batch,
     result: TrainResult | None,
     gap: LogprobGap,
-    seconds: tuple[float, float, float, float],
+    seconds: tuple[float, float, float, float, float],
 ) -> StepRecord:
-    rollout_s, train_s, export_s, sync_s = seconds
+    rollout_s, compare_s, train_s, export_s, sync_s = seconds
     records = [r for group in groups for r in group.records]
     rewards = [r.reward for r in records if r.status != "failed" and r.reward is not None]
     trained_groups = {sample.group for sample in batch.samples}
@@ -293,6 +297,7 @@ def _step_record(
         dropped=dict(batch.dropped),
         tokens_trained=batch.trained_tokens,
         rollout_s=rollout_s,
+        compare_s=compare_s,
         train_s=train_s,
         export_s=export_s,
         sync_s=sync_s,

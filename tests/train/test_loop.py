@@ -142,9 +142,11 @@ async def test_one_step_off_samples_the_next_step_on_the_old_weights(
 @asyncio_only
 async def test_a_run_folder_is_never_reused(tiny_model: Path, tmp_path: Path) -> None:
     config = run_config(tmp_path / "run", tiny_model, steps=1)
-    await train(config)
+    config.run_dir.mkdir()
+    (config.run_dir / "metrics.jsonl").write_text("{}\n")  # as a run leaves it
     with pytest.raises(FileExistsError):
         await train(config)
+    assert not (config.run_dir / "rollouts").exists()  # refused before anything started
 
 
 def test_the_resolved_config_loads_back_the_same(tmp_path: Path) -> None:
