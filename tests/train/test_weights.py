@@ -211,7 +211,7 @@ def server(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     whether the reload itself is exact.
     """
     config = VLLMServerConfig(
-        startup_timeout_s=400.0,
+        startup_timeout_s=900.0,  # 2 shared cores: a start has taken over 400 s here
         max_model_len=2048,
         dev_mode=True,
         log_file=tmp_path_factory.mktemp("vllm-logs") / "server.log",
