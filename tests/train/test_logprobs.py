@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libra.engine import Timings, TrajectoryRecord
 from libra.train import (
     LogprobGap,
     logprob_gap,
@@ -16,7 +17,6 @@ from libra.train import (
     sequence_logprobs,
     server_logprob_temperature,
 )
-from tests.train._workers import make_record
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,31 @@ def test_gap_skips_positions_without_a_server_logprob() -> None:
     with pytest.raises(ValueError, match="one fewer"):
         logprob_gap([-1.0, -2.0], [None, -1.0])
     assert gap.as_metrics()["logprob_gap/mean_abs"] == 0.75
+
+
+def make_record(
+    ids: list[int], mask: list[int], logprobs: list[float | None], tokens: str = "exact"
+) -> TrajectoryRecord:
+    """A finished trajectory holding these tokens, as the rollout engine records it."""
+    return TrajectoryRecord(
+        id="t#0",
+        env="calc",
+        task_id="t",
+        sample=0,
+        status="completed",
+        stop_reason="model_stop",
+        reward=1.0,
+        turns=1,
+        messages=[],
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        tokens=tokens,  # type: ignore[arg-type]
+        weight_versions=[],
+        tool_returns=[],
+        endpoints=[],
+        timings=Timings(),
+    )
 
 
 def test_records_gap_compares_sampled_tokens_of_exact_records_only(
