@@ -21,6 +21,7 @@ from libra.cli._rollout import run_rollout
 from libra.config import ConfigError, load_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
+from libra.envs import load_env
 from libra.launch import FleetError, RolloutConfig, beside
 from libra.sched.policies import PrefixForest
 from libra.serving import VLLMServer, server_config
@@ -111,7 +112,8 @@ def test_serve_config_precedence(tmp_path: Path) -> None:
 
 def test_the_demo_config_is_valid() -> None:
     config = load_config(RolloutConfig, DEMO)
-    assert (config.env, config.server, config.n) == ("python_math", "embedded", 16)
+    assert (config.server, config.n, config.samples_per_prompt) == ("embedded", 16, 4)
+    assert load_env(config.env).__name__ == "PythonArith"
     assert config.engine.on_max_tokens == "continue"
 
 
