@@ -21,13 +21,17 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
     groups: dict[str, list[float]] = defaultdict(list)
     for record, reward in zip(records, rewards, strict=True):
         groups[record["task_id"]].append(reward)
-    spread = [g for g in groups.values() if len(g) > 1 and statistics.pvariance(g) > 0]
+    # Groups of one sample (an unfinished rollout's) say nothing about the spread.
+    sampled = [g for g in groups.values() if len(g) > 1]
+    spread = [g for g in sampled if statistics.pvariance(g) > 0]
     return {
         "trajectories": len(records),
         "completed": sum(r["status"] == "completed" for r in records),
         "mean_reward": statistics.fmean(rewards),
         "groups": len(groups),
-        "groups_with_spread": len(spread) / len(groups),
+        "groups_sampled_twice": len(sampled),
+        "groups_with_spread": len(spread) / max(len(sampled), 1),
+        "full_credit": sum(reward == 1.0 for reward in rewards) / len(rewards),
         "mean_turns": statistics.fmean(r["turns"] for r in records),
         "tool_calls": sum(len(r["tool_returns"]) for r in records),
         "tool_failures": sum(t["status"] != "success" for r in records for t in r["tool_returns"]),
