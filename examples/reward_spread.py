@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 
-def summary(records: list[dict[str, Any]]) -> dict[str, float]:
+def summary(all_records: list[dict[str, Any]]) -> dict[str, float]:
+    # A failed trajectory (a fault, or cancelled) has no reward: it is not a zero.
+    records = [r for r in all_records if r["status"] != "failed"]
     rewards = [r["reward"] or 0.0 for r in records]
     groups: dict[str, list[float]] = defaultdict(list)
     for record, reward in zip(records, rewards, strict=True):
@@ -25,7 +27,8 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
     sampled = [g for g in groups.values() if len(g) > 1]
     spread = [g for g in sampled if statistics.pvariance(g) > 0]
     return {
-        "trajectories": len(records),
+        "trajectories": len(all_records),
+        "failed": len(all_records) - len(records),
         "completed": sum(r["status"] == "completed" for r in records),
         "mean_reward": statistics.fmean(rewards),
         "groups": len(groups),
