@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libra.engine import Timings, TrajectoryRecord
 from libra.train import (
     LogprobGap,
     logprob_gap,
@@ -17,6 +16,7 @@ from libra.train import (
     sequence_logprobs,
     server_logprob_temperature,
 )
+from tests._helpers import record_of
 
 
 @pytest.fixture(scope="module")
@@ -85,31 +85,6 @@ def test_gap_skips_positions_without_a_server_logprob() -> None:
     assert gap.as_metrics()["logprob_gap/mean_abs"] == 0.75
 
 
-def make_record(
-    ids: list[int], mask: list[int], logprobs: list[float | None], tokens: str = "exact"
-) -> TrajectoryRecord:
-    """A finished trajectory holding these tokens, as the rollout engine records it."""
-    return TrajectoryRecord(
-        id="t#0",
-        env="calc",
-        task_id="t",
-        sample=0,
-        status="completed",
-        stop_reason="model_stop",
-        reward=1.0,
-        turns=1,
-        messages=[],
-        token_ids=ids,
-        loss_mask=mask,
-        logprobs=logprobs,
-        tokens=tokens,  # type: ignore[arg-type]
-        weight_versions=[],
-        tool_returns=[],
-        endpoints=[],
-        timings=Timings(),
-    )
-
-
 def test_records_gap_compares_sampled_tokens_of_exact_records_only(
     tiny_model: torch.nn.Module,
 ) -> None:
@@ -117,9 +92,9 @@ def test_records_gap_compares_sampled_tokens_of_exact_records_only(
     mask = [0, 0, 0, 1, 1, 1]  # a 3-token prompt, then 3 sampled tokens
     exact = sequence_logprobs(tiny_model, torch.tensor([ids]), 0.7)[0].tolist()
     served: list[float | None] = [None, None, None, exact[2] + 0.1, exact[3] - 0.3, exact[4]]
-    drifted = make_record(ids, mask, [None, None, None, 0.0, 0.0, 0.0], "drift")
+    drifted = record_of(ids, mask, [None, None, None, 0.0, 0.0, 0.0], "drift")
 
-    gap = records_logprob_gap(tiny_model, [make_record(ids, mask, served, "exact"), drifted], 0.7)
+    gap = records_logprob_gap(tiny_model, [record_of(ids, mask, served, "exact"), drifted], 0.7)
 
     assert gap.tokens == 3
     assert gap.mean_abs == pytest.approx(0.4 / 3, abs=1e-5)

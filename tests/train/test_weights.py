@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from libra.engine import Timings, TrajectoryRecord
+from libra.engine import TrajectoryRecord
 from libra.fleet import Endpoint
 from libra.serving import VLLMServer, VLLMServerConfig
 from libra.train import (
@@ -32,6 +32,7 @@ from libra.train import (
     spawn,
     write_weights_folder,
 )
+from tests._helpers import record_of
 
 pytestmark = pytest.mark.anyio
 
@@ -92,31 +93,6 @@ def train_and_export(
         "folder": folder,
         "parameters": trainer.full_parameters(),
     }
-
-
-def make_record(
-    ids: list[int], mask: list[int], logprobs: list[float | None], tokens: str = "exact"
-) -> TrajectoryRecord:
-    """A finished trajectory holding these tokens, as the rollout engine records it."""
-    return TrajectoryRecord(
-        id="t#0",
-        env="calc",
-        task_id="t",
-        sample=0,
-        status="completed",
-        stop_reason="model_stop",
-        reward=1.0,
-        turns=1,
-        messages=[],
-        token_ids=ids,
-        loss_mask=mask,
-        logprobs=logprobs,
-        tokens=tokens,  # type: ignore[arg-type]
-        weight_versions=[],
-        tool_returns=[],
-        endpoints=[],
-        timings=Timings(),
-    )
 
 
 # --------------------------------------------------------------- export (fast, tiny model)
@@ -263,7 +239,7 @@ async def test_changed_weights_take_effect_and_match_the_trainer(
     async with httpx.AsyncClient(timeout=120) as client:
         sampled, sampled_logprobs = await _sample(client, server.url, prompt)
         probe = prompt + sampled
-        record = make_record(
+        record = record_of(
             probe, [0] * len(prompt) + [1] * len(sampled), [None] * len(prompt) + sampled_logprobs
         )
         served_before = await server_prompt_logprobs(client, server.url, SERVED, probe)
