@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +18,14 @@ from libra.cli._config import add_config_arguments
 from libra.cli._progress import counters
 from libra.config import load_config
 from libra.engine import RolloutStats
-from libra.train import METRICS_FILE, StepRecord, TrainRunConfig, iter_metrics, train
+from libra.train import (
+    METRICS_FILE,
+    StepRecord,
+    TrainerError,
+    TrainRunConfig,
+    iter_metrics,
+    train,
+)
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,10 +61,22 @@ def run(args: argparse.Namespace) -> int:
         f"into {config.run_dir}"
     )
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)
-    anyio.run(_train, config, console, progress)
+    try:
+        anyio.run(_train, config, console, progress)
+    except BaseExceptionGroup as group:  # the loop's task groups wrap the trainer's failure
+        failed = group.subgroup(TrainerError)
+        if failed is None:
+            raise
+        print(f"libra: error: {_leaf(failed)}", file=sys.stderr)
+        return 1
     plot = plot_run(config.run_dir)
     console.print(f"metrics in {config.run_dir / METRICS_FILE}; plot in {plot}")
     return 0
+
+
+async def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 async def _train(
