@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     first = group.exceptions[0]
     return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
