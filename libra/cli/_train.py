@@ -95,7 +95,7 @@ def step_line(record: StepRecord) -> str:
         f"[bold]step {record.step}[/] reward {reward} · response {record.response_tokens_mean:.0f} "
         f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
         f"({record.groups_used}/{record.groups} groups) · loss "
-        f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.4f} · "
+        f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.1e} · "
         f"rollout {record.rollout_s:.1f} s, check {record.compare_s:.1f} s, "
         f"train {record.train_s:.1f} s, "
         f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}"
