@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
 import httpx
 import msgspec
@@ -276,6 +277,7 @@ async def test_request_errors_look_like_vllm() -> None:
         assert "60 in the completion" in await error(
             await post("/v1/completions", json=no_room), 400
         )
+        bad: Mapping[str, object]
         for bad in ({"max_tokens": 0}, {"prompt": [1, 999]}, {"prompt": []}, {"logprobs": 21}):
             await error(
                 await post("/v1/completions", json={"model": MODEL, "prompt": "x", **bad}), 400

@@ -7,8 +7,15 @@ import time
 import anyio
 import pytest
 
-from libra.engine import EngineConfig, SamplingConfig, TrajectoryJob, run_trajectory
+from libra.engine import (
+    EngineConfig,
+    SamplingConfig,
+    TrajectoryJob,
+    TrajectoryRecord,
+    run_trajectory,
+)
 from libra.envs import Env, ToolError, tool
+from libra.fleet import Api
 from tests._helpers import assert_tokens_consistent, emulated_engine, sampled_spans, tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -69,8 +76,9 @@ def call(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
-async def run(replies: list[str], *, api: str = "auto", **config: object) -> object:
-    async with emulated_engine(replies, api=api, config=EngineConfig(**config)) as (engine, out):  # type: ignore[arg-type]
+async def run(replies: list[str], *, api: Api = "auto", **config: object) -> TrajectoryRecord:
+    engine_config = EngineConfig.model_validate(config)
+    async with emulated_engine(replies, api=api, config=engine_config) as (engine, out):
         record = await run_trajectory(TrajectoryJob.seeded(Toy, "toy", 5), engine)
     assert out == [record]
     assert_tokens_consistent(record, Toy.tool_schemas())
@@ -78,7 +86,7 @@ async def run(replies: list[str], *, api: str = "auto", **config: object) -> obj
 
 
 @pytest.mark.parametrize("api", ["auto", "tokens"])
-async def test_tool_then_answer_records_exact_tokens(api: str) -> None:
+async def test_tool_then_answer_records_exact_tokens(api: Api) -> None:
     replies = ["Let me add. " + call("add", '{"a": 5, "b": 2}'), "The answer is 7"]
     record = await run(replies, api=api)
     assert (record.status, record.stop_reason, record.reward) == ("completed", "model_stop", 1.0)
@@ -171,7 +179,7 @@ async def test_max_tokens_per_turn_truncates() -> None:
 
 
 @pytest.mark.parametrize("api", ["tokens", "chat"])
-async def test_a_turn_cut_by_max_tokens_can_still_run_its_calls(api: str) -> None:
+async def test_a_turn_cut_by_max_tokens_can_still_run_its_calls(api: Api) -> None:
     written = call("add", '{"a": 5, "b": 2}')
     replies = [written + " and on and on and on", "The answer is 7", "so on and so on"]
     sampling = SamplingConfig(max_tokens_per_turn=len(written) + 4)
@@ -234,7 +242,7 @@ async def test_env_errors_fail_the_trajectory_not_the_engine() -> None:
 
 
 @pytest.mark.parametrize("api", ["tokens", "chat"])
-async def test_on_reply_continues_the_conversation(api: str) -> None:
+async def test_on_reply_continues_the_conversation(api: Api) -> None:
     class Tutor(Toy):
         def on_reply(self, text: str) -> str | None:
             return None if "7" in text else "Check your arithmetic."
@@ -248,7 +256,7 @@ async def test_on_reply_continues_the_conversation(api: str) -> None:
 
 
 @pytest.mark.parametrize("api", ["tokens", "chat"])
-async def test_a_stop_string_ends_the_turn_and_its_call_runs(api: str) -> None:
+async def test_a_stop_string_ends_the_turn_and_its_call_runs(api: Api) -> None:
     class Stopping(Toy):
         stop_strings = ("</tool_call>",)
 

@@ -4,6 +4,7 @@ model's programs run in a real Docker sandbox."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,7 +14,11 @@ from libra.engine import TrajectoryJob, TrajectoryRecord, run_trajectory
 from libra.sandbox import DockerSandboxProvider
 from tests._helpers import emulated_engine
 
-docker = pytest.importorskip("docker", reason="the Docker SDK is not installed")
+if TYPE_CHECKING:
+    import docker
+
+
+pytest.importorskip("docker", reason="the Docker SDK is not installed")
 SEED = 7
 
 
@@ -67,7 +72,8 @@ async def sandboxes(docker_client: docker.DockerClient) -> AsyncIterator[DockerS
 async def run(replies: list[str], sandboxes: DockerSandboxProvider) -> TrajectoryRecord:
     async with emulated_engine(replies) as (engine, _):
         engine.sandboxes = sandboxes
-        record = await run_trajectory(TrajectoryJob(PythonArith, "python_arith", SEED), engine)
+        job = TrajectoryJob.seeded(PythonArith, "python_arith", SEED)
+        record = await run_trajectory(job, engine)
     assert record.status == "completed", record.error
     return record
 

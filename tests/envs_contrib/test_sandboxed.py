@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,7 +14,11 @@ from libra.envs import Env
 from libra.sandbox import DockerSandboxProvider
 from tests._helpers import emulated_engine
 
-docker = pytest.importorskip("docker", reason="the Docker SDK is not installed")
+if TYPE_CHECKING:
+    import docker
+
+
+pytest.importorskip("docker", reason="the Docker SDK is not installed")
 SEED_RUN_LENGTH = 0  # a task seed whose problem is run_length
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import pytest
 
@@ -16,7 +16,11 @@ from libra.envs import Env
 from libra.sandbox import DockerSandboxProvider
 from tests._helpers import PathRecorder, emulated_engine
 
-docker = pytest.importorskip("docker", reason="the Docker SDK is not installed")
+if TYPE_CHECKING:
+    import docker
+
+
+pytest.importorskip("docker", reason="the Docker SDK is not installed")
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 SEED_RUN_LENGTH = 0  # a code_tests seed whose problem is run_length
 

@@ -237,7 +237,7 @@ def test_a_release_twice_counts_once() -> None:
 def test_the_weight_version_is_taken_at_routing_and_shared_with_weight_sync() -> None:
     router = Router(two_buckets())
     route = call(router, "a1")
-    assert route.weight_version == 0 and not route.weights_changed
+    assert (route.weight_version, route.weights_changed) == (0, False)
     router.endpoints()["a1"].weight_version = 1  # what a weight sync does
     assert route.weights_changed and route.weight_version == 0
     assert call(router, "a1").weight_version == 1

@@ -22,9 +22,12 @@ from libra.engine import (
     jobs_for,
     rollout,
 )
+from libra.engine._records import Status, TokenSource
 from libra.train import (
+    Aggregation,
     Batch,
     GRPOConfig,
+    Layout,
     MicroBatch,
     Sample,
     TrainConfig,
@@ -44,8 +47,8 @@ def record(
     group: str = "g",
     ids: Sequence[int] | None = None,
     logprobs: Sequence[float] | None = None,
-    status: str = "completed",
-    tokens: str = "exact",
+    status: Status = "completed",
+    tokens: TokenSource = "exact",
     version: int = 0,
 ) -> TrajectoryRecord:
     """A record as the engine writes one; sampled runs of ``mask`` become weight spans."""
@@ -324,11 +327,11 @@ def model_records(model: torch.nn.Module) -> list[TrajectoryRecord]:
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
-    tiny_model: torch.nn.Module, model_samples: list[Sample], aggregation: str
+    tiny_model: torch.nn.Module, model_samples: list[Sample], aggregation: Aggregation
 ) -> None:
     grpo, samples = GRPOConfig(aggregation=aggregation), model_samples
 
-    def batch(layout: str, budget: int) -> Batch:
+    def batch(layout: Layout, budget: int) -> Batch:
         train = TrainConfig(layout=layout, micro_batch_tokens=budget)
         return build_batch(samples, current_version=0, grpo=grpo, train=train)
 
@@ -423,5 +426,6 @@ def test_a_micro_batch_moves_whole() -> None:
     batch = batch_of([record("a", 1.0, [0, 1, 1]), record("b", 0.0, [0, 1])], layout="padded")
     [micro] = batch.micro_batches
     moved = micro.to("meta")
+    assert moved.attention_mask is not None  # a padded micro-batch has one
     assert moved.input_ids.device.type == moved.attention_mask.device.type == "meta"
     assert moved.sample_ids == micro.sample_ids and micro.input_ids.device.type == "cpu"

@@ -154,7 +154,7 @@ def test_trainer_config_defaults_pick_the_backend_and_precision_from_the_device(
     config = TrainerConfig()
     assert (config.backend, config.mixed_precision) == ("auto", "auto")
     with pytest.raises(ValueError):
-        TrainerConfig(mixed_precision="fp16")  # type: ignore[arg-type]
+        TrainerConfig(mixed_precision="fp16")
     assert torch.float32.is_floating_point
 
 

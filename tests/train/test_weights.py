@@ -222,7 +222,8 @@ def _logprobs_of_folder(folder: Path, ids: list[int]) -> list[float]:
     from libra.train import sequence_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return sequence_logprobs(model, torch.tensor([ids]))[0].tolist()
+    logprobs: list[float] = sequence_logprobs(model, torch.tensor([ids]))[0].tolist()
+    return logprobs
 
 
 @pytest.mark.slow
