@@ -58,7 +58,7 @@ test: lint unit
 demo: setup-serving setup-sandbox
 	mkdir -p $(RUNS)
 	rm -rf $(RUNS)/train-demo
-	$(BIN)/libra train --config examples/train.toml
+	$(BIN)/libra train --config examples/demo.toml
 
 bench: setup-serving setup-sandbox
 	$(BIN)/libra bench engine

@@ -19,7 +19,7 @@ settings (temperature 0.7, 512 tokens a turn), on a 2-core machine shared with f
 jobs (vLLM made 5-15 generated tokens/s instead of ~560), so both runs were stopped at
 25 minutes with 16 of their 64 trajectories cancelled (no reward, left out below)::
 
-    libra rollout --config examples/demo.toml -n 64 --samples-per-prompt 4 \
+    libra rollout --config examples/rollout.toml -n 64 --samples-per-prompt 4 \
         --concurrency 16 --seed S --out f.jsonl
     python examples/reward_spread.py f.jsonl
 

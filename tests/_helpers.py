@@ -44,7 +44,7 @@ from libra.signals import ToolSignal
 MODEL = "libra-emulated"
 EMULATED_URL = "http://emulated"
 tokenizer = ByteTokenizer()
-DEMO = Path(__file__).parents[1] / "examples" / "demo.toml"
+DEMO = Path(__file__).parents[1] / "examples" / "rollout.toml"
 
 
 @asynccontextmanager
