@@ -9,6 +9,14 @@ from libra.train._batch import (
     group_advantages,
     plan_micro_batches,
 )
+from libra.train._checkpoint import (
+    Checkpoint,
+    Persistent,
+    RunState,
+    find_latest,
+    resume,
+    truncate_metrics,
+)
 from libra.train._config import Aggregation, GRPOConfig, Layout, StaleRule, TrainConfig
 from libra.train._fsdp import (
     DistContext,
@@ -49,6 +57,7 @@ from libra.train._weights import (
 __all__ = [
     "Aggregation",
     "Batch",
+    "Checkpoint",
     "DistContext",
     "FSDPTrainer",
     "GRPOConfig",
@@ -57,6 +66,8 @@ __all__ = [
     "LogprobsMode",
     "LossMetrics",
     "MicroBatch",
+    "Persistent",
+    "RunState",
     "Sample",
     "StaleRule",
     "StepMetrics",
@@ -69,12 +80,14 @@ __all__ = [
     "aggregation_weights",
     "build_batch",
     "export_weights",
+    "find_latest",
     "group_advantages",
     "grpo_loss",
     "init_distributed",
     "logprob_gap",
     "plan_micro_batches",
     "records_logprob_gap",
+    "resume",
     "sequence_logprobs",
     "sequence_token_weight",
     "servable_model",
@@ -84,5 +97,6 @@ __all__ = [
     "split_by_tokens",
     "staleness_weight",
     "token_logprobs",
+    "truncate_metrics",
     "write_weights_folder",
 ]

@@ -1,0 +1,225 @@
+"""Checkpoints: a resumed trainer steps as if never stopped, a run killed mid-write keeps
+its previous checkpoint, the last K are kept, and a killed run continues without a gap."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from libra.sched.policies import PrefixForest
+from libra.train import (
+    Checkpoint,
+    FSDPTrainer,
+    RunState,
+    TrainerConfig,
+    find_latest,
+    spawn,
+    truncate_metrics,
+)
+from tests.train._workers import fixed_batch, save_llama, save_tiny_llama, steps_then_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    """A trainer in this process joins a process group of one: leave none behind."""
+    import torch.distributed as dist
+
+    before = {key: os.environ.get(key) for key in _RENDEZVOUS}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resumed_trainer_steps_as_if_never_stopped(tmp_path: Path, world: int) -> None:
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    batch = fixed_batch(64, sequences=4, length=16)
+    # Warmup makes the lr differ per step, the noisy loss draws from both RNGs per rank.
+    config = TrainerConfig(lr=1e-2, warmup_steps=4, backend="gloo", cpu_threads=1)
+    saved = tmp_path / "saved"
+
+    straight = spawn(world, steps_then_checkpoint, model_dir, batch, config, 3, None, None)
+    spawn(world, steps_then_checkpoint, model_dir, batch, config, 1, None, saved)
+    resumed = spawn(world, steps_then_checkpoint, model_dir, batch, config, 2, saved, None)
+
+    for whole, tail in zip(straight, resumed, strict=True):
+        assert tail["steps_done"] == whole["steps_done"] == 3
+        assert tail["lrs"] == whole["lrs"][1:]
+        assert tail["losses"] == pytest.approx(whole["losses"][1:], rel=1e-6)
+        for name, value in whole["parameters"].items():
+            assert torch.allclose(tail["parameters"][name], value, rtol=1e-5, atol=1e-7), name
+    # The two ranks draw different noise, so each rank's own RNG state came back.
+    if world == 2:
+        assert straight[0]["losses"] == straight[1]["losses"]  # averaged over ranks
+        assert set((saved / "rng").iterdir()) == {
+            saved / "rng" / "rank0.pt",
+            saved / "rng" / "rank1.pt",
+        }
+        a, b = (torch.load(saved / "rng" / f"rank{r}.pt")["torch"] for r in (0, 1))
+        assert not torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("group_of_one")
+def test_a_run_killed_mid_write_keeps_its_previous_checkpoint(tmp_path: Path) -> None:
+    # Big enough that writing it takes a while: the kill lands inside a write.
+    model_dir = save_llama(tmp_path / "model", hidden=256, layers=4)
+    run_dir = tmp_path / "run"
+    victim = _python(f"checkpoint_forever(Path({str(model_dir)!r}), Path({str(run_dir)!r}))")
+    try:
+        partial = _wait_for_partial_after_first(run_dir / "checkpoints")
+        victim.send_signal(signal.SIGKILL)
+    finally:
+        victim.kill()
+        victim.wait()
+
+    assert partial.exists()  # killed before the rename
+    latest = find_latest(run_dir)
+    assert latest is not None and latest.path.name == f"step-{latest.run.step:08d}"
+    assert partial.name == f".partial-step-{latest.run.step + 1:08d}"
+    assert latest.run == RunState(latest.run.step, 2 * latest.run.step, latest.run.step)
+    trainer = FSDPTrainer(model_dir, TrainerConfig(cpu_threads=1, backend="gloo"))
+    trainer.load_checkpoint(latest.path)
+    assert trainer.steps_done == latest.run.step
+    # The next write clears the half-written folder.
+    Checkpoint.write(run_dir, trainer, RunState(latest.run.step + 1, 0, 0))
+    assert not partial.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("group_of_one")
+def test_only_the_last_k_checkpoints_are_kept(tmp_path: Path) -> None:
+    trainer = FSDPTrainer(save_tiny_llama(tmp_path / "tiny"), TrainerConfig(backend="gloo"))
+    forest = PrefixForest()
+    forest.observe("p", ["write"], [12, 5])
+    for step in range(1, 6):
+        Checkpoint.write(
+            tmp_path, trainer, RunState(step, 4 * step, step), forest=forest, keep_last=2
+        )
+
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000004", "step-00000005"]
+    latest = find_latest(tmp_path)
+    assert latest is not None and latest.run == RunState(5, 20, 5)
+    assert latest.forest_path is not None
+    assert PrefixForest.load(latest.forest_path).to_bytes() == forest.to_bytes()
+    assert find_latest(tmp_path / "elsewhere") is None
+    with pytest.raises(ValueError, match="keep_last"):
+        Checkpoint.write(tmp_path, trainer, RunState(6, 0, 0), keep_last=0)
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_continues_in_the_same_order_without_a_gap(
+    tmp_path: Path,
+) -> None:
+    model_dir = save_llama(tmp_path / "model", hidden=128, layers=2)
+    steps = 8
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for run_dir in (straight, killed):
+        run_dir.mkdir()
+    assert _python(_run_call(model_dir, straight, steps, resume=False)).wait(timeout=300) == 0
+
+    victim = _python(_run_call(model_dir, killed, steps, resume=False))
+    try:
+        # Steps 0..2 logged, the checkpoint holds 2 steps: step 3 is running now.
+        _wait_for(lambda: len(_lines(killed / "metrics.jsonl")) >= 3)
+        victim.send_signal(signal.SIGKILL)
+    finally:
+        victim.kill()
+        victim.wait()
+    logged_when_killed = _lines(killed / "metrics.jsonl")
+    assert 3 <= len(logged_when_killed) < steps
+    assert _python(_run_call(model_dir, killed, steps, resume=True)).wait(timeout=300) == 0
+
+    whole, continued = _lines(straight / "metrics.jsonl"), _lines(killed / "metrics.jsonl")
+    assert [m["step"] for m in continued] == list(range(steps))
+    assert [m["tasks"] for m in continued] == [m["tasks"] for m in whole]
+    assert [m["loss"] for m in continued] == pytest.approx([m["loss"] for m in whole], rel=1e-6)
+    latest = find_latest(killed)
+    assert latest is not None and latest.run.step == steps and latest.run.next_task == 2 * steps
+
+
+def test_truncating_metrics_cuts_back_to_the_checkpoint(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0}\n{"step": 1}\n')
+    truncate_metrics(metrics, len('{"step": 0}\n'))
+    assert metrics.read_text() == '{"step": 0}\n'
+    with pytest.raises(ValueError, match="shorter"):
+        truncate_metrics(metrics, 100)
+    truncate_metrics(tmp_path / "absent.jsonl", 0)
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_run_state_round_trips_through_json() -> None:
+    state = RunState(3, 12, 2, 340, {"sampler": "seeds"})
+    assert RunState.from_json(state.to_json()) == state
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _python(call: str) -> subprocess.Popen[bytes]:
+    code = f"from pathlib import Path\nfrom tests.train._workers import *\n{call}\n"
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+
+
+def _run_call(model_dir: Path, run_dir: Path, steps: int, *, resume: bool) -> str:
+    return f"checkpointed_run(Path({str(model_dir)!r}), Path({str(run_dir)!r}), {steps}, {resume})"
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for(condition: object, timeout: float = 120.0) -> None:
+    assert callable(condition)
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the run never got there")
+        time.sleep(0.002)
+
+
+def _wait_for_partial_after_first(root: Path) -> Path:
+    """The half-written folder of a checkpoint, once one complete checkpoint exists and
+    the DCP shards of the next are being written."""
+    _wait_for(lambda: any(p.name.startswith("step-") for p in _listing(root)))
+    found: list[Path] = []
+
+    def writing() -> bool:
+        found[:] = [
+            p for p in _listing(root) if p.name.startswith(".partial-") and (p / "trainer").exists()
+        ]
+        return bool(found)
+
+    _wait_for(writing)
+    return found[0]
+
+
+def _listing(root: Path) -> list[Path]:
+    try:
+        return list(root.iterdir())
+    except FileNotFoundError:
+        return []
