@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Checkpoint",
     "Persistent",
+    "RestoreCheckpoint",
     "RunState",
+    "WriteCheckpoint",
     "checkpoint_dir",
     "find_latest",
     "load_trainer_state",
@@ -302,3 +304,34 @@ def _remove_partials(root: Path) -> None:
 def _prune(root: Path, keep_last: int) -> None:
     for old in _complete(root)[:-keep_last]:
         shutil.rmtree(old)
+
+
+# ------------------------------------------------- commands for the trainer's processes
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCheckpoint:
+    """A command every rank of a trainer process runs: write a checkpoint of the trainer
+    and ``state`` (and ``forest``, pickled across from the loop) under ``run_dir``."""
+
+    run_dir: Path
+    state: RunState
+    forest: Persistent | None = None
+    keep_last: int = 3
+
+    def run(self, trainer: FSDPTrainer) -> Path:
+        checkpoint = Checkpoint.write(
+            self.run_dir, trainer, self.state, forest=self.forest, keep_last=self.keep_last
+        )
+        return checkpoint.path
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCheckpoint:
+    """A command every rank of a trainer process runs: :func:`resume` from ``run_dir``'s
+    newest checkpoint; the run's state, or None where there is none."""
+
+    run_dir: Path
+
+    def run(self, trainer: FSDPTrainer) -> RunState | None:
+        return resume(self.run_dir, trainer)

@@ -247,12 +247,12 @@ def checkpointed_run(model_dir: Path, run_dir: Path, steps: int, resume_run: boo
     import random
 
     from libra.sched.policies import PrefixForest
-    from libra.train import Checkpoint, RunState, find_latest, resume
+    from libra.train import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 
     trainer = FSDPTrainer(model_dir, TrainerConfig(lr=1e-2, cpu_threads=1, backend="gloo"))
     torch.manual_seed(0)  # the run's seed; a resumed run continues from the saved states
     random.seed(0)
-    state = resume(run_dir, trainer) if resume_run else None
+    state = RestoreCheckpoint(run_dir).run(trainer) if resume_run else None
     step, next_task = (state.step, state.next_task) if state else (0, 0)
     latest = find_latest(run_dir) if state else None
     forest_path = latest.forest_path if latest else None
@@ -267,7 +267,7 @@ def checkpointed_run(model_dir: Path, run_dir: Path, steps: int, resume_run: boo
         step, next_task = step + 1, next_task + len(seeds)
         if step % 2 == 0:
             run = RunState(step, next_task, step, metrics.stat().st_size)
-            Checkpoint.write(run_dir, trainer, run, forest=forest, keep_last=2)
+            WriteCheckpoint(run_dir, run, forest, keep_last=2).run(trainer)
 
 
 def checkpoint_forever(model_dir: Path, run_dir: Path) -> None:
