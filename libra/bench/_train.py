@@ -109,7 +109,7 @@ def bench_train(
     groups: int = 4,
     per_group: int = 4,
     ranks: Sequence[int] = (1, 2),
-    micro_batch_tokens: int = 2048,
+    micro_batch_tokens: int = 1024,
 ) -> list[TrainBenchResult]:
     """The plain loop, then :class:`FSDPTrainer` on each of ``ranks``: ``steps`` timed
     steps each (after one warm-up step) on the same samples."""

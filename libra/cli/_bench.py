@@ -49,7 +49,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--groups", type=int, default=4, help="GRPO groups per batch")
     train.add_argument("--per-group", type=int, default=4, help="samples per group")
     train.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="FSDP world sizes")
-    train.add_argument("--micro-batch-tokens", type=int, default=2048)
+    train.add_argument("--micro-batch-tokens", type=int, default=1024)
     train.add_argument("--json", action="store_true", help="print JSON instead of a table")
     train.set_defaults(run=run_train)
 
