@@ -119,8 +119,8 @@ def bench_train(
     batch = build_batch(samples, current_version=0, train=train, ranks=max(ranks))
     [plain] = spawn(1, _plain_loop, model_dir, batch, steps)
     results = [plain]
-    with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
-        for world in ranks:
+    for world in ranks:
+        with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
             results.append(spawn(world, _fsdp_rank, model_dir, batch, steps, Path(run_dir))[0])
     return results
 
