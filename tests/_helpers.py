@@ -25,7 +25,14 @@ from libra.emulation import (
     create_app,
     render_chat_text,
 )
-from libra.engine import Engine, EngineConfig, TrajectoryRecord, http_transport
+from libra.engine import (
+    Engine,
+    EngineConfig,
+    SamplingRecord,
+    Timings,
+    TrajectoryRecord,
+    http_transport,
+)
 from libra.envs import Sandbox
 from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec
 from libra.openai import ChatCompletion, Completion, FunctionCall, Message, ToolCall, tool_schema
@@ -400,3 +407,32 @@ def require_vllm() -> None:
 def real_config(**overrides: Any) -> VLLMServerConfig:
     settings: dict[str, Any] = {"startup_timeout_s": 400.0, "max_model_len": 2048}
     return VLLMServerConfig(**(settings | overrides))
+
+
+def record_of(
+    ids: list[int], mask: list[int], logprobs: list[float | None], tokens: str = "exact"
+) -> TrajectoryRecord:
+    """A finished trajectory holding these tokens, as the rollout engine records it."""
+    return TrajectoryRecord(
+        id="calc/t@0#0",
+        env="calc",
+        task_id="calc/t",
+        group_id="calc/t@0",
+        step=0,
+        sample=0,
+        status="completed",
+        stop_reason="model_stop",
+        reward=1.0,
+        turns=1,
+        messages=[],
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        tokens=tokens,  # type: ignore[arg-type]
+        weight_versions=[],
+        tool_returns=[],
+        endpoints=[],
+        sampling=SamplingRecord(temperature=1.0, top_p=1.0, max_tokens_per_turn=64, seed=None),
+        weight_version=0,
+        timings=Timings(),
+    )

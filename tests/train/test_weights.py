@@ -6,28 +6,33 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
+from libra.engine import TrajectoryRecord
 from libra.fleet import Endpoint
-from libra.serving import VLLMServer
+from libra.serving import VLLMServer, VLLMServerConfig
 from libra.train import (
+    FSDPTrainer,
     TrainerConfig,
     WeightSync,
     WeightSyncConfig,
+    export_weights,
     logprob_gap,
     servable_model,
     server_prompt_logprobs,
     spawn,
     write_weights_folder,
 )
-from tests._helpers import real_config
-from tests.train._workers import MicroBatch, make_record, train_and_export
+from tests._helpers import record_of
 
 pytestmark = pytest.mark.anyio
 
@@ -38,6 +43,56 @@ SAMPLING_TEMPERATURE = 0.7
 # after it; 10x margin over the largest single-token difference seen.
 BOUND = 1e-3
 PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+# ----------------------------------------- the trainer side (module level: spawned)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Token ids ``[B, T]`` and a 0/1 mask over the predicted tokens ``[B, T - 1]``."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def masked_token_nll(model: nn.Module, batch: MicroBatch, scale: float) -> torch.Tensor:
+    """Sum of the masked next-token negative log-likelihoods, times ``scale``."""
+    logits = model(input_ids=batch.ids).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, batch.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return -(chosen * batch.mask).sum() * scale
+
+
+def train_and_export(
+    model_dir: Path,
+    run_dir: Path,
+    batch: MicroBatch,
+    config: TrainerConfig,
+    probe: list[int],
+    sampled: Sequence[TrajectoryRecord] = (),
+    sampling_temperature: float = 1.0,
+    export_dtype: str | None = None,
+) -> dict[str, Any]:
+    """One step that pushes ``batch`` up, export as version 1; logprobs of ``probe`` before
+    and after (at temperatures 1 and 0.7), the gap to the server's ``sampled`` records
+    (processed logprobs) before the step, the step's metrics and the exported parameters."""
+    trainer = FSDPTrainer(model_dir, config)
+    probe_ids = torch.tensor([probe])
+    before = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
+    gap = trainer.compare_logprobs(sampled, "processed_logprobs", sampling_temperature)
+    scale = 1.0 / float(batch.mask.sum())
+    metrics = trainer.step([batch], lambda model, mb: masked_token_nll(model, mb, scale))
+    after = {t: trainer.logprobs(probe_ids, t)[0] for t in (1.0, 0.7)}
+    folder = export_weights(trainer, run_dir, version=1, dtype=export_dtype)
+    return {
+        "before": before,
+        "after": after,
+        "metrics": metrics,
+        "sampled_gap": gap,
+        "folder": folder,
+        "parameters": trainer.full_parameters(),
+    }
 
 
 # --------------------------------------------------------------- export (fast, tiny model)
@@ -131,7 +186,9 @@ def server(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     fp32 trainer and its own bf16 export after one step at lr 5e-4), which would hide
     whether the reload itself is exact.
     """
-    config = real_config(
+    config = VLLMServerConfig(
+        startup_timeout_s=900.0,  # 2 shared cores: a start has taken over 400 s here
+        max_model_len=2048,
         dev_mode=True,
         log_file=tmp_path_factory.mktemp("vllm-logs") / "server.log",
         extra_args=("--logprobs-mode", "processed_logprobs", "--dtype", "float32"),
@@ -182,7 +239,7 @@ async def test_changed_weights_take_effect_and_match_the_trainer(
     async with httpx.AsyncClient(timeout=120) as client:
         sampled, sampled_logprobs = await _sample(client, server.url, prompt)
         probe = prompt + sampled
-        record = make_record(
+        record = record_of(
             probe, [0] * len(prompt) + [1] * len(sampled), [None] * len(prompt) + sampled_logprobs
         )
         served_before = await server_prompt_logprobs(client, server.url, SERVED, probe)
