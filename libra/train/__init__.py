@@ -1,5 +1,5 @@
 """Training: batches from rollout records, the GRPO loss, the FSDP2 trainer, weight sync
-into the serving fleet, and trainer/server logprob agreement."""
+into the serving fleet, trainer/server logprob agreement, and checkpoints to resume from."""
 
 from libra.train._batch import (
     Batch,
