@@ -13,6 +13,8 @@ from libra.bench._engine import as_json, run_engine_bench
 from libra.bench._sandbox import bench_sandbox
 from libra.bench._sched import add_arguments as add_sched_arguments
 from libra.bench._sched import main_sched
+from libra.bench._train import as_json as train_as_json
+from libra.bench._train import bench_train
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,6 +41,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sandbox.add_argument("--calls", type=int, default=256, help="calls per concurrency level")
     sandbox.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sandbox.set_defaults(run=run_sandbox)
+    train = benches.add_parser(
+        "train", help="FSDPTrainer tokens/s vs a plain torch loop, and weight export s/step"
+    )
+    train.add_argument("--model", help="Hugging Face model folder (default: the embedded model)")
+    train.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up")
+    train.add_argument("--groups", type=int, default=4, help="GRPO groups per batch")
+    train.add_argument("--per-group", type=int, default=4, help="samples per group")
+    train.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="FSDP world sizes")
+    train.add_argument("--micro-batch-tokens", type=int, default=1024)
+    train.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    train.set_defaults(run=run_train)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -79,5 +92,37 @@ def run_sandbox(args: argparse.Namespace) -> int:
     for level, row in report["throughput"].items():
         table.add_row(f"{level} concurrent", f"{row['calls_per_s']:.1f}", f"{row['p50_s']:.3f}",
                       f"{row['p95_s']:.3f}")  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from libra.serving import prepare_model
+
+    model_dir = Path(args.model) if args.model else prepare_model()
+    results = bench_train(
+        model_dir,
+        steps=args.steps,
+        groups=args.groups,
+        per_group=args.per_group,
+        ranks=tuple(args.ranks),
+        micro_batch_tokens=args.micro_batch_tokens,
+    )
+    report = train_as_json(results)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    table = Table(title=f"libra bench train: {model_dir.name}, {report['device']}")
+    for column in ("trainer", "ranks", "tokens/step", "s/step", "tokens/s", "ratio", "export s"):
+        table.add_column(column, justify="right")
+    for row in report["results"]:
+        export = row["export_s"]
+        table.add_row(
+            row["name"], str(row["ranks"]), f"{row['tokens_per_step']:,}", f"{row['step_s']:.2f}",
+            f"{row['tokens_per_s']:,.0f}", f"{row['ratio_to_plain']:.2f}",
+            "" if export is None else f"{export:.2f}",
+        )  # fmt: skip
     Console().print(table)
     return 0

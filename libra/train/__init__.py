@@ -1,5 +1,6 @@
 """Training: batches from rollout records, the GRPO loss, the FSDP2 trainer, weight sync
-into the serving fleet, trainer/server logprob agreement, and the loop of ``libra train``."""
+into the serving fleet, trainer/server logprob agreement, checkpoints to resume from, and
+the loop of ``libra train``."""
 
 from libra.train._batch import (
     Batch,
@@ -8,6 +9,16 @@ from libra.train._batch import (
     build_batch,
     group_advantages,
     plan_micro_batches,
+)
+from libra.train._checkpoint import (
+    Checkpoint,
+    Persistent,
+    RestoreCheckpoint,
+    RunState,
+    WriteCheckpoint,
+    find_latest,
+    resume,
+    truncate_metrics,
 )
 from libra.train._config import Aggregation, GRPOConfig, Layout, StaleRule, TrainConfig
 from libra.train._fsdp import (
@@ -71,6 +82,7 @@ __all__ = [
     "METRICS_FILE",
     "Aggregation",
     "Batch",
+    "Checkpoint",
     "CheckpointHook",
     "Compare",
     "DistContext",
@@ -83,6 +95,9 @@ __all__ = [
     "LossMetrics",
     "MicroBatch",
     "Mode",
+    "Persistent",
+    "RestoreCheckpoint",
+    "RunState",
     "Sample",
     "StaleRule",
     "StepMetrics",
@@ -100,10 +115,12 @@ __all__ = [
     "WeightSync",
     "WeightSyncConfig",
     "WeightSyncError",
+    "WriteCheckpoint",
     "aggregation_weights",
     "build_batch",
     "combine_loss_metrics",
     "export_weights",
+    "find_latest",
     "group_advantages",
     "grpo_loss",
     "grpo_micro_batch_loss",
@@ -113,6 +130,7 @@ __all__ = [
     "open_run",
     "plan_micro_batches",
     "records_logprob_gap",
+    "resume",
     "sequence_logprobs",
     "sequence_token_weight",
     "servable_model",
@@ -123,5 +141,6 @@ __all__ = [
     "staleness_weight",
     "token_logprobs",
     "train",
+    "truncate_metrics",
     "write_weights_folder",
 ]

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from libra.config import Section
 from libra.engine import TrajectoryRecord
+from libra.train._checkpoint import load_trainer_state, save_trainer_state
 from libra.train._logprobs import (
     LogprobGap,
     LogprobsMode,
@@ -243,6 +244,17 @@ class FSDPTrainer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole value, on CPU, on every rank (collective)."""
         return {name: _full(param.detach()).cpu() for name, param in self.model.named_parameters()}
+
+    # --------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """Write the sharded model and optimizer, the LR schedule, the step count and each
+        rank's RNG states under ``folder`` (collective; see ``libra.train._checkpoint``)."""
+        save_trainer_state(self, folder)
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (collective), on any world size."""
+        load_trainer_state(self, folder)
 
     # ----------------------------------------------------------------- inference
 

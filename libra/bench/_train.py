@@ -1,0 +1,213 @@
+"""What the trainer's machinery costs: :class:`FSDPTrainer` against a plain torch loop.
+
+:func:`bench_train` trains the same model on the same GRPO batch, laid out in the same
+micro-batches, three ways, each in processes of its own:
+
+- a plain loop: the Hugging Face model, ``torch.optim.AdamW``, forward/backward per
+  micro-batch, clip, step (one process, every core);
+- :class:`FSDPTrainer` on 1 rank and on 2 ranks (each rank its share of the micro-batches
+  and of the cores), and after each step the weight export a sync into the servers
+  starts with (``export_weights``: the shards gathered and written as a model folder).
+
+The batch is built by ``build_batch`` from samples of real token ids (the model's
+tokenizer on chat-like prompts and answers), in GRPO groups with varied rewards. The
+first step of each is a warm-up and is not timed. Tokens per second count every position
+through forward and backward.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from libra.train import (
+    Batch,
+    FSDPTrainer,
+    GRPOConfig,
+    MicroBatch,
+    Sample,
+    TrainConfig,
+    TrainerConfig,
+    build_batch,
+    export_weights,
+    spawn,
+    token_logprobs,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["TrainBenchResult", "bench_samples", "bench_train"]
+
+_LR = 1e-6
+_WORDS = ("add", "the", "numbers", "then", "call", "python", "and", "answer", "with", "result")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainBenchResult:
+    """One way of training: seconds per timed step and what a step trains."""
+
+    name: str
+    ranks: int
+    steps: int
+    tokens_per_step: int
+    step_s: float  # median over the timed steps
+    export_s: float | None  # median weight export seconds per step; None: not exported
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+
+def bench_samples(model_dir: Path, groups: int, per_group: int, seed: int = 0) -> list[Sample]:
+    """``groups`` x ``per_group`` samples of real token ids: a templated prompt (not
+    trained) and an answer of 40 to 160 words (trained), rewards 0 or 1 within each group."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    samples = []
+    for group in range(groups):
+        question = " ".join(rng.choice(_WORDS) for _ in range(20))
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        for index in range(per_group):
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 160)))
+            answer = tokenizer(words, add_special_tokens=False)["input_ids"]
+            ids = prompt_ids + list(answer)
+            mask = [0] * len(prompt_ids) + [1] * len(answer)
+            samples.append(
+                Sample(
+                    id=f"g{group}#{index}",
+                    group=f"g{group}",
+                    status="completed",
+                    tokens="exact",
+                    reward=float(index % 2),
+                    token_ids=tuple(ids),
+                    loss_mask=tuple(mask),
+                    logprobs=tuple(-1.5 * m for m in mask),
+                    weight_version=0,
+                )
+            )
+    return samples
+
+
+def bench_train(
+    model_dir: Path,
+    *,
+    steps: int = 3,
+    groups: int = 4,
+    per_group: int = 4,
+    ranks: Sequence[int] = (1, 2),
+    micro_batch_tokens: int = 1024,
+) -> list[TrainBenchResult]:
+    """The plain loop, then :class:`FSDPTrainer` on each of ``ranks``: ``steps`` timed
+    steps each (after one warm-up step) on the same samples."""
+    samples = bench_samples(model_dir, groups, per_group)
+    train = TrainConfig(micro_batch_tokens=micro_batch_tokens)
+    # Planned for the most ranks, so that every way runs the very same micro-batches.
+    batch = build_batch(samples, current_version=0, train=train, ranks=max(ranks))
+    [plain] = spawn(1, _plain_loop, model_dir, batch, steps)
+    results = [plain]
+    for world in ranks:
+        with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
+            results.append(spawn(world, _fsdp_rank, model_dir, batch, steps, Path(run_dir))[0])
+    return results
+
+
+def _loss(model: nn.Module, micro: MicroBatch, scale: float) -> torch.Tensor:
+    logits = model(
+        input_ids=micro.input_ids,
+        position_ids=micro.position_ids,
+        attention_mask=micro.attention_mask,
+        use_cache=False,
+    ).logits
+    loss, _ = micro.loss(token_logprobs(logits, micro.targets), GRPOConfig())
+    return loss * scale
+
+
+def _plain_loop(model_dir: Path, batch: Batch, steps: int) -> TrainBenchResult:
+    """One process, no FSDP: the baseline the trainer's overhead is measured against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=_LR)
+    micro_batches = batch.micro_batches
+    seconds = []
+    for _ in range(steps + 1):
+        started = time.perf_counter()
+        for micro in micro_batches:
+            _loss(model, micro, 1.0).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - started)
+    tokens = sum(micro.positions for micro in micro_batches)
+    return TrainBenchResult(
+        "plain torch loop", 1, steps, tokens, statistics.median(seconds[1:]), None
+    )
+
+
+def _fsdp_rank(model_dir: Path, batch: Batch, steps: int, run_dir: Path) -> TrainBenchResult:
+    """One rank of the trainer: its share of the micro-batches, then the export."""
+    trainer = FSDPTrainer(model_dir, TrainerConfig(lr=_LR, backend="gloo"))
+    world = trainer.dist.world_size
+    mine = [
+        micro
+        for rank in range(trainer.dist.rank, batch.ranks, world)
+        for micro in batch.for_rank(rank)
+    ]
+    # The trainer averages over micro-batches and ranks: undo it, so the sums add up.
+    scale = float(len(mine) * world)
+    step_s, export_s = [], []
+    for version in range(steps + 1):
+        step_s.append(trainer.step(mine, lambda model, mb: _loss(model, mb, scale)).seconds)
+        started = time.perf_counter()
+        export_weights(trainer, run_dir, version)
+        export_s.append(time.perf_counter() - started)
+    tokens = sum(micro.positions for micro in batch.micro_batches)
+    return TrainBenchResult(
+        f"FSDPTrainer, {world} rank{'s' if world > 1 else ''}",
+        world,
+        steps,
+        tokens,
+        _slowest_rank_median(step_s[1:]),
+        _slowest_rank_median(export_s[1:]),
+    )
+
+
+def _slowest_rank_median(seconds: list[float]) -> float:
+    """The median of this rank's seconds, the largest over ranks (a step ends with all)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def as_json(results: Sequence[TrainBenchResult]) -> dict[str, Any]:
+    """The results, each with its tokens/s and its ratio to the plain loop's."""
+    plain = results[0].tokens_per_s
+    return {
+        "device": "cpu (gloo)",
+        "cores": os.cpu_count(),
+        "results": [
+            {**asdict(r), "tokens_per_s": r.tokens_per_s, "ratio_to_plain": r.tokens_per_s / plain}
+            for r in results
+        ],
+    }
