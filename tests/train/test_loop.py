@@ -38,6 +38,7 @@ from libra.train import (
     TrainRunConfig,
     build_batch,
     combine_loss_metrics,
+    find_latest,
     iter_metrics,
     spawn,
     train,
@@ -311,3 +312,21 @@ def test_resume_without_a_checkpoint_is_one_line(
         capsys.readouterr().err.strip()
         == f"libra: error: {tmp_path} holds no checkpoint to resume from"
     )
+
+
+@asyncio_only
+async def test_a_resumed_run_goes_on_with_the_cmlfq_forest_it_saved(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    first = run_config(tmp_path / "run", tiny_model, steps=2)
+    rollout = first.rollout.model_copy(update={"scheduler": "cmlfq"})
+    first = first.model_copy(update={"rollout": rollout})
+    await train(first)
+    saved = find_latest(first.run_dir)
+    assert saved is not None and saved.run.step == 2 and saved.forest_path is not None
+
+    lines = await train(first.model_copy(update={"steps": 3}), resume=True)
+    assert [line.step for line in lines] == [2]
+    assert [line["step"] for line in iter_metrics(first.run_dir)] == [0, 1, 2]
+    latest = find_latest(first.run_dir)
+    assert latest is not None and latest.run.weight_version == 3
