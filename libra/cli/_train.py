@@ -20,6 +20,7 @@ from libra.config import load_config
 from libra.engine import RolloutStats
 from libra.train import (
     METRICS_FILE,
+    NothingToResume,
     StepRecord,
     TrainerError,
     TrainRunConfig,
@@ -41,6 +42,11 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--dry-run", action="store_true", help="print the resolved config (TOML) and exit"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the run folder's newest checkpoint (same config, same --run-dir)",
+    )
     add_config_arguments(parser, "the run's settings", "trainer.lr=1e-5")
     parser.set_defaults(run=run)
     plot = commands.add_parser("plot", help="draw a training run's curves as RUN_DIR/plot.png")
@@ -62,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
     )
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)
     try:
-        anyio.run(_train, config, console, progress)
+        anyio.run(_train, config, console, progress, args.resume)
+    except NothingToResume as error:
+        print(f"libra: error: {error}", file=sys.stderr)
+        return 1
     except BaseExceptionGroup as group:  # the loop's task groups wrap the trainer's failure
         failed = group.subgroup(TrainerError)
         if failed is None:
@@ -83,8 +92,14 @@ async def _train(
     config: TrainRunConfig,
     console: Console,
     progress: Callable[[int, RolloutStats], Any],
+    resume: bool,
 ) -> None:
-    await train(config, on_step=lambda record: console.print(step_line(record)), progress=progress)
+    await train(
+        config,
+        resume=resume,
+        on_step=lambda record: console.print(step_line(record)),
+        progress=progress,
+    )
 
 
 def step_line(record: StepRecord) -> str:

@@ -9,7 +9,12 @@ Runtime packages never import this, nor the policies or the emulator it wires in
 from libra.launch._fleet import Fleet, FleetError, open_fleet
 from libra.launch._rollout import Assembled, RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
-from libra.launch._scheduler import SCHEDULERS, build_scheduler, save_scheduler_state
+from libra.launch._scheduler import (
+    SCHEDULERS,
+    build_scheduler,
+    save_scheduler_state,
+    scheduler_forest,
+)
 from libra.launch._tasks import read_tasks
 
 __all__ = [
@@ -26,5 +31,6 @@ __all__ = [
     "open_sandboxes",
     "read_tasks",
     "save_scheduler_state",
+    "scheduler_forest",
     "warm_up",
 ]

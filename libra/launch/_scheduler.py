@@ -38,6 +38,13 @@ def build_scheduler(
     return scheduler
 
 
+def scheduler_forest(scheduler: Scheduler) -> PrefixForest | None:
+    """C-MLFQ's prefix forest (what it learnt), or None for a policy that has none."""
+    if isinstance(scheduler, CMLFQ) and scheduler.forest:
+        return scheduler.forest
+    return None
+
+
 def save_scheduler_state(scheduler: Scheduler, state: Path | None) -> None:
     """Write what C-MLFQ learnt (its prefix forest) to ``state``, for the next run."""
     if isinstance(scheduler, CMLFQ) and scheduler.forest and state is not None:

@@ -42,6 +42,7 @@ from libra.train._logprobs import (
 from libra.train._loop import (
     METRICS_FILE,
     CheckpointHook,
+    NothingToResume,
     StepRecord,
     TrainRun,
     iter_metrics,
@@ -95,6 +96,7 @@ __all__ = [
     "LossMetrics",
     "MicroBatch",
     "Mode",
+    "NothingToResume",
     "Persistent",
     "RestoreCheckpoint",
     "RunState",

@@ -17,8 +17,14 @@ rollout session for the whole run. Then, per step ``k``:
    version ``k`` (the trainer holds the same weights, so the gap is numerics only);
 5. train one optimizer step, export ``weights/v{k+1}``;
 6. pause admission, load the folder into every endpoint, bump their versions, resume;
-7. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), call the
-   checkpoint hook (:class:`CheckpointHook`) with the run and the line.
+7. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), write a checkpoint
+   (every ``checkpoint_every`` steps), call the checkpoint hook (:class:`CheckpointHook`)
+   with the run and the line.
+
+``resume=True`` starts from the run folder's newest checkpoint instead of step 0: the
+trainer's state is restored (and ``metrics.jsonl`` cut back to what it held then), the
+servers serve the checkpoint's weight version again, and the loop goes on from its step
+(each step's tasks are seeded by ``seed + step``: the step is the data position).
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ from rich.console import Console
 from libra.engine import Group, RolloutSession, RolloutStats, TrajectoryRecord, jobs_for
 from libra.envs import Env, load_env
 from libra.fleet import Endpoint
-from libra.launch import open_engine
+from libra.launch import open_engine, scheduler_forest
+from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, prepare_model
 from libra.train._batch import Batch, Sample, build_batch
+from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 from libra.train._logprobs import LogprobGap
 from libra.train._run import TrainRunConfig
 from libra.train._weights import WeightSync, servable_model
@@ -104,37 +112,58 @@ def _no_progress(step: int, stats: RolloutStats) -> AbstractContextManager[Calla
     return nullcontext(lambda: None)
 
 
+class NothingToResume(FileNotFoundError):
+    """``resume=True`` on a run folder without a complete checkpoint."""
+
+
 async def train(
     config: TrainRunConfig,
     *,
+    resume: bool = False,
     checkpoint: CheckpointHook | None = None,
     on_step: Callable[[StepRecord], None] = lambda record: None,
     progress: Progress = _no_progress,
 ) -> list[StepRecord]:
-    """Run ``config.steps`` steps; returns their metrics lines (also in the run folder)."""
-    run_dir = _prepare_run_dir(config)
+    """Run ``config.steps`` steps (from the newest checkpoint's step with ``resume``);
+    returns the metrics lines of the steps it ran (also in the run folder)."""
+    run_dir = _prepare_run_dir(config, resume=resume)
+    config = _with_saved_forest(config, run_dir) if resume else config
     env_cls = load_env(config.rollout.env)
     records: list[StepRecord] = []
     async with open_run(config, env_cls, run_dir) as run:
-        run.submit(0)
-        for step in range(config.steps):
+        first = await run.restore() if resume else 0
+        run.submit(first)
+        for step in range(first, config.steps):
             record = await run.step(step, progress)
             with (run_dir / METRICS_FILE).open("a") as out:
                 out.write(record.to_json() + "\n")
             records.append(record)
             on_step(record)
+            await run.save(step + 1)
             if checkpoint is not None:
                 await checkpoint(run, record)
     return records
 
 
-def _prepare_run_dir(config: TrainRunConfig) -> Path:
+def _prepare_run_dir(config: TrainRunConfig, *, resume: bool) -> Path:
     run_dir = config.run_dir
-    if (run_dir / METRICS_FILE).exists():
+    if resume and find_latest(run_dir) is None:
+        raise NothingToResume(f"{run_dir} holds no checkpoint to resume from")
+    if not resume and (run_dir / METRICS_FILE).exists():
         raise FileExistsError(f"{run_dir} holds a run already: choose another run_dir")
     (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config.to_toml())
     return run_dir
+
+
+def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
+    """The config whose scheduler starts from the newest checkpoint's prefix forest, if
+    it saved one and the config names no state file of its own."""
+    latest = find_latest(run_dir)
+    if latest is None or latest.forest_path is None or config.rollout.scheduler_state:
+        return config
+    rollout = config.rollout.model_copy(update={"scheduler_state": latest.forest_path})
+    return config.model_copy(update={"rollout": rollout})
 
 
 @dataclass
@@ -148,10 +177,51 @@ class TrainRun:
     trainer: TrainerProcess
     session: RolloutSession
     endpoints: list[Endpoint]
+    scheduler: Scheduler
     version: int = 0  # the weights the trainer holds: v0 before the first step
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
     _changed: anyio.Event = field(default_factory=anyio.Event)
     _stream_ended: bool = False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def restore(self) -> int:
+        """Restore the newest checkpoint into the trainer and the servers; its step."""
+        state = await self.trainer.call(RestoreCheckpoint(self.run_dir))
+        if state is None:  # checked before the run opened: only a concurrent delete
+            raise NothingToResume(f"{self.run_dir} holds no checkpoint to resume from")
+        self.version = state.weight_version
+        await self._serve_restored(state.weight_version)
+        return state.step
+
+    async def _serve_restored(self, version: int) -> None:
+        """Serve ``version`` again: its exported folder where it was kept (an export
+        never overwrites one), else the restored trainer exports it anew."""
+        if version == 0:  # what the servers start on
+            return
+        folder = self.run_dir / "weights" / f"v{version}"
+        if not folder.is_dir():
+            folder = await self.trainer.call(
+                Export(self.run_dir, version, self.config.export_dtype)
+            )
+        await self._load(folder, version)
+
+    async def save(self, steps_done: int) -> None:
+        """Write a checkpoint after ``steps_done`` steps, if one is due."""
+        every = self.config.checkpoint_every
+        if every == 0 or (steps_done % every and steps_done != self.config.steps):
+            return
+        metrics = self.run_dir / METRICS_FILE
+        state = RunState(
+            step=steps_done,
+            next_task=steps_done,  # step k's tasks are seeded by seed + k
+            weight_version=self.version,
+            metrics_bytes=metrics.stat().st_size if metrics.exists() else 0,
+        )
+        forest = scheduler_forest(self.scheduler)
+        await self.trainer.call(
+            WriteCheckpoint(self.run_dir, state, forest, keep_last=self.config.keep_last)
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -244,19 +314,23 @@ class TrainRun:
         started = time.perf_counter()
         folder = await self.trainer.call(Export(self.run_dir, version, self.config.export_dtype))
         export_s = time.perf_counter() - started
+        sync_s = await self._load(folder, version)
+        self._forget_old_weights(version)
+        return export_s, sync_s
+
+    async def _load(self, folder: Path, version: int) -> float:
+        """Load ``folder`` into every endpoint as ``version``; the seconds it took."""
         self.session.pause()
         try:
             if self.config.reloads:
                 report = await WeightSync(self.endpoints, self.config.sync).sync(folder, version)
-                sync_s = report.seconds
-            else:  # servers that hold no weights: the version is all that changes
-                for endpoint in self.endpoints:
-                    endpoint.weight_version = version
-                sync_s = 0.0
+                return report.seconds
+            # servers that hold no weights: the version is all that changes
+            for endpoint in self.endpoints:
+                endpoint.weight_version = version
+            return 0.0
         finally:
             self.session.resume()
-        self._forget_old_weights(version)
-        return export_s, sync_s
 
     def _forget_old_weights(self, version: int) -> None:
         """Keep the served version, the one before it, and v0 (the servers' start folder,
@@ -342,7 +416,8 @@ async def open_run(
         await trainer.ready()
         env_name = rollout.env if ":" not in rollout.env else env_cls.__name__.lower()
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
-        run = TrainRun(config, run_dir, env_cls, env_name, trainer, session, endpoints)
+        scheduler = assembled.engine.scheduler
+        run = TrainRun(config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler)
         async with anyio.create_task_group() as group:
             group.start_soon(run.read_groups)
             yield run

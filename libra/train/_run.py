@@ -6,6 +6,7 @@ A run folder holds::
     metrics.jsonl          one JSON object a step (see ``StepRecord`` in ``_loop``)
     rollouts/step-K.jsonl  the records step K trained on (or dropped)
     weights/vK/            the weights after K optimizer steps (v0: the served start)
+    checkpoints/step-K/    what ``libra train --resume`` starts step K from
     plot.png               ``libra plot RUN_DIR``
 """
 
@@ -15,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from libra.launch import RolloutConfig
 from libra.serving import VLLMServerConfig
@@ -68,6 +69,12 @@ class TrainRunConfig(BaseModel):
     )
     run_dir: Path = Path("runs/train")
     seed: int = Field(0, description="seeds each step's tasks (step k draws with seed + k)")
+    checkpoint_every: NonNegativeInt = Field(
+        1,
+        description="write a checkpoint (``--resume`` goes on from it) every this many steps "
+        "and after the last; 0: never",
+    )
+    keep_last: PositiveInt = Field(3, description="the newest checkpoints kept")
     trainer: TrainerConfig = TrainerConfig()
     grpo: GRPOConfig = GRPOConfig()
     train: TrainConfig = TrainConfig()

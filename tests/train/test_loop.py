@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -32,6 +38,7 @@ from libra.train import (
     TrainRunConfig,
     build_batch,
     combine_loss_metrics,
+    find_latest,
     iter_metrics,
     spawn,
     train,
@@ -244,3 +251,82 @@ def test_loss_metrics_combine_as_the_whole_batch() -> None:
     assert combined == pytest.approx(
         {"policy_loss": 0.25, "tokens": 8.0, "ratio_min": 0.8, "ratio_max": 1.1, "approx_kl": 0.25}
     )
+
+
+def _train_process(config_file: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "libra", "train", "--config", str(config_file)]
+    with log.open("wb") as err:
+        return subprocess.Popen(
+            [*command, "--no-progress", *extra],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def _task_keys(run_dir: Path, step: int) -> list[tuple[str, int]]:
+    return sorted((r["task_id"], r["sample"]) for r in read_records(run_dir, step))
+
+
+@asyncio_only
+async def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_tasks(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = run_config(tmp_path / "killed", tiny_model, steps=3)
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(config.to_toml())
+    log = tmp_path / "train.log"
+    killed = _train_process(config_file, log)
+    metrics = config.run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert killed.poll() is None, log.read_text()
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.1)
+    killed.send_signal(signal.SIGKILL)  # after step 1's line: maybe before its checkpoint
+    killed.wait()
+    step_0 = (config.run_dir / "rollouts" / "step-0.jsonl").stat().st_mtime_ns
+    resumed = _train_process(config_file, log, "--resume")
+    returncode = await anyio.to_thread.run_sync(lambda: resumed.wait(timeout=300))
+    assert returncode == 0, log.read_text()
+
+    lines = list(iter_metrics(config.run_dir))
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [line["weight_version"] for line in lines] == [1, 2, 3]
+    # The resumed run started from a checkpoint, not from step 0.
+    assert (config.run_dir / "rollouts" / "step-0.jsonl").stat().st_mtime_ns == step_0
+    whole = run_config(tmp_path / "whole", tiny_model, steps=3)
+    await train(whole)
+    for step in range(3):
+        assert _task_keys(config.run_dir, step) == _task_keys(whole.run_dir, step)
+
+
+def test_resume_without_a_checkpoint_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from libra.cli import main
+
+    args = ["train", "--resume", "--run-dir", str(tmp_path), "--set", f"rollout.env={BREVITY}"]
+    assert main(args) == 1
+    assert (
+        capsys.readouterr().err.strip()
+        == f"libra: error: {tmp_path} holds no checkpoint to resume from"
+    )
+
+
+@asyncio_only
+async def test_a_resumed_run_goes_on_with_the_cmlfq_forest_it_saved(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    first = run_config(tmp_path / "run", tiny_model, steps=2)
+    rollout = first.rollout.model_copy(update={"scheduler": "cmlfq"})
+    first = first.model_copy(update={"rollout": rollout})
+    await train(first)
+    saved = find_latest(first.run_dir)
+    assert saved is not None and saved.run.step == 2 and saved.forest_path is not None
+
+    lines = await train(first.model_copy(update={"steps": 3}), resume=True)
+    assert [line.step for line in lines] == [2]
+    assert [line["step"] for line in iter_metrics(first.run_dir)] == [0, 1, 2]
+    latest = find_latest(first.run_dir)
+    assert latest is not None and latest.run.weight_version == 3
