@@ -10,27 +10,9 @@ import pytest
 
 from libra.cli import main
 from libra.serving import prepare_model
+from tests.train._ranks import save_llama
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def save_llama(folder: Path, hidden: int, layers: int, vocab: int) -> Path:
-    """A Llama of the given size, saved as a Hugging Face folder."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.slow

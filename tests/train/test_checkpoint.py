@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,13 @@ from libra.train import (
     find_latest,
     spawn,
     truncate_metrics,
+)
+from tests.train._ranks import (
+    MicroBatch,
+    fixed_batch,
+    masked_token_nll,
+    save_llama,
+    save_tiny_llama,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,68 +182,6 @@ def test_run_state_round_trips_through_json() -> None:
 
 
 # ------------------------------------------------------ what the spawned ranks run
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Token ids ``[B, T]`` and a 0/1 mask over the predicted tokens ``[B, T - 1]``."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-
-
-def masked_token_nll(model: nn.Module, batch: MicroBatch, scale: float) -> torch.Tensor:
-    """Sum of the masked next-token negative log-likelihoods, times ``scale``."""
-    logits = model(input_ids=batch.ids).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, batch.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return -(chosen * batch.mask).sum() * scale
-
-
-def fixed_batch(vocab: int, sequences: int, length: int, seed: int = 0) -> MicroBatch:
-    """Random ids and a mask that hides a different prefix of each sequence."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (sequences, length), generator=generator)
-    mask = torch.ones(sequences, length - 1)
-    for row in range(sequences):
-        mask[row, : 3 * row + 1] = 0  # as if the first tokens were the prompt
-    return MicroBatch(ids, mask)
-
-
-def save_tiny_llama(folder: Path, vocab: int = 64) -> Path:
-    """A two-layer Llama with tied embeddings, saved as a Hugging Face folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-def save_llama(folder: Path, hidden: int, layers: int, vocab: int = 64) -> Path:
-    """A Llama of the given size with tied embeddings, saved as a Hugging Face folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def noisy_nll(model: nn.Module, batch: MicroBatch) -> torch.Tensor:

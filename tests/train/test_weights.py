@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from libra.engine import TrajectoryRecord
 from libra.fleet import Endpoint
@@ -33,6 +31,7 @@ from libra.train import (
     write_weights_folder,
 )
 from tests._helpers import record_of
+from tests.train._ranks import MicroBatch, masked_token_nll
 
 pytestmark = pytest.mark.anyio
 
@@ -46,22 +45,6 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
 # ----------------------------------------- the trainer side (module level: spawned)
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Token ids ``[B, T]`` and a 0/1 mask over the predicted tokens ``[B, T - 1]``."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-
-
-def masked_token_nll(model: nn.Module, batch: MicroBatch, scale: float) -> torch.Tensor:
-    """Sum of the masked next-token negative log-likelihoods, times ``scale``."""
-    logits = model(input_ids=batch.ids).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, batch.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return -(chosen * batch.mask).sum() * scale
 
 
 def train_and_export(
