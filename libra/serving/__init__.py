@@ -17,13 +17,25 @@ from libra.serving._model import (
     resolve_model,
 )
 from libra.serving._vllm import VLLMServer, VLLMServerConfig, VLLMServerError
+from libra.serving._weight_sync import (
+    WEIGHTS_FILE,
+    SyncReport,
+    WeightSync,
+    WeightSyncConfig,
+    WeightSyncError,
+)
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
+    "WEIGHTS_FILE",
     "ModelError",
+    "SyncReport",
     "VLLMServer",
     "VLLMServerConfig",
     "VLLMServerError",
+    "WeightSync",
+    "WeightSyncConfig",
+    "WeightSyncError",
     "chat_template_supports_tools",
     "embedded_gguf_path",
     "embedded_model_dir",

@@ -59,10 +59,6 @@ from libra.train._loss import (
 )
 from libra.train._run import Mode, TrainRunConfig
 from libra.train._weights import (
-    SyncReport,
-    WeightSync,
-    WeightSyncConfig,
-    WeightSyncError,
     export_weights,
     servable_model,
     write_weights_folder,
@@ -104,7 +100,6 @@ __all__ = [
     "StaleRule",
     "StepMetrics",
     "StepRecord",
-    "SyncReport",
     "Train",
     "TrainConfig",
     "TrainResult",
@@ -114,9 +109,6 @@ __all__ = [
     "TrainerConfig",
     "TrainerError",
     "TrainerProcess",
-    "WeightSync",
-    "WeightSyncConfig",
-    "WeightSyncError",
     "WriteCheckpoint",
     "aggregation_weights",
     "build_batch",

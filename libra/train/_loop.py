@@ -49,12 +49,12 @@ from libra.envs import Env, load_env
 from libra.fleet import Endpoint
 from libra.launch import open_engine, scheduler_forest
 from libra.sched import Scheduler
-from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, prepare_model
+from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, WeightSync, prepare_model
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 from libra.train._logprobs import LogprobGap
 from libra.train._run import TrainRunConfig
-from libra.train._weights import WeightSync, servable_model
+from libra.train._weights import servable_model
 from libra.train._worker import Compare, Export, Train, TrainerProcess, TrainResult
 
 METRICS_FILE = "metrics.jsonl"

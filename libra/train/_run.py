@@ -19,11 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from libra.launch import RolloutConfig
-from libra.serving import VLLMServerConfig
+from libra.serving import VLLMServerConfig, WeightSyncConfig
 from libra.train._config import GRPOConfig, TrainConfig
 from libra.train._fsdp import TrainerConfig
 from libra.train._logprobs import LogprobsMode
-from libra.train._weights import WeightSyncConfig
 
 Mode = Literal["sync", "one-step-off"]
 # What the loop itself sets in each step's rollout: naming them in [rollout] is an error.

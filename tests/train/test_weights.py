@@ -17,12 +17,10 @@ from safetensors.torch import load_file
 
 from libra.engine import TrajectoryRecord
 from libra.fleet import Endpoint
-from libra.serving import VLLMServer, VLLMServerConfig
+from libra.serving import VLLMServer, VLLMServerConfig, WeightSync, WeightSyncConfig
 from libra.train import (
     FSDPTrainer,
     TrainerConfig,
-    WeightSync,
-    WeightSyncConfig,
     export_weights,
     logprob_gap,
     servable_model,
@@ -246,7 +244,7 @@ async def test_changed_weights_take_effect_and_match_the_trainer(
         )
 
         endpoint = Endpoint(url=server.url, model=SERVED, name="vllm-0")
-        caplog.set_level(logging.INFO, logger="libra.train")
+        caplog.set_level(logging.INFO, logger="libra.serving")
         report = await WeightSync([endpoint], WeightSyncConfig(pause_mode="keep")).sync(
             trained["folder"], version=1
         )
