@@ -111,7 +111,7 @@ def step_line(record: StepRecord) -> str:
         f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
         f"({record.groups_used}/{record.groups} groups) · loss "
         f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.1e} · "
-        f"rollout {record.rollout_s:.1f} s, check {record.compare_s:.1f} s, "
+        f"rollout {record.rollout_s:.1f} s, "
         f"train {record.train_s:.1f} s, "
         f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}"
     )
@@ -146,7 +146,6 @@ _PANELS = (
         "seconds",
         (
             ("rollout_s", "rollout"),
-            ("compare_s", "logprob check"),
             ("train_s", "train"),
             ("export_s", "export"),
             ("sync_s", "sync"),
@@ -173,10 +172,14 @@ def plot_run(run_dir: Path) -> Path:
     figure, axes = plt.subplots(len(_PANELS), 1, figsize=(7, 8), sharex=True)
     for axis, (title, series) in zip(axes, _PANELS, strict=True):
         for key, label in series:
-            axis.plot(steps, [_number(line.get(key)) for line in lines], marker="o", label=label)
+            values = [_number(line.get(key)) for line in lines]
+            axis.plot(steps, values, marker="o", label=label)
+            if key == "reward_mean" and len(values) >= 2 * _SMOOTHING:
+                # A step's mean is over a few samples: the trend is in the running mean.
+                axis.plot(steps, _running_mean(values), label=f"over {_SMOOTHING} steps")
         axis.set_ylabel(title)
         axis.grid(alpha=0.3)
-        if len(series) > 1:
+        if len(axis.get_lines()) > 1:
             axis.legend(loc="upper left", fontsize="small")
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -186,6 +189,18 @@ def plot_run(run_dir: Path) -> Path:
     figure.savefig(target, dpi=100)
     plt.close(figure)
     return target
+
+
+_SMOOTHING = 5
+
+
+def _running_mean(values: list[float]) -> list[float]:
+    """Each value's mean with the ones before it, ``_SMOOTHING`` in all (fewer at first)."""
+    means = []
+    for end in range(1, len(values) + 1):
+        window = [v for v in values[max(0, end - _SMOOTHING) : end] if not math.isnan(v)]
+        means.append(sum(window) / len(window) if window else math.nan)
+    return means
 
 
 def _number(value: object) -> float:

@@ -64,7 +64,6 @@ from libra.train._weights import (
     write_weights_folder,
 )
 from libra.train._worker import (
-    Compare,
     Export,
     Train,
     TrainerCommand,
@@ -81,7 +80,6 @@ __all__ = [
     "Batch",
     "Checkpoint",
     "CheckpointHook",
-    "Compare",
     "DistContext",
     "Export",
     "FSDPTrainer",

@@ -63,6 +63,7 @@ class Sample:
     loss_mask: tuple[int, ...]
     logprobs: tuple[float, ...]  # 0.0 where the mask is 0
     weight_version: int | None  # the oldest that sampled one of its tokens; None: none did
+    spans: tuple[tuple[int, int, int], ...] = ()  # (start, end, version): who sampled what
 
     @classmethod
     def from_record(cls, record: TrajectoryRecord, *, group: str | None = None) -> Sample:
@@ -78,6 +79,7 @@ class Sample:
             loss_mask=tuple(record.loss_mask),
             logprobs=tuple(0.0 if p is None else p for p in record.logprobs),
             weight_version=min(versions, default=None),
+            spans=tuple((span.start, span.end, span.version) for span in record.weight_versions),
         )
 
     @property
@@ -93,6 +95,14 @@ class Sample:
     @property
     def trained_tokens(self) -> int:
         return sum(self.loss_mask[1:])
+
+    def sampled_by(self, version: int) -> list[float]:
+        """Per id: 1.0 where weights of ``version`` sampled it, else 0.0."""
+        marks = [0.0] * len(self.token_ids)
+        for start, end, sampled in self.spans:
+            if sampled == version:
+                marks[start:end] = [1.0] * (end - start)
+        return marks
 
 
 def group_advantages(
@@ -127,6 +137,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor  # float: the rollout's logprob of each trained target
     advantages: torch.Tensor  # float: the sample's advantage on each of its positions
     loss_weights: torch.Tensor  # float: aggregation weight x staleness weight, 0 off mask
+    current: torch.Tensor  # float: 1 where the weights being trained sampled the target
     sample_index: torch.Tensor  # long: the position's sample in ``sample_ids``; -1: pad
     cu_seqlens: torch.Tensor  # int32: packed: sample boundaries in the row; padded: rows
     sample_ids: tuple[str, ...]
@@ -156,6 +167,7 @@ class MicroBatch:
             kl_coef=grpo.kl_coef,
             ref_logprobs=ref_logprobs,
             weights=self.loss_weights,
+            current=self.current,
         )
 
     def to(self, device: torch.device | str) -> MicroBatch:
@@ -221,7 +233,13 @@ def build_batch(
     weights = _token_weights(kept, grpo)
     plan = plan_micro_batches([sample.positions for sample, _ in kept], train, ranks=ranks)
     micro_batches = [
-        _micro_batch([kept[i][0] for i in rows], [weights[i] for i in rows], advantages, train)
+        _micro_batch(
+            [kept[i][0] for i in rows],
+            [weights[i] for i in rows],
+            advantages,
+            train,
+            current_version,
+        )
         for rows in plan
     ]
     return Batch(micro_batches, [sample for sample, _ in kept], advantages, dropped, ranks)
@@ -332,10 +350,14 @@ def _cost(rows: list[int], lengths: Sequence[int], layout: Layout) -> int:
 
 
 def _micro_batch(
-    samples: list[Sample], weights: list[float], advantages: dict[str, float], train: TrainConfig
+    samples: list[Sample],
+    weights: list[float],
+    advantages: dict[str, float],
+    train: TrainConfig,
+    current_version: int,
 ) -> MicroBatch:
     columns = [
-        _columns(s, w, advantages[s.id], i)
+        _columns(s, w, advantages[s.id], i, current_version)
         for i, (s, w) in enumerate(zip(samples, weights, strict=True))
     ]
     lengths = [sample.positions for sample in samples]
@@ -357,6 +379,7 @@ def _micro_batch(
         old_logprobs=stacked["old_logprobs"],
         advantages=stacked["advantages"],
         loss_weights=stacked["loss_weights"],
+        current=stacked["current"],
         sample_index=stacked["sample_index"],
         cu_seqlens=torch.tensor([0, *_running_sum(lengths)], dtype=torch.int32),
         sample_ids=tuple(sample.id for sample in samples),
@@ -365,7 +388,7 @@ def _micro_batch(
 
 
 def _columns(
-    sample: Sample, weight: float, advantage: float, index: int
+    sample: Sample, weight: float, advantage: float, index: int, current_version: int
 ) -> dict[str, torch.Tensor]:
     """A sample's positions: inputs, next-id targets, and what is known of each target."""
     ids = torch.tensor(sample.token_ids, dtype=torch.long)
@@ -379,6 +402,7 @@ def _columns(
         "old_logprobs": torch.tensor(sample.logprobs[1:], dtype=torch.float32) * mask,
         "advantages": torch.full((n,), advantage, dtype=torch.float32),
         "loss_weights": mask * weight,
+        "current": torch.tensor(sample.sampled_by(current_version)[1:]) * mask,
         "sample_index": torch.full((n,), index, dtype=torch.long),
     }
 

@@ -13,11 +13,11 @@ rollout session for the whole run. Then, per step ``k``:
 3. build the batch for weights at version ``k`` (versions count the loop's steps: the
    servers start on v0, and the weights after step ``k`` are ``v{k+1}``, even when no
    group carried a signal and the step changed nothing);
-4. compare the trainer's logprobs with the server's on the records sampled entirely at
-   version ``k`` (the trainer holds the same weights, so the gap is numerics only);
-5. train one optimizer step, export ``weights/v{k+1}``;
-6. pause admission, load the folder into every endpoint, bump their versions, resume;
-7. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), write a checkpoint
+4. train one optimizer step (its forward pass also compares the trainer's logprobs with
+   the server's on the tokens that weights ``k`` sampled: the trainer holds the same
+   weights, so that gap is numerics only), export ``weights/v{k+1}``;
+5. pause admission, load the folder into every endpoint, bump their versions, resume;
+6. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), write a checkpoint
    (every ``checkpoint_every`` steps), call the checkpoint hook (:class:`CheckpointHook`)
    with the run and the line.
 
@@ -52,10 +52,9 @@ from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, WeightSync, prepare_model
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
-from libra.train._logprobs import LogprobGap
 from libra.train._run import TrainRunConfig
 from libra.train._weights import servable_model
-from libra.train._worker import Compare, Export, Train, TrainerProcess, TrainResult
+from libra.train._worker import Export, Train, TrainerProcess, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -65,10 +64,10 @@ class StepRecord:
     """One line of ``metrics.jsonl``: step ``step`` trained weights ``version`` into
     ``version + 1``. Seconds: ``rollout_s`` the loop waited for the step's groups
     (in ``one-step-off`` most of the rollout hides behind the previous step's training),
-    ``compare_s`` the logprob comparison, ``train_s`` the optimizer step, ``export_s``
-    the weights written, ``sync_s`` loaded into every endpoint. ``logprob_gap_*``:
-    trainer versus server on the records sampled at ``version`` only (``tokens`` 0: none
-    was, as in ``one-step-off`` after the first step)."""
+    ``train_s`` the optimizer step, ``export_s`` the weights written, ``sync_s`` loaded
+    into every endpoint. ``logprob_gap_*``: trainer versus server on the trained tokens
+    that weights ``version`` sampled (in ``one-step-off``, those sampled after the
+    previous sync; ``tokens`` 0: none was)."""
 
     step: int
     version: int
@@ -83,7 +82,6 @@ class StepRecord:
     dropped: dict[str, int]
     tokens_trained: int
     rollout_s: float
-    compare_s: float
     train_s: float
     export_s: float
     sync_s: float
@@ -257,9 +255,6 @@ class TrainRun:
             ranks=self.config.world_size,
         )
         started = time.perf_counter()
-        gap = await self._logprob_gap(step_records)
-        compare_s = time.perf_counter() - started
-        started = time.perf_counter()
         result: TrainResult | None = None
         if batch.micro_batches:
             command = Train(batch, self.config.grpo, self.config.trainer_temperature)
@@ -269,8 +264,8 @@ class TrainRun:
         self.version += 1
         if self.config.mode == "sync":
             self.submit(step + 1)
-        seconds = (rollout_s, compare_s, train_s, export_s, sync_s)
-        return _step_record(step, self, groups, batch, result, gap, seconds)
+        seconds = (rollout_s, train_s, export_s, sync_s)
+        return _step_record(step, self, groups, batch, result, seconds)
 
     async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
         while len(self.groups[step]) < self.config.prompts_per_step:
@@ -296,18 +291,6 @@ class TrainRun:
         with (self.run_dir / "rollouts" / f"step-{step}.jsonl").open("wb") as out:
             for record in records:
                 out.write(encoder.encode(record) + b"\n")
-
-    async def _logprob_gap(self, records: list[TrajectoryRecord]) -> LogprobGap:
-        """Trainer versus server on the records sampled entirely at the trainer's version."""
-        current = tuple(
-            r
-            for r in records
-            if r.weight_versions and all(s.version == self.version for s in r.weight_versions)
-        )
-        if not current:
-            return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
-        temperature = self.config.rollout.engine.sampling.temperature or 1.0
-        return await self.trainer.call(Compare(current, self.config.logprobs_mode, temperature))
 
     async def _publish(self, version: int) -> tuple[float, float]:
         """Export ``version`` and load it into every endpoint (admission paused meanwhile)."""
@@ -345,10 +328,10 @@ def _step_record(
     groups: list[Group],
     batch: Batch,
     result: TrainResult | None,
-    gap: LogprobGap,
-    seconds: tuple[float, float, float, float, float],
+    seconds: tuple[float, float, float, float],
 ) -> StepRecord:
-    rollout_s, compare_s, train_s, export_s, sync_s = seconds
+    rollout_s, train_s, export_s, sync_s = seconds
+    loss = result.loss if result else {}
     records = [r for group in groups for r in group.records]
     rewards = [r.reward for r in records if r.status != "failed" and r.reward is not None]
     trained_groups = {sample.group for sample in batch.samples}
@@ -371,15 +354,14 @@ def _step_record(
         dropped=dict(batch.dropped),
         tokens_trained=batch.trained_tokens,
         rollout_s=rollout_s,
-        compare_s=compare_s,
         train_s=train_s,
         export_s=export_s,
         sync_s=sync_s,
         weight_version=run.version,
-        logprob_gap_mean=gap.mean_abs,
-        logprob_gap_max=gap.max_abs,
-        logprob_gap_tokens=gap.tokens,
-        loss=result.loss if result else {},
+        logprob_gap_mean=loss.get("gap_mean", 0.0),
+        logprob_gap_max=loss.get("gap_max", 0.0),
+        logprob_gap_tokens=int(loss.get("gap_tokens", 0)),
+        loss=loss,
         grad_norm=result.step.grad_norm if result else None,
         lr=result.step.lr if result else None,
     )

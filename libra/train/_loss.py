@@ -116,6 +116,11 @@ class LossMetrics:
     ratio_min: torch.Tensor
     ratio_max: torch.Tensor
     tokens: torch.Tensor
+    # Trainer versus server on the tokens the trained weights sampled themselves
+    # (``current``): |logprobs - old_logprobs| there is numerics only, never policy drift.
+    gap_mean: torch.Tensor
+    gap_max: torch.Tensor
+    gap_tokens: torch.Tensor
 
     def as_floats(self) -> dict[str, float]:
         return {name: float(getattr(self, name).item()) for name in self.__slots__}
@@ -134,6 +139,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     aggregation: Aggregation = "token-mean",
     weights: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """The clipped surrogate of GRPO, plus ``kl_coef`` times the k3 KL to a reference.
 
@@ -148,6 +154,10 @@ def grpo_loss(
     a whole batch when this call sees only part of it; by default they come from
     ``aggregation`` over this call's rows, one sequence a row. The loss is
     ``sum(weights * token_loss)``.
+
+    ``current`` marks the tokens sampled by the very weights being trained: on them
+    ``metrics.gap_*`` measure how far the trainer's logprobs are from the server's (the
+    forward pass the loss needs anyway, so the check costs nothing).
     """
     mask = mask.float()
     if weights is None:
@@ -191,8 +201,18 @@ def grpo_loss(
             ratio_min=_masked_extreme(ratio, mask, torch.min),
             ratio_max=_masked_extreme(ratio, mask, torch.max),
             tokens=mask.sum(),
+            **_gap(log_ratio, mask if current is None else mask * current.float()),
         )
     return loss, metrics
+
+
+def _gap(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    gap = log_ratio.abs()
+    return {
+        "gap_mean": _masked_mean(gap, mask),
+        "gap_max": _masked_extreme(gap, mask, torch.max, empty=0.0),
+        "gap_tokens": mask.sum(),
+    }
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -207,7 +227,10 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_extreme(
-    values: torch.Tensor, mask: torch.Tensor, extreme: Callable[[torch.Tensor], torch.Tensor]
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    extreme: Callable[[torch.Tensor], torch.Tensor],
+    empty: float = 1.0,
 ) -> torch.Tensor:
     trained = values[mask > 0]
-    return extreme(trained) if trained.numel() else torch.ones((), dtype=values.dtype)
+    return extreme(trained) if trained.numel() else torch.full((), empty, dtype=values.dtype)

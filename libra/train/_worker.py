@@ -30,11 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
-from libra.engine import TrajectoryRecord
 from libra.train._batch import Batch, MicroBatch
 from libra.train._config import GRPOConfig
 from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig, spawn
-from libra.train._logprobs import LogprobGap, LogprobsMode
 from libra.train._loss import LossMetrics, token_logprobs
 from libra.train._weights import export_weights
 
@@ -93,23 +91,13 @@ class Export:
         return export_weights(trainer, self.run_dir, self.version, dtype=self.dtype)
 
 
-@dataclass(frozen=True, slots=True)
-class Compare:
-    records: tuple[TrajectoryRecord, ...]
-    mode: LogprobsMode
-    sampling_temperature: float
-
-    def run(self, trainer: FSDPTrainer) -> LogprobGap:
-        return trainer.compare_logprobs(self.records, self.mode, self.sampling_temperature)
-
-
 R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
 
 
 class TrainerCommand(Protocol[R_co]):
     """What the trainer's processes run: picklable, collective (every rank runs it with
-    its own trainer), rank 0's result is the answer. ``Train``, ``Export`` and ``Compare``
+    its own trainer), rank 0's result is the answer. ``Train`` and ``Export``
     are the loop's; others (a checkpoint's write or restore) plug in the same way."""
 
     def run(self, trainer: FSDPTrainer) -> R_co: ...
@@ -136,27 +124,30 @@ def grpo_micro_batch_loss(
     return loss * scale
 
 
-_SUMMED = ("policy_loss", "kl_loss", "tokens")
-_LOWEST, _HIGHEST = ("ratio_min",), ("ratio_max",)
+_SUMMED = ("policy_loss", "kl_loss", "tokens", "gap_tokens")
+_LOWEST, _HIGHEST = ("ratio_min",), ("ratio_max", "gap_max")
+# The count each mean is over: the gap's is over the current tokens only.
+_MEAN_OVER = {"gap_mean": "gap_tokens"}
 
 
 def combine_loss_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Micro-batches' loss metrics as the whole batch's: losses and tokens add up,
-    extremes are extremes, the rest are means weighted by trained tokens."""
-    tokens = sum(part["tokens"] for part in parts)
-    trained = [part for part in parts if part["tokens"] > 0]
+    """Micro-batches' loss metrics as the whole batch's: losses and counts add up,
+    extremes are extremes, the rest are means weighted by the tokens they are over."""
     combined: dict[str, float] = {}
     for name in parts[0] if parts else ():
+        count = _MEAN_OVER.get(name, "tokens")
+        counted = [part for part in parts if part[count] > 0]
         if name in _SUMMED:
             combined[name] = sum(part[name] for part in parts)
-        elif not trained:
+        elif not counted:
             combined[name] = 0.0
         elif name in _LOWEST:
-            combined[name] = min(part[name] for part in trained)
+            combined[name] = min(part[name] for part in counted)
         elif name in _HIGHEST:
-            combined[name] = max(part[name] for part in trained)
+            combined[name] = max(part[name] for part in counted)
         else:
-            combined[name] = sum(part[name] * part["tokens"] for part in trained) / tokens
+            total = sum(part[count] for part in counted)
+            combined[name] = sum(part[name] * part[count] for part in counted) / total
     return combined
 
 

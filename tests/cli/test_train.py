@@ -55,7 +55,6 @@ def test_plot_draws_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[s
         dropped={"equal rewards": 2},
         tokens_trained=80,
         rollout_s=3.0,
-        compare_s=0.2,
         train_s=1.0,
         export_s=0.5,
         sync_s=0.7,

@@ -126,6 +126,18 @@ def test_targets_mask_and_logprobs_are_shifted_by_one() -> None:
     assert micro.loss_weights[short].tolist() == [0.25, 0.25, 0, 0]
 
 
+def test_current_marks_the_targets_the_trained_weights_sampled() -> None:
+    """One-step-off: a turn sampled on v0, the sync, a turn on v1; the batch trains v1."""
+    mixed = record("a", 1.0, [0, 1, 1, 0, 1, 1])
+    mixed.weight_versions = [WeightSpan(1, 3, 0), WeightSpan(4, 6, 1)]
+    old = record("b", 0.0, [0, 1, 1])
+    batch = batch_of([mixed, old], current=1, layout="padded", max_staleness=1)
+    [micro] = batch.micro_batches
+    row = micro.sample_ids.index("a")
+    assert micro.current[row].tolist() == [0, 0, 0, 1, 1]  # targets: ids 1..5
+    assert micro.current[1 - row].tolist() == [0, 0, 0, 0, 0]
+
+
 def test_failed_lone_equal_and_inexact_records_leave_the_batch() -> None:
     mask = [0, 1, 1]
     records = [

@@ -243,13 +243,25 @@ def test_micro_batches_and_ranks_give_the_whole_batch_gradient(
 
 def test_loss_metrics_combine_as_the_whole_batch() -> None:
     parts = [
-        {"policy_loss": 0.5, "tokens": 2.0, "ratio_min": 0.9, "ratio_max": 1.1, "approx_kl": 0.1},
-        {"policy_loss": -0.25, "tokens": 6.0, "ratio_min": 0.8, "ratio_max": 1.0, "approx_kl": 0.3},
-        {"policy_loss": 0.0, "tokens": 0.0, "ratio_min": 0.0, "ratio_max": 0.0, "approx_kl": 0.0},
+        {"policy_loss": 0.5, "tokens": 2.0, "ratio_max": 1.1, "approx_kl": 0.1, "gap_mean": 0.0},
+        {"policy_loss": -0.25, "tokens": 6.0, "ratio_max": 1.0, "approx_kl": 0.3, "gap_mean": 0.2},
+        {"policy_loss": 0.0, "tokens": 0.0, "ratio_max": 0.0, "approx_kl": 0.0, "gap_mean": 0.0},
     ]
+    # The gap's mean is over the tokens the trained weights sampled: 1 + 3 of them here.
+    for part, current, lowest in zip(parts, (1.0, 3.0, 0.0), (0.9, 0.8, 0.0), strict=True):
+        part |= {"gap_tokens": current, "gap_max": part["gap_mean"], "ratio_min": lowest}
     combined = combine_loss_metrics(parts)
     assert combined == pytest.approx(
-        {"policy_loss": 0.25, "tokens": 8.0, "ratio_min": 0.8, "ratio_max": 1.1, "approx_kl": 0.25}
+        {
+            "policy_loss": 0.25,
+            "tokens": 8.0,
+            "ratio_min": 0.8,
+            "ratio_max": 1.1,
+            "approx_kl": 0.25,
+            "gap_mean": 0.15,
+            "gap_tokens": 4.0,
+            "gap_max": 0.2,
+        }
     )
 
 

@@ -114,6 +114,18 @@ def test_approx_kl_is_zero_on_policy_and_positive_off_it() -> None:
     assert off_policy["approx_kl"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_the_gap_is_measured_on_the_current_tokens_only() -> None:
+    # Current: A's first two tokens (ratios 1.5, 0.9) and B's tool token (off the mask).
+    current = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    _, metrics = loss_of(current=current)
+    gaps = [abs(math.log(1.5)), abs(math.log(0.9))]
+    assert metrics["gap_tokens"] == 2
+    assert metrics["gap_mean"] == pytest.approx(sum(gaps) / 2)
+    assert metrics["gap_max"] == pytest.approx(max(gaps))
+    _, nothing_current = loss_of(current=torch.zeros(2, 3))
+    assert nothing_current["gap_tokens"] == 0 and nothing_current["gap_max"] == 0
+
+
 def test_aggregation_weights_of_padded_rows() -> None:
     weights = aggregation_weights(MASK, "seq-mean-token-mean")
     torch.testing.assert_close(weights, torch.tensor([[1 / 6, 1 / 6, 1 / 6], [1 / 4, 1 / 4, 0]]))
