@@ -58,7 +58,10 @@ class TrainConfig(Section):
     """How a step's records are laid out in micro-batches (see ``libra.train._batch``)."""
 
     micro_batch_tokens: PositiveInt = Field(
-        8192, description="token budget of one micro-batch, padding included"
+        2048,
+        description="token budget of one micro-batch, padding included; the fp32 logits "
+        "alone take 4 bytes x vocabulary per token (SmolLM2: 0.4 GB per 2048 tokens), "
+        "so raise it on GPUs, lower it on small CPU machines",
     )
     layout: Layout = Field(
         "packed",

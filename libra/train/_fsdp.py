@@ -71,9 +71,6 @@ class TrainerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(default=0, ge=0, description="linear warmup, then constant lr")
     grad_clip: float | None = Field(default=1.0, gt=0, description="max grad norm; None: off")
-    micro_batch_tokens: int = Field(
-        default=8192, ge=1, description="token budget of one forward/backward pass"
-    )
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="auto: bf16 compute with fp32 reductions on CUDA, fp32 on CPU"
