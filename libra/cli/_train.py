@@ -20,6 +20,7 @@ from libra.config import load_config
 from libra.engine import RolloutStats
 from libra.train import (
     METRICS_FILE,
+    AttachError,
     NothingToResume,
     StepRecord,
     TrainerError,
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)
     try:
         anyio.run(_train, config, console, progress, args.resume)
-    except NothingToResume as error:
+    except (NothingToResume, AttachError) as error:
         print(f"libra: error: {error}", file=sys.stderr)
         return 1
     except BaseExceptionGroup as group:  # the loop's task groups wrap the trainer's failure

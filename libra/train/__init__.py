@@ -2,6 +2,7 @@
 into the serving fleet, trainer/server logprob agreement, checkpoints to resume from, and
 the loop of ``libra train``."""
 
+from libra.train._attach import AttachError, check_attached, problems_of
 from libra.train._batch import (
     Batch,
     MicroBatch,
@@ -77,6 +78,7 @@ from libra.train._worker import (
 __all__ = [
     "METRICS_FILE",
     "Aggregation",
+    "AttachError",
     "Batch",
     "Checkpoint",
     "CheckpointHook",
@@ -110,6 +112,7 @@ __all__ = [
     "WriteCheckpoint",
     "aggregation_weights",
     "build_batch",
+    "check_attached",
     "combine_loss_metrics",
     "export_weights",
     "find_latest",
@@ -121,6 +124,7 @@ __all__ = [
     "logprob_gap",
     "open_run",
     "plan_micro_batches",
+    "problems_of",
     "records_logprob_gap",
     "resume",
     "sequence_logprobs",

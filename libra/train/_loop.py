@@ -50,6 +50,7 @@ from libra.fleet import Endpoint
 from libra.launch import open_engine, scheduler_forest
 from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, WeightSync, prepare_model
+from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 from libra.train._run import TrainRunConfig
@@ -391,6 +392,8 @@ async def open_run(
                 vllm = await stack.enter_async_context(_own_server(config, served))
             console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
             server, model = vllm.url, EMBEDDED_MODEL_NAME
+        elif server is not None and server != "emulated" and config.reloads:
+            await check_attached(server.split(","), config.logprobs_mode)
         rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
         warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
         assembled = await stack.enter_async_context(open_engine(rollout, env_cls, warm))
