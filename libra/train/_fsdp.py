@@ -16,10 +16,13 @@ ranks make it, with the same number of micro-batches.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import pickle
+import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -393,7 +396,7 @@ def spawn(world_size: int, fn: Callable[..., R], *args: Any) -> list[R]:
     with tempfile.TemporaryDirectory(prefix="libra-spawn-") as results:
         mp.start_processes(
             _run_rank,
-            args=(world_size, port, fn, args, results),
+            args=(os.getpid(), world_size, port, fn, args, results),
             nprocs=world_size,
             join=True,
             start_method="spawn",
@@ -402,8 +405,15 @@ def spawn(world_size: int, fn: Callable[..., R], *args: Any) -> list[R]:
 
 
 def _run_rank(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: str
+    rank: int,
+    parent: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out: str,
 ) -> None:
+    die_with_parent(parent)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -416,6 +426,22 @@ def _run_rank(
         result = fn(*args)
     with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
         pickle.dump(result, file)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Have Linux kill this process when ``parent`` (the process that started it) dies.
+
+    A rank, or the trainer's process, outliving a killed loop would hold its cores and
+    memory until its command ended, and its rank 0 would then find the pipe gone.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request was made
+        os._exit(1)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import anyio
 
 from libra.train._batch import Batch, MicroBatch
 from libra.train._config import GRPOConfig
-from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig, spawn
+from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig, die_with_parent, spawn
 from libra.train._loss import LossMetrics, token_logprobs
 from libra.train._weights import export_weights
 
@@ -154,6 +155,14 @@ def combine_loss_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
 # ------------------------------------------------------------------- the processes
 
 
+def _trainer_main(
+    parent: int, world_size: int, conn: Connection, model_dir: Path, config: TrainerConfig
+) -> None:
+    """The trainer's process: it dies with the loop, and its ranks die with it."""
+    die_with_parent(parent)
+    spawn(world_size, _serve_rank, conn, model_dir, config)
+
+
 def _serve_rank(conn: Connection, model_dir: Path, config: TrainerConfig) -> None:
     """One rank: load the model, then run commands until told to stop (None) or the
     loop's end of the pipe closes."""
@@ -202,8 +211,8 @@ class TrainerProcess:
         # Not a daemon: the ranks are its children. It ends when rank 0 does, which ends
         # when this end of the pipe says stop or closes.
         self._process = context.Process(
-            target=spawn,
-            args=(world_size, _serve_rank, child, model_dir, config),
+            target=_trainer_main,
+            args=(os.getpid(), world_size, child, model_dir, config),
             name="libra-trainer",
         )
         self._child = child

@@ -72,3 +72,12 @@ def save_llama(folder: Path, hidden: int, layers: int, vocab: int = 64) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def write_pid_and_sleep(pid_file: Path) -> None:
+    """A rank that says who it is and never ends by itself."""
+    import os
+    import time
+
+    pid_file.write_text(str(os.getpid()))
+    time.sleep(600)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +133,38 @@ def test_activation_checkpointing_keeps_the_gradients_and_steps_warm_up(tmp_path
     assert [s.step for s in steps] == [1, 2, 3]
     assert steps[2].loss < steps[0].loss  # the same batch three times: it is learned
     assert all(s.grad_norm > 0 and s.micro_batches == 1 for s in steps)
+
+
+def test_ranks_die_with_the_process_that_spawned_them(tmp_path: Path) -> None:
+    """A loop killed with SIGKILL must not leave ranks computing for nobody."""
+    pid_file = tmp_path / "rank.pid"
+    script = (
+        "from pathlib import Path; from libra.train import spawn; "
+        "from tests.train._ranks import write_pid_and_sleep; "
+        f"spawn(1, write_pid_and_sleep, Path({str(pid_file)!r}))"
+    )
+    root = str(Path(__file__).parents[2])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": root}
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        rank = int(pid_file.read_text())
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has died: only its exit status is left
