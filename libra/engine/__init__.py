@@ -34,7 +34,15 @@ from libra.engine._session import Group, RolloutSession
 from libra.engine._stats import RolloutStats
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
-from libra.engine._turn import ContextFull, Dialogue, NoCapacity, Piece, Turn, generate_turn
+from libra.engine._turn import (
+    ContextFull,
+    Dialogue,
+    NoCapacity,
+    Piece,
+    Turn,
+    generate_turn,
+    with_tools_described,
+)
 
 __all__ = [
     "ASGITransport",
@@ -74,4 +82,5 @@ __all__ = [
     "jobs_of",
     "rollout",
     "run_trajectory",
+    "with_tools_described",
 ]

@@ -38,7 +38,7 @@ from libra.engine._records import (
     TrajectoryRecord,
 )
 from libra.engine._tokens import TokenLog
-from libra.engine._turn import ContextFull, Turn, generate_turn
+from libra.engine._turn import ContextFull, Turn, generate_turn, with_tools_described
 from libra.envs import (
     Env,
     GroupId,
@@ -336,13 +336,8 @@ class _Trajectory:
     def describe_tools_in_system_message(self) -> None:
         """For servers whose chat template drops ``tools`` (SmolLM2's does): teach the
         model the tools and the call format in the system message instead."""
-        guide = self.parser.describe(self.tools)
+        self.messages[:] = with_tools_described(self.messages, self.parser.describe(self.tools))
         self.tools = []
-        first = self.messages[0] if self.messages else None
-        if first is not None and first.role == "system":
-            self.messages[0] = openai.Message(role="system", content=f"{first.content}\n\n{guide}")
-        else:
-            self.messages.insert(0, openai.Message(role="system", content=guide))
 
     @property
     def answer(self) -> str:

@@ -52,6 +52,16 @@ class Dialogue(Protocol):
         ...
 
 
+def with_tools_described(messages: list[openai.Message], guide: str) -> list[openai.Message]:
+    """``messages`` with ``guide`` (the tools and how to call them) in the system message,
+    for servers whose chat template drops ``tools`` (SmolLM2's does)."""
+    first = messages[0] if messages else None
+    if first is not None and first.role == "system":
+        system = openai.Message(role="system", content=f"{first.content}\n\n{guide}")
+        return [system, *messages[1:]]
+    return [openai.Message(role="system", content=guide), *messages]
+
+
 class ContextFull(Exception):
     """The conversation has no room left in ``max_context_tokens`` for another turn."""
 
@@ -104,7 +114,7 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn) -> Piece:
             generation = await _call(d, engine, route, turn)
             outcome = "migrated" if generation.finish_reason == "abort" else "ok"
             d.weights_changed_turns += route.weights_changed
-            return Piece(generation, route.endpoint, route.weight_version)
+            return Piece(generation, route.endpoint, route.weight_version, route.bucket)
         except ServerUnavailable as exc:
             capacity.last_error = str(exc)
             if route.retired:
@@ -250,6 +260,7 @@ class Piece:
     generation: Generation
     endpoint: Endpoint
     weight_version: int
+    bucket: str = ""
 
 
 @dataclass(slots=True)
