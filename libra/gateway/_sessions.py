@@ -261,7 +261,8 @@ class Sessions:
             self._give_up(session, mark, exc)
             raise
         reply = session.add_reply(generated, turn.messages, digests)
-        self._by_digest[session.digest] = session
+        if session.key in self._by_id:  # (not ended by a shutdown meanwhile)
+            self._by_digest[session.digest] = session
         return reply
 
     def _give_up(self, session: Session, mark: Mark, exc: BaseException) -> None:
