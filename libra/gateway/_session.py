@@ -268,7 +268,7 @@ class Session:
             sample=0,
             status=status,
             stop_reason=stop_reason,
-            reward=self.reward if status == "completed" else None,
+            reward=None if status == "failed" else self.reward,
             turns=self.turns,
             messages=self.messages,
             token_ids=self.tokens.ids if exact else [],

@@ -62,6 +62,9 @@ from libra.signals import ToolStatus, signal_of
 
 log = logging.getLogger("libra.gateway")
 
+#: Ends the gateway imposed on a live session: its length says nothing of its task's.
+_CUT_SHORT = frozenset({"evicted", "shutdown"})
+
 
 class Sessions:
     """Live sessions over ``engine``'s fleet and scheduler (see the module)."""
@@ -100,7 +103,7 @@ class Sessions:
             return await self._group.__aexit__(exc_type, exc, traceback)
         finally:
             for session in list(self._by_id.values()):
-                self._end(session, "completed", "shutdown")
+                self._end(session, "truncated", "shutdown")
             self.recorder.close()
 
     # ------------------------------------------------------------------ GatewayCore
@@ -205,13 +208,14 @@ class Sessions:
             return session
 
     def _lookup(self, turn: ChatTurn, digests: list[Digest]) -> Session | None:
+        """The session the client named, or else the idle one its messages extend."""
         if turn.session is not None:
             session = self._by_key.get(turn.session)
         else:
-            last = max(
-                (i for i, m in enumerate(turn.messages) if m.role == "assistant"), default=-1
-            )
-            session = self._by_digest.get(digests[last]) if last >= 0 else None
+            messages = turn.messages
+            last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+            extends = 0 <= last < len(messages) - 1  # a reply, and something after it
+            session = self._by_digest.get(digests[last]) if extends else None
         if session is not None and self._expired(session):
             self._end(session, "completed", "idle_ttl")
             return None
@@ -226,7 +230,7 @@ class Sessions:
             oldest = next((s for s in self._by_id.values() if not s.busy), None)
             if oldest is None:
                 break  # every one is generating: go past the limit rather than refuse
-            self._end(oldest, "completed", "evicted")
+            self._end(oldest, "truncated", "evicted")
         key = new_session_key(next(self._counter))
         prompt_key = prompt_key_of(turn.messages, digests)
         session = Session(key, self.config.env, prompt_key, self._sampling(turn), turn.tools)
@@ -298,7 +302,7 @@ class Sessions:
             session.key,
             session.prompt_key,
             output_tokens=session.output_tokens,
-            failed=status == "failed",
+            failed=status == "failed" or reason in _CUT_SHORT,
         )
         if not self.recorder.on and self.engine.on_record is None:
             return
