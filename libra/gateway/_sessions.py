@@ -173,7 +173,13 @@ class Sessions:
         return self.recorder.records()
 
     def __len__(self) -> int:
+        """Live sessions."""
         return len(self._by_id)
+
+    @property
+    def indexed(self) -> int:
+        """Entries of the lookup tables (by client key, by digest): none without sessions."""
+        return len(self._by_key) + len(self._by_digest)
 
     def expire(self) -> int:
         """End every session idle for longer than the TTL; how many ended."""

@@ -122,24 +122,28 @@ async def test_tool_calls_come_back_split_out_when_the_template_has_no_tools(api
 async def test_tool_results_reach_c_mlfq_and_an_expired_session_leaves_no_state() -> None:
     router = Router.over([Endpoint(EMULATED_URL, model=MODEL)])
     policy = CMLFQ(router)
-    config = GatewayConfig(session_ttl_s=0.05, sweep_every_s=0.01)
+    config = GatewayConfig(session_ttl_s=0.5, sweep_every_s=0.05)
     async with (
         emulated_engine(scheduler=policy) as (engine, records),
         Sessions(engine, config) as core,
     ):
+        tool_users = 0
         for n in range(20):
+            key = f"agent-{n}" if n % 2 else None  # keyed and unkeyed ones
             history = [Message(role="user", content=f"Add {n} and 1")]
-            first = await core.chat(ChatTurn(history, tools=[CALCULATOR]))
+            first = await core.chat(ChatTurn(history, tools=[CALCULATOR], session=key))
             if first.tool_calls:
+                tool_users += 1
                 history += [echoed(first), tool_result(first, "Error: division by zero")]
-                await core.chat(ChatTurn(history, tools=[CALCULATOR]))
-                assert policy.tracks[first.session].path == ["calculator:small:failure"]
+                await core.chat(ChatTurn(history, tools=[CALCULATOR], session=key))
         assert len(core) == 20 and len(policy.tracks) == 20
-        await anyio.sleep(0.5)  # ten TTLs: the background sweep ended every one
-        assert len(core) == 0
+        paths = [track.path for track in policy.tracks.values() if track.path]
+        assert tool_users > 0 and paths == [["calculator:small:failure"]] * tool_users
+        await anyio.sleep(1.5)  # three TTLs: the background sweep ended every one
+        assert len(core) == core.indexed == 0
         assert policy.tracks == {} and router.home == {}
     assert len(records) == 20 and {r.stop_reason for r in records} == {"idle_ttl"}
-    assert any(r.tool_returns for r in records)
+    assert sum(len(r.tool_returns) for r in records) == tool_users
 
 
 async def test_edited_history_ends_the_keyed_session_and_starts_another() -> None:
