@@ -80,7 +80,9 @@ class Sessions:
         self.admin = Admin(engine, self.config)
         self._by_id: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._by_key: dict[str, Session] = {}  # the clients' own keys
-        self._by_digest: dict[Digest, Session] = {}  # idle sessions by their client view
+        # Idle sessions by their client view (several when identical conversations got
+        # identical replies: each follow-up takes one, the latest first).
+        self._by_digest: dict[Digest, list[Session]] = {}
         self._counter = itertools.count(1)
         self._group: anyio.abc.TaskGroup | None = None
 
@@ -208,7 +210,7 @@ class Sessions:
             elif not session.extended_by(turn.messages, digests):
                 self._end(session, "completed", "history_edited")
                 session = self._open(turn, digests)
-            self._by_digest.pop(session.digest, None)
+            self._unindex(session)
             session.busy = True
             self._touch(session)
             return session
@@ -216,12 +218,14 @@ class Sessions:
     def _lookup(self, turn: ChatTurn, digests: list[Digest]) -> Session | None:
         """The session the client named, or else the idle one its messages extend."""
         if turn.session is not None:
-            session = self._by_key.get(turn.session)
+            # A client's own key, or the id the gateway answered with, sent back.
+            session = self._by_key.get(turn.session) or self._by_id.get(turn.session)
         else:
             messages = turn.messages
             last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
             extends = 0 <= last < len(messages) - 1  # a reply, and something after it
-            session = self._by_digest.get(digests[last]) if extends else None
+            idle = self._by_digest.get(digests[last]) if extends else None
+            session = idle[-1] if idle else None
         if session is not None and self._expired(session):
             self._end(session, "completed", "idle_ttl")
             return None
@@ -245,6 +249,16 @@ class Sessions:
             session.client_key = turn.session
             self._by_key[turn.session] = session
         return session
+
+    def _index(self, session: Session) -> None:
+        self._by_digest.setdefault(session.digest, []).append(session)
+
+    def _unindex(self, session: Session) -> None:
+        idle = self._by_digest.get(session.digest)
+        if idle is not None and session in idle:
+            idle.remove(session)
+            if not idle:
+                del self._by_digest[session.digest]
 
     def _touch(self, session: Session) -> None:
         session.last_used = anyio.current_time()
@@ -272,7 +286,7 @@ class Sessions:
             raise
         reply = session.add_reply(generated, turn.messages, digests)
         if session.key in self._by_id:  # (not ended by a shutdown meanwhile)
-            self._by_digest[session.digest] = session
+            self._index(session)
         return reply
 
     def _give_up(self, session: Session, mark: Mark, exc: BaseException) -> None:
@@ -283,7 +297,7 @@ class Sessions:
             self._end(session, "failed", reason, str(exc) or reason)
         else:
             session.rollback(mark)
-            self._by_digest[session.digest] = session
+            self._index(session)
 
     def _sampling(self, turn: ChatTurn) -> SamplingConfig:
         default = self.config.sampling
@@ -302,8 +316,7 @@ class Sessions:
             return
         if session.client_key is not None and self._by_key.get(session.client_key) is session:
             del self._by_key[session.client_key]
-        if self._by_digest.get(session.digest) is session:
-            del self._by_digest[session.digest]
+        self._unindex(session)
         self.engine.scheduler.on_finish(
             session.key,
             session.prompt_key,

@@ -146,6 +146,26 @@ async def test_tool_results_reach_c_mlfq_and_an_expired_session_leaves_no_state(
     assert sum(len(r.tool_returns) for r in records) == tool_users
 
 
+async def test_identical_conversations_stay_apart_and_an_echoed_id_is_a_key() -> None:
+    async with (
+        emulated_engine([*REPLIES, "You are welcome."]) as (engine, records),
+        Sessions(engine) as core,
+    ):
+        # Two agents ask the same and get the same reply: each follow-up takes one.
+        firsts = [await core.chat(ChatTurn(list(QUESTION), tools=[CALCULATOR])) for _ in "ab"]
+        assert firsts[0].session != firsts[1].session
+        results = zip(firsts, ["42", "41"], strict=True)
+        histories = [[*QUESTION, echoed(f), tool_result(f, r)] for f, r in results]
+        seconds = [await core.chat(ChatTurn(h, tools=[CALCULATOR])) for h in histories]
+        assert {r.session for r in seconds} == {f.session for f in firsts}
+        # The id the gateway answered with, sent back as the session key, names it.
+        history = [*histories[0], echoed(seconds[0]), Message(role="user", content="Thanks")]
+        third = await core.chat(ChatTurn(history, session=seconds[0].session))
+        assert third.session == seconds[0].session and len(core) == 2
+    assert sorted(r.turns for r in records) == [2, 3]
+    assert all(len(r.tool_returns) == 1 for r in records)
+
+
 async def test_edited_history_ends_the_keyed_session_and_starts_another() -> None:
     replies = ["Hello.", "Hello again."]
     async with emulated_engine(replies) as (engine, records), Sessions(engine) as core:
