@@ -2,10 +2,11 @@
 
 ``async with Sessions(engine, config) as core:`` serves :class:`GatewayCore`:
 
-- **Finding a session.** A request's explicit key (``ChatTurn.session``) names it;
-  without one, it continues the idle session whose client view (everything the client
-  was sent, its last reply included) its messages start with, up to their last assistant
-  message: one dict access by digest (``_session.py``). Otherwise a new session starts.
+- **Finding a session.** A request's explicit key (``ChatTurn.session``: the client's
+  own, or the session id a reply carried) names it; without one, it continues the idle
+  session whose client view (everything the client was sent, its last reply included)
+  its messages start with, up to their last assistant message: one dict access by
+  digest (``_session.py``). Otherwise a new session starts.
   A keyed request whose messages do not extend its session (the client edited history,
   or re-sent an old request) ends that session and starts a new one under the key.
   Requests on one keyed session take turns.
