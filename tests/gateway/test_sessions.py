@@ -14,7 +14,7 @@ import anyio
 import msgspec
 import pytest
 
-from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
+from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import Engine, EngineConfig, ServerUnavailable, TrajectoryRecord, http_transport
 from libra.fleet import Api, Endpoint
 from libra.gateway import ChatReply, ChatTurn, FleetStatus, GatewayConfig, GatewayCore, Sessions
@@ -288,19 +288,49 @@ def failing() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def tool_user() -> Iterator[str]:
+    """A server whose model calls a tool on its first turn and answers on its second."""
+    script = AgentScript(tool_call_probability=1.0, max_tool_turns=1)
+    with running_emulator(EmulatorConfig(latency=LatencyModel.zero(), agent=script)) as url:
+        yield url
+
+
 @asynccontextmanager
 async def loopback_core(
-    *urls: str, config: GatewayConfig | None = None
+    *urls: str, policy: type[RoundRobin] | type[CMLFQ] = RoundRobin
 ) -> AsyncIterator[tuple[Sessions, list[TrajectoryRecord]]]:
     endpoints = [Endpoint(url, model=MODEL, name=f"e{i}") for i, url in enumerate(urls)]
     records: list[TrajectoryRecord] = []
     engine_config = EngineConfig(max_attempts=2, retry_backoff_s=0.01, capacity_wait_s=0)
     async with http_transport("httpx") as http:
         engine = Engine(
-            http, RoundRobin(Router.over(endpoints)), config=engine_config, on_record=records.append
+            http, policy(Router.over(endpoints)), config=engine_config, on_record=records.append
         )
-        async with Sessions(engine, config) as core:
+        async with Sessions(engine) as core:
             yield core, records
+
+
+@pytest.mark.parametrize("key", [None, "agent-7"])
+async def test_a_tool_using_agent_over_a_real_port(tool_user: str, key: str | None) -> None:
+    async with loopback_core(tool_user, policy=CMLFQ) as (core, records):
+        first, second = await agent(core, key)
+        assert first.session == second.session and first.finish_reason == "tool_calls"
+        assert second.content == "The answer is 42." and second.tool_calls == []
+        policy = core.engine.scheduler
+        assert isinstance(policy, CMLFQ)
+        [track] = policy.tracks.values()
+        assert track.path == ["calculator:small:success"]
+        await core.report(second.session, reward=1.0, done=True)
+        assert policy.tracks == {}
+    [record] = records
+    assert (record.status, record.reward, record.turns, record.tokens) == (
+        "completed",
+        1.0,
+        2,
+        "exact",
+    )
+    assert_tokens_consistent(record, [CALCULATOR])
 
 
 async def test_a_failing_server_is_retried_elsewhere(loopback: str, failing: str) -> None:
