@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import httpx
 import msgspec
 import pytest
 
@@ -298,7 +299,9 @@ def tool_user() -> Iterator[str]:
 
 @asynccontextmanager
 async def loopback_core(
-    *urls: str, policy: type[RoundRobin] | type[CMLFQ] = RoundRobin
+    *urls: str,
+    policy: type[RoundRobin] | type[CMLFQ] = RoundRobin,
+    config: GatewayConfig | None = None,
 ) -> AsyncIterator[tuple[Sessions, list[TrajectoryRecord]]]:
     endpoints = [Endpoint(url, model=MODEL, name=f"e{i}") for i, url in enumerate(urls)]
     records: list[TrajectoryRecord] = []
@@ -307,7 +310,7 @@ async def loopback_core(
         engine = Engine(
             http, policy(Router.over(endpoints)), config=engine_config, on_record=records.append
         )
-        async with Sessions(engine) as core:
+        async with Sessions(engine, config) as core:
             yield core, records
 
 
@@ -369,3 +372,45 @@ async def test_reload_weights_bumps_the_version_sessions_record(
     [record] = records
     assert [span.version for span in record.weight_versions] == [0, 3]
     assert record.weight_version == 0
+
+
+DICTATION = "Every token of this reply is sampled one decode step after the other. " * 4
+SLOW = LatencyModel(
+    prefill_s_per_token=0.0, step_base_s=0.005, step_per_seq_s=0.0, step_per_ctx_token_s=0.0
+)  # the echoed dictation (280 tokens) takes ~1.4 s
+
+
+async def running_requests(url: str) -> float:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{url}/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running{"))
+    return float(line.split()[-1])
+
+
+async def test_a_pause_mid_turn_holds_the_request_without_failing_it() -> None:
+    config = GatewayConfig(pause_mode="abort")
+    replies: list[ChatReply] = []
+    with running_emulator(EmulatorConfig(script="echo", latency=SLOW)) as url:
+        async with loopback_core(url, config=config) as (core, records):
+
+            async def dictate() -> None:
+                message = Message(role="user", content=DICTATION)
+                replies.append(await core.chat(ChatTurn([message], session="d")))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(dictate)
+                with anyio.fail_after(10):
+                    while await running_requests(url) < 1:  # noqa: ASYNC110 (another process)
+                        await anyio.sleep(0.02)
+                await anyio.sleep(0.3)
+                await core.pause()  # the upstream aborts the generation: the turn waits
+                assert core.status().paused and not replies
+                await anyio.sleep(0.2)
+                await core.resume()
+            await core.report("d", done=True)
+    [reply] = replies
+    assert reply.content == DICTATION and reply.finish_reason == "stop"
+    [record] = records
+    assert record.turns == 1 and record.status == "completed"
+    assert len(record.weight_versions) == 2  # one turn in two pieces
+    assert_tokens_consistent(record, [])
