@@ -35,6 +35,7 @@ from types import TracebackType
 
 import anyio
 import anyio.abc
+import pydantic
 
 from libra import openai
 from libra.engine import (
@@ -115,10 +116,11 @@ class Sessions:
         return sorted({e.model for e in self.engine.scheduler.router.endpoints().values()})
 
     async def chat(self, turn: ChatTurn) -> ChatReply:
+        sampling = self._sampling(turn)  # (invalid values raise before a session starts)
         digests = digests_of(turn.messages)
-        session = await self._claim(turn, digests)
+        session = await self._claim(turn, digests, sampling)
         try:
-            return await self._generate(session, turn, digests)
+            return await self._generate(session, turn, digests, sampling)
         finally:
             session.busy = False
             session.idle.set()
@@ -199,18 +201,20 @@ class Sessions:
 
     # -------------------------------------------------------------- finding sessions
 
-    async def _claim(self, turn: ChatTurn, digests: list[Digest]) -> Session:
+    async def _claim(
+        self, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig
+    ) -> Session:
         """The session ``turn`` continues (or a new one), marked busy."""
         while True:
             session = self._lookup(turn, digests)
             if session is None:
-                session = self._open(turn, digests)
+                session = self._open(turn, digests, sampling)
             elif session.busy:  # keyed, and its last request is still being answered
                 await session.idle.wait()
                 continue
             elif not session.extended_by(turn.messages, digests):
                 self._end(session, "completed", "history_edited")
-                session = self._open(turn, digests)
+                session = self._open(turn, digests, sampling)
             self._unindex(session)
             session.busy = True
             self._touch(session)
@@ -236,7 +240,7 @@ class Sessions:
         idle = anyio.current_time() - session.last_used
         return not session.busy and idle > self.config.session_ttl_s
 
-    def _open(self, turn: ChatTurn, digests: list[Digest]) -> Session:
+    def _open(self, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig) -> Session:
         while len(self._by_id) >= self.config.max_sessions:
             oldest = next((s for s in self._by_id.values() if not s.busy), None)
             if oldest is None:
@@ -244,7 +248,7 @@ class Sessions:
             self._end(oldest, "truncated", "evicted")
         key = new_session_key(next(self._counter))
         prompt_key = prompt_key_of(turn.messages, digests)
-        session = Session(key, self.config.env, prompt_key, self._sampling(turn), turn.tools)
+        session = Session(key, self.config.env, prompt_key, sampling, turn.tools)
         self._by_id[key] = session
         if turn.session is not None:
             session.client_key = turn.session
@@ -267,9 +271,11 @@ class Sessions:
 
     # ------------------------------------------------------------------ generating
 
-    async def _generate(self, session: Session, turn: ChatTurn, digests: list[Digest]) -> ChatReply:
+    async def _generate(
+        self, session: Session, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig
+    ) -> ChatReply:
         mark = session.mark()
-        session.sampling = self._sampling(turn)
+        session.sampling = sampling
         session.stop_strings = list(turn.stop) or None
         for signal in session.take(turn.messages):
             self.engine.scheduler.on_tool_return(session.key, signal)
@@ -301,13 +307,17 @@ class Sessions:
             self._index(session)
 
     def _sampling(self, turn: ChatTurn) -> SamplingConfig:
+        """The request's sampling parameters, the config's where it gives none."""
         default = self.config.sampling
-        return SamplingConfig(
-            temperature=default.temperature if turn.temperature is None else turn.temperature,
-            top_p=default.top_p if turn.top_p is None else turn.top_p,
-            max_tokens_per_turn=turn.max_tokens or default.max_tokens_per_turn,
-            seed=default.seed if turn.seed is None else turn.seed,
-        )
+        try:
+            return SamplingConfig(
+                temperature=default.temperature if turn.temperature is None else turn.temperature,
+                top_p=default.top_p if turn.top_p is None else turn.top_p,
+                max_tokens_per_turn=turn.max_tokens or default.max_tokens_per_turn,
+                seed=default.seed if turn.seed is None else turn.seed,
+            )
+        except pydantic.ValidationError as exc:
+            raise RequestRejected(f"invalid sampling parameters: {exc}") from exc
 
     # -------------------------------------------------------------------- ending
 

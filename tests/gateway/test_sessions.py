@@ -16,7 +16,14 @@ import msgspec
 import pytest
 
 from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
-from libra.engine import Engine, EngineConfig, ServerUnavailable, TrajectoryRecord, http_transport
+from libra.engine import (
+    Engine,
+    EngineConfig,
+    RequestRejected,
+    ServerUnavailable,
+    TrajectoryRecord,
+    http_transport,
+)
 from libra.fleet import Api, Endpoint
 from libra.gateway import ChatReply, ChatTurn, FleetStatus, GatewayConfig, GatewayCore, Sessions
 from libra.openai import CompletionRequest, Message
@@ -254,6 +261,14 @@ async def test_every_session_ended_is_forgotten_and_recorded_once() -> None:
         with pytest.raises(KeyError):
             await core.report("s1-unknown", done=True)
     assert len(records) == 5 and len({r.id for r in records}) == 5
+
+
+async def test_invalid_sampling_is_refused_before_a_session_starts() -> None:
+    async with emulated_engine() as (engine, records), Sessions(engine) as core:
+        with pytest.raises(RequestRejected):
+            await core.chat(ChatTurn(list(QUESTION), temperature=-1.0))
+        assert len(core) == 0
+    assert records == []
 
 
 async def test_stateless_completions_are_routed_and_leave_no_state() -> None:
