@@ -357,6 +357,9 @@ async def test_a_failing_server_is_retried_elsewhere(loopback: str, failing: str
             reply = await core.chat(ChatTurn(list(QUESTION)))
             assert reply.endpoint == "e1"
             await core.report(reply.session, done=True)
+        request = CompletionRequest(model=MODEL, prompt="Once upon a time", max_tokens=4)
+        for _ in range(2):  # round robin: one of them goes to the failing server first
+            assert (await core.complete(request)).choices
     assert [r.status for r in records] == ["completed"] * 3
     assert all(r.endpoints == ["e1"] for r in records)
 
