@@ -66,6 +66,7 @@ from libra.train._weights import (
 )
 from libra.train._worker import (
     Export,
+    Logprobs,
     Train,
     TrainerCommand,
     TrainerError,
@@ -88,6 +89,7 @@ __all__ = [
     "GRPOConfig",
     "Layout",
     "LogprobGap",
+    "Logprobs",
     "LogprobsMode",
     "LossMetrics",
     "MicroBatch",

@@ -17,6 +17,9 @@ rollout session for the whole run. Then, per step ``k``:
    the server's on the tokens that weights ``k`` sampled: the trainer holds the same
    weights, so that gap is numerics only), export ``weights/v{k+1}``;
 5. pause admission, load the folder into every endpoint, bump their versions, resume;
+   when step 4 saw no token of weights ``k`` (``one-step-off`` sampled them all before
+   the sync), probe instead: one record's ids, scored by the server now serving
+   ``v{k+1}`` and by the trainer holding it;
 6. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), write a checkpoint
    (every ``checkpoint_every`` steps), call the checkpoint hook (:class:`CheckpointHook`)
    with the run and the line.
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
+import httpx
 import msgspec
 from rich.console import Console
 
@@ -53,9 +57,10 @@ from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, WeightSync, prepare_m
 from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
+from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.train._run import TrainRunConfig
 from libra.train._weights import servable_model
-from libra.train._worker import Export, Train, TrainerProcess, TrainResult
+from libra.train._worker import Export, Logprobs, Train, TrainerProcess, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -67,8 +72,8 @@ class StepRecord:
     (in ``one-step-off`` most of the rollout hides behind the previous step's training),
     ``train_s`` the optimizer step, ``export_s`` the weights written, ``sync_s`` loaded
     into every endpoint. ``logprob_gap_*``: trainer versus server on the trained tokens
-    that weights ``version`` sampled (in ``one-step-off``, those sampled after the
-    previous sync; ``tokens`` 0: none was)."""
+    that weights ``version`` sampled, or else on the probe after the sync (``tokens`` 0:
+    neither had a token to compare, as with an emulated server)."""
 
     step: int
     version: int
@@ -263,10 +268,16 @@ class TrainRun:
         train_s = time.perf_counter() - started
         export_s, sync_s = await self._publish(self.version + 1)
         self.version += 1
+        if result is not None and result.loss.get("gap_tokens", 0) > 0:
+            gap = LogprobGap(
+                result.loss["gap_mean"], result.loss["gap_max"], int(result.loss["gap_tokens"])
+            )
+        else:
+            gap = await self._probe_gap(step_records)
         if self.config.mode == "sync":
             self.submit(step + 1)
         seconds = (rollout_s, train_s, export_s, sync_s)
-        return _step_record(step, self, groups, batch, result, seconds)
+        return _step_record(step, self, groups, batch, result, gap, seconds)
 
     async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
         while len(self.groups[step]) < self.config.prompts_per_step:
@@ -292,6 +303,19 @@ class TrainRun:
         with (self.run_dir / "rollouts" / f"step-{step}.jsonl").open("wb") as out:
             for record in records:
                 out.write(encoder.encode(record) + b"\n")
+
+    async def _probe_gap(self, records: list[TrajectoryRecord]) -> LogprobGap:
+        """Trainer versus the first server on the longest exact record's ids, both at the
+        weights just synced (prompt logprobs are raw: temperature 1 on both sides)."""
+        exact = [r for r in records if r.tokens == "exact" and len(r.token_ids) > 1]
+        if not exact or not self.config.reloads or not self.endpoints:
+            return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
+        ids = max(exact, key=lambda r: len(r.token_ids)).token_ids
+        endpoint = self.endpoints[0]
+        async with httpx.AsyncClient(timeout=self.config.sync.timeout_s) as client:
+            served = await server_prompt_logprobs(client, endpoint.url, endpoint.model, ids)
+        mine = await self.trainer.call(Logprobs(tuple(ids)))
+        return logprob_gap(mine, served)
 
     async def _publish(self, version: int) -> tuple[float, float]:
         """Export ``version`` and load it into every endpoint (admission paused meanwhile)."""
@@ -329,6 +353,7 @@ def _step_record(
     groups: list[Group],
     batch: Batch,
     result: TrainResult | None,
+    gap: LogprobGap,
     seconds: tuple[float, float, float, float],
 ) -> StepRecord:
     rollout_s, train_s, export_s, sync_s = seconds
@@ -359,9 +384,9 @@ def _step_record(
         export_s=export_s,
         sync_s=sync_s,
         weight_version=run.version,
-        logprob_gap_mean=loss.get("gap_mean", 0.0),
-        logprob_gap_max=loss.get("gap_max", 0.0),
-        logprob_gap_tokens=int(loss.get("gap_tokens", 0)),
+        logprob_gap_mean=gap.mean_abs,
+        logprob_gap_max=gap.max_abs,
+        logprob_gap_tokens=gap.tokens,
         loss=loss,
         grad_norm=result.step.grad_norm if result else None,
         lr=result.step.lr if result else None,

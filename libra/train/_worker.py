@@ -92,14 +92,28 @@ class Export:
         return export_weights(trainer, self.run_dir, self.version, dtype=self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The trainer's logprob of each of ``token_ids`` after the first, at temperature 1."""
+
+    token_ids: tuple[int, ...]
+
+    def run(self, trainer: FSDPTrainer) -> list[float]:
+        import torch
+
+        ids = torch.tensor([self.token_ids], dtype=torch.long)
+        values: list[float] = trainer.logprobs(ids)[0].tolist()
+        return values
+
+
 R_co = TypeVar("R_co", covariant=True)
 T = TypeVar("T")
 
 
 class TrainerCommand(Protocol[R_co]):
     """What the trainer's processes run: picklable, collective (every rank runs it with
-    its own trainer), rank 0's result is the answer. ``Train`` and ``Export``
-    are the loop's; others (a checkpoint's write or restore) plug in the same way."""
+    its own trainer), rank 0's result is the answer. ``Train``, ``Export`` and
+    ``Logprobs`` are the loop's; others (a checkpoint's write or restore) plug in the same way."""
 
     def run(self, trainer: FSDPTrainer) -> R_co: ...
 
