@@ -1,0 +1,374 @@
+"""The HTTP surface of ``libra serve``: OpenAI's API over a :class:`GatewayCore`, raw ASGI.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/libra/report`` (a client's
+own account of its session: a tool's outcome, its reward, its end), and the admin API
+for a trainer: ``POST /admin/pause``, ``/admin/resume``, ``/admin/reload_weights``
+``{"path", "version"}``, ``GET /admin/status``. Nothing else is served: in particular
+no request ever reaches an upstream server's own admin endpoints.
+
+A chat request's session is named by the ``X-Libra-Session`` header, else its ``user``
+(else the core finds it by prefix); the answer carries the session id back in the same
+header. Streaming (``stream: true``) answers with server-sent events in OpenAI's chunk
+format: the core returns a whole turn, which is then sent as deltas (the role, the
+content, each tool call's id and name then its arguments, the finish reason, the usage
+if asked for, ``[DONE]``): a client reads a stream, but its first token arrives with
+its last. A client that disconnects while its turn generates cancels the core's call,
+and with it the upstream request.
+
+Like the emulated server this is a plain ASGI callable without a web framework, so a
+request costs little more than decoding and encoding its JSON.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+
+from libra._asgi import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    cancel_on_disconnect,
+    header,
+    read_body,
+    serve_lifespan,
+)
+from libra.engine import RequestRejected, ServerUnavailable
+from libra.gateway._auth import Keys
+from libra.gateway._metrics import CONTENT_TYPE as _PROMETHEUS
+from libra.gateway._metrics import GatewayMetrics
+from libra.gateway._protocol import ChatReply, GatewayCore
+from libra.gateway._wire import (
+    ChatRequest,
+    CompletionRequest,
+    ErrorFields,
+    ErrorOut,
+    Head,
+    ReloadRequest,
+    ReportRequest,
+    WireError,
+    chat_chunks,
+    chat_completion,
+    chat_turn,
+    completion_chunks,
+    decode,
+    decode_chat,
+    decode_completion,
+    public_completion,
+    upstream_completion,
+)
+from libra.sched import NoEndpointAvailable
+
+SESSION_HEADER = "X-Libra-Session"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+_log = logging.getLogger("libra.gateway")
+_JSON = b"application/json"
+_SSE = b"text/event-stream"
+_SESSION = SESSION_HEADER.lower().encode()
+_T = TypeVar("_T")
+_Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    scope: Scope
+    body: bytes
+    receive: Receive
+
+
+@dataclass(frozen=True, slots=True)
+class _Response:
+    status: int
+    body: bytes
+    content_type: bytes = _JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+_Handler = Callable[[_Request], Awaitable[_Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    method: str
+    handler: _Handler
+    name: str
+    auth: bool = True  # needs a user key (when auth is on)
+    admin: bool = False  # needs an admin key
+
+
+class GatewayApp:
+    """The ASGI app over ``core``; ``keys`` say who may call it."""
+
+    def __init__(
+        self,
+        core: GatewayCore,
+        keys: Keys,
+        *,
+        metrics: GatewayMetrics | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.core = core
+        self.keys = keys
+        self.metrics = metrics or GatewayMetrics()
+        self.max_body_bytes = max_body_bytes
+        self._encoder = msgspec.json.Encoder()
+        self._reload_decoder = msgspec.json.Decoder(ReloadRequest)
+        self._report_decoder = msgspec.json.Decoder(ReportRequest)
+        self._id_prefix = secrets.token_hex(4)
+        self._ids = itertools.count()
+        self._routes: dict[str, _Route] = {
+            "/v1/chat/completions": _Route("POST", self._chat, "chat"),
+            "/v1/completions": _Route("POST", self._completions, "completions"),
+            "/v1/models": _Route("GET", self._models, "models"),
+            "/v1/libra/report": _Route("POST", self._report, "report"),
+            "/health": _Route("GET", self._health, "health", auth=False),
+            "/metrics": _Route("GET", self._metrics, "metrics"),
+            "/admin/pause": _Route("POST", self._pause, "admin", admin=True),
+            "/admin/resume": _Route("POST", self._resume, "admin", admin=True),
+            "/admin/reload_weights": _Route("POST", self._reload, "admin", admin=True),
+            "/admin/status": _Route("GET", self._status, "admin", admin=True),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._serve_http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await serve_lifespan(receive, send)
+
+    async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        route = self._routes.get(scope["path"])
+        name = route.name if route is not None else "other"
+        in_progress = self.metrics.in_progress.labels(name)
+        in_progress.inc()
+        self.metrics.totals.in_progress += 1
+        try:
+            response = await self._answer(route, scope, receive)
+        except ClientDisconnected:
+            self.metrics.disconnects.labels(name).inc()
+            return
+        finally:
+            in_progress.dec()
+            self.metrics.totals.in_progress -= 1
+        headers: _Headers = [
+            (b"content-type", response.content_type),
+            (b"content-length", str(len(response.body)).encode()),
+            *response.headers,
+        ]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body})
+        self.metrics.answered(name, response.status, time.perf_counter() - started)
+
+    async def _answer(self, route: _Route | None, scope: Scope, receive: Receive) -> _Response:
+        try:
+            route = self._check(route, scope)
+            body = await read_body(receive, self.max_body_bytes)
+            return await route.handler(_Request(scope, body, receive))
+        except WireError as error:
+            return self._error(error)
+        except BodyTooLarge:
+            message = f"The request body is larger than {self.max_body_bytes} bytes."
+            return self._error(WireError(message, status=413))
+        except RequestRejected as error:
+            return self._error(WireError(f"The model server refused the request: {error}"))
+        except (ServerUnavailable, NoEndpointAvailable) as error:
+            message = f"No model server could answer: {error}"
+            return self._error(WireError(message, status=503, kind="service_unavailable"))
+        except Exception:  # a bug: the client gets a 500, the log the traceback
+            _log.exception("libra serve failed on %s %s", scope["method"], scope["path"])
+            return self._error(WireError("Internal error.", status=500, kind="server_error"))
+
+    def _check(self, route: _Route | None, scope: Scope) -> _Route:
+        """The route, once the method, the key and the declared size are right."""
+        if route is None:
+            path = scope["path"]
+            raise WireError(f"Not found: {path}", status=404, kind="not_found_error")
+        if scope["method"] != route.method:
+            message = f"Method not allowed: {scope['method']} {scope['path']}"
+            raise WireError(message, status=405)
+        if route.auth or route.admin:
+            self._authenticate(route, scope)
+        length = header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise BodyTooLarge
+        return route
+
+    def _authenticate(self, route: _Route, scope: Scope) -> None:
+        verdict = self.keys.check(header(scope, b"authorization"), admin=route.admin)
+        if verdict == "ok":
+            return
+        if verdict == "forbidden":
+            message = "This key may not use the admin API; it needs an admin key."
+            raise WireError(message, status=403, kind="permission_error")
+        if route.admin and not self.keys.admins:
+            message = "The admin API is closed: start libra serve with LIBRA_ADMIN_KEY set."
+            raise WireError(message, status=403, kind="permission_error")
+        missing = verdict == "missing"
+        message = (
+            "Missing API key: send 'Authorization: Bearer KEY'."
+            if missing
+            else ("Incorrect API key provided.")
+        )
+        raise WireError(message, status=401, kind="invalid_request_error", code="invalid_api_key")
+
+    def _error(self, error: WireError) -> _Response:
+        fields = ErrorFields(error.message, error.kind, error.param, error.code)
+        return _Response(error.status, self._encoder.encode(ErrorOut(fields)))
+
+    def _json(self, value: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> _Response:
+        return _Response(200, self._encoder.encode(value), _JSON, headers)
+
+    def _events(self, chunks: list[Any], headers: tuple[tuple[bytes, bytes], ...]) -> _Response:
+        encode = self._encoder.encode
+        events = b"".join([b"data: " + encode(chunk) + b"\n\n" for chunk in chunks])
+        no_cache = (b"cache-control", b"no-cache")
+        return _Response(200, events + b"data: [DONE]\n\n", _SSE, (*headers, no_cache))
+
+    # ------------------------------------------------------------------ generation
+
+    async def _chat(self, request: _Request) -> _Response:
+        chat = decode_chat(request.body)
+        self._check_model(chat.model)
+        key = header(request.scope, _SESSION)
+        turn = chat_turn(chat, key.decode("latin-1") if key is not None else None)
+        reply = await self._in_core("chat", request.receive, partial(self.core.chat, turn))
+        self.metrics.generated(
+            reply.bucket, reply.endpoint, reply.prompt_tokens, reply.completion_tokens
+        )
+        return self._chat_response(chat, reply)
+
+    def _chat_response(self, chat: ChatRequest, reply: ChatReply) -> _Response:
+        headers = ((_SESSION, _header_value(reply.session)),)
+        head = Head(
+            f"chatcmpl-{self._id_prefix}{next(self._ids):012x}",
+            int(time.time()),
+            chat.model,
+            parallel=chat.parallel_tool_calls is not False,
+        )
+        if chat.stream:
+            options = chat.stream_options
+            include_usage = bool(options is not None and options.include_usage)
+            return self._events(chat_chunks(reply, head, include_usage), headers)
+        return self._json(chat_completion(reply, head), headers)
+
+    async def _completions(self, request: _Request) -> _Response:
+        completion = decode_completion(request.body)
+        self._check_model(completion.model)
+        upstream = upstream_completion(completion, completion.model)
+        call = partial(self.core.complete, upstream)
+        result = public_completion(
+            await self._in_core("completions", request.receive, call), completion.model
+        )
+        if result.usage is not None:
+            usage = result.usage
+            self.metrics.generated("", "", usage.prompt_tokens, usage.completion_tokens)
+        return self._completion_response(completion, result)
+
+    def _completion_response(self, request: CompletionRequest, result: Any) -> _Response:
+        if request.stream:
+            options = request.stream_options
+            include_usage = bool(options is not None and options.include_usage)
+            return self._events(completion_chunks(result, include_usage), ())
+        return self._json(result)
+
+    async def _in_core(self, route: str, receive: Receive, call: Callable[[], Awaitable[_T]]) -> _T:
+        """``call``'s result; cancelled, and :class:`ClientDisconnected` raised, when the
+        client goes away first (so the upstream request is cancelled too)."""
+        results: list[_T] = []
+        failure: Exception | None = None
+        started = time.perf_counter()
+        async with anyio.create_task_group() as group:
+            group.start_soon(cancel_on_disconnect, receive, group.cancel_scope)
+            try:
+                results.append(await call())
+            except Exception as error:  # raised below, outside the task group's wrapping
+                failure = error
+            group.cancel_scope.cancel()
+        self.metrics.core_latency.labels(route).observe(time.perf_counter() - started)
+        if failure is not None:
+            raise failure
+        if not results:
+            raise ClientDisconnected
+        return results[0]
+
+    def _check_model(self, model: str) -> None:
+        models = self.core.models()
+        if model not in models:
+            raise WireError(
+                f"The model `{model}` does not exist; this server serves {', '.join(models)}.",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+
+    # ------------------------------------------------------------------ the rest
+
+    async def _models(self, request: _Request) -> _Response:
+        cards = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "libra"}
+            for m in self.core.models()
+        ]
+        return self._json({"object": "list", "data": cards})
+
+    async def _health(self, request: _Request) -> _Response:
+        healthy = any(self.core.status().healthy.values())
+        return _Response(
+            200 if healthy else 503, b'{"status":"ok"}' if healthy else b'{"status":"unavailable"}'
+        )
+
+    async def _metrics(self, request: _Request) -> _Response:
+        return _Response(200, self.metrics.exposition(), _PROMETHEUS)
+
+    async def _report(self, request: _Request) -> _Response:
+        report: ReportRequest = decode(self._report_decoder, request.body)
+        tool = (report.tool.name, report.tool.status) if report.tool is not None else None
+        await self.core.report(report.session, tool=tool, reward=report.reward, done=report.done)
+        return self._json({"session": report.session})
+
+    async def _pause(self, request: _Request) -> _Response:
+        await self.core.pause()
+        return self._json({"paused": True})
+
+    async def _resume(self, request: _Request) -> _Response:
+        await self.core.resume()
+        return self._json({"paused": False})
+
+    async def _reload(self, request: _Request) -> _Response:
+        reload: ReloadRequest = decode(self._reload_decoder, request.body)
+        seconds = await self.core.reload_weights(reload.path, reload.version)
+        return self._json({"version": reload.version, "seconds": seconds})
+
+    async def _status(self, request: _Request) -> _Response:
+        return self._json(self.core.status())
+
+
+def _header_value(session: str) -> bytes:
+    """``session`` as a header value: as it is when printable ASCII, else %-escaped."""
+    if session.isascii() and session.isprintable():
+        return session.encode()
+    return urllib.parse.quote(session, safe="").encode()
+
+
+def create_gateway(
+    core: GatewayCore,
+    keys: Keys,
+    *,
+    metrics: GatewayMetrics | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> GatewayApp:
+    """The ASGI app of ``libra serve`` over ``core``."""
+    return GatewayApp(core, keys, metrics=metrics, max_body_bytes=max_body_bytes)
