@@ -172,6 +172,7 @@ class EmulatorApp:
         self.engine = None if config.latency.is_zero else BatchingEngine(config.latency)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.weight_reloads = 0
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_caching:
             capacity = config.latency.kv_capacity_tokens
@@ -200,6 +201,8 @@ class EmulatorApp:
             "/pause": {"POST": self._pause},
             "/resume": {"POST": self._resume},
             "/is_paused": {"GET": self._is_paused},
+            "/collective_rpc": {"POST": self._collective_rpc},
+            "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -315,6 +318,21 @@ class EmulatorApp:
         engine = self.engine
         paused = self._resumed is not None if engine is None else engine.paused is not None
         return 200, self._encoder.encode({"is_paused": paused}), _JSON
+
+    async def _collective_rpc(self, body: bytes, receive: Receive, query: bytes) -> _Response:
+        """vLLM's dev-mode ``POST /collective_rpc``: ``reload_weights`` (what a weight
+        sync calls) succeeds at once, as replies do not depend on weights here."""
+        method = json.loads(body or b"{}").get("method")
+        if method != "reload_weights":
+            raise _HTTPError(400, f"the emulator runs no {method!r} RPC")
+        self.weight_reloads += 1
+        return 200, b'{"results":[null]}', _JSON
+
+    async def _reset_prefix_cache(self, body: bytes, receive: Receive, query: bytes) -> _Response:
+        """vLLM's dev-mode ``POST /reset_prefix_cache``: cached KV is forgotten."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return 200, b'{"success":true}', _JSON
 
     # ------------------------------------------------------------------- tokenizer
 

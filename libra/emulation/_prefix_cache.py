@@ -25,6 +25,10 @@ class PrefixCache:
         self.hits = 0  # of which found in the cache
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
+    def clear(self) -> None:
+        """Forget every cached block (new weights make them stale); counters stay."""
+        self._blocks.clear()
+
     def match(self, ids: list[int]) -> int:
         """Leading tokens of ``ids`` already cached (whole blocks; always leaves one out)."""
         return self.lookup(ids)[0]

@@ -1,5 +1,7 @@
 """The rollout engine: every trajectory is one coroutine (see ``_trajectory.py``), run
-by a long-lived :class:`RolloutSession` (``_session.py``) that streams their records."""
+by a long-lived :class:`RolloutSession` (``_session.py``) that streams their records.
+One model turn's mechanics (``_turn.py``: routing, retries, continuations) serve the
+gateway's sessions too."""
 
 from libra.engine._asgi import ASGITransport
 from libra.engine._client import (
@@ -10,6 +12,7 @@ from libra.engine._client import (
     ServerUnavailable,
 )
 from libra.engine._config import EngineConfig, SamplingConfig
+from libra.engine._engine import Engine
 from libra.engine._http import (
     AiohttpTransport,
     BaseTransport,
@@ -30,12 +33,23 @@ from libra.engine._rollout import jobs_for, jobs_of, rollout
 from libra.engine._session import Group, RolloutSession
 from libra.engine._stats import RolloutStats
 from libra.engine._tokens import TemplateRenderer, TokenLog
-from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
+from libra.engine._trajectory import TrajectoryJob, run_trajectory
+from libra.engine._turn import (
+    ContextFull,
+    Dialogue,
+    NoCapacity,
+    Piece,
+    Turn,
+    generate_turn,
+    with_tools_described,
+)
 
 __all__ = [
     "ASGITransport",
     "AiohttpTransport",
     "BaseTransport",
+    "ContextFull",
+    "Dialogue",
     "Engine",
     "EngineConfig",
     "Generation",
@@ -43,7 +57,9 @@ __all__ = [
     "Group",
     "HTTPTransport",
     "HttpxTransport",
+    "NoCapacity",
     "OpenAIClient",
+    "Piece",
     "RequestRejected",
     "RolloutSession",
     "RolloutStats",
@@ -58,10 +74,13 @@ __all__ = [
     "TrajectoryRecord",
     "TransportError",
     "TransportName",
+    "Turn",
     "WeightSpan",
+    "generate_turn",
     "http_transport",
     "jobs_for",
     "jobs_of",
     "rollout",
     "run_trajectory",
+    "with_tools_described",
 ]

@@ -202,6 +202,12 @@ class OpenAIClient:
             path="tokens",
         )
 
+    async def completion(
+        self, endpoint: Endpoint, request: openai.CompletionRequest
+    ) -> openai.Completion:
+        """A ``/v1/completions`` call as the caller wrote it (the gateway's stateless one)."""
+        return await self._post(endpoint, "/v1/completions", request, openai.Completion)
+
     async def tokenize(
         self,
         endpoint: Endpoint,

@@ -47,9 +47,10 @@ from types import TracebackType
 import anyio
 import anyio.abc
 
+from libra.engine._engine import Engine
 from libra.engine._records import TrajectoryRecord
 from libra.engine._stats import RolloutStats
-from libra.engine._trajectory import Engine, TrajectoryJob, run_trajectory
+from libra.engine._trajectory import TrajectoryJob, run_trajectory
 from libra.envs import GroupId, TrajectoryId
 
 

@@ -4,7 +4,8 @@
 (routed by the scheduler) with tool calls (run by the env, maybe in a sandbox), feeding
 every tool return to the scheduler, until the model stops, the env ends the episode or
 a limit is hit; then score the answer. A generation that a paused or drained server
-aborts does not end its turn: the turn goes on where it stopped (see ``_generate``).
+aborts does not end its turn: the turn goes on where it stopped (``_turn.py`` holds
+the mechanics of one model turn).
 Whatever happens (a tool that raises or hangs, garbage from the model, a dead server,
 cancellation), the trajectory ends in exactly one record: returned, or, when cancelled,
 handed to ``on_cancelled`` (a cancelled coroutine cannot return). ``Engine.on_record``
@@ -16,10 +17,9 @@ from __future__ import annotations
 import inspect
 import json
 import traceback
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -27,15 +27,9 @@ import anyio
 import pydantic
 
 from libra import openai
-from libra.engine._client import (
-    Generation,
-    GenerationError,
-    OpenAIClient,
-    RequestRejected,
-    ServerUnavailable,
-)
-from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
-from libra.engine._http import HTTPTransport
+from libra.engine._client import Generation, GenerationError
+from libra.engine._config import SamplingConfig
+from libra.engine._engine import Engine
 from libra.engine._records import (
     SamplingRecord,
     Status,
@@ -43,13 +37,13 @@ from libra.engine._records import (
     ToolReturnRecord,
     TrajectoryRecord,
 )
-from libra.engine._tokens import TemplateRenderer, TokenLog
+from libra.engine._tokens import TokenLog
+from libra.engine._turn import ContextFull, Turn, generate_turn, with_tools_described
 from libra.envs import (
     Env,
     GroupId,
     HermesToolCallParser,
     SandboxError,
-    SandboxProvider,
     Task,
     TaskId,
     ToolCall,
@@ -62,7 +56,6 @@ from libra.envs import (
     from_openai,
 )
 from libra.fleet import Endpoint
-from libra.sched import CallOutcome, NoEndpointAvailable, Route, Router, RouteRequest, Scheduler
 from libra.signals import ToolStatus, signal_of
 
 T = TypeVar("T")
@@ -97,33 +90,6 @@ class TrajectoryJob:
         return GroupId(self.step, self.task.id)
 
 
-@dataclass
-class Engine:
-    """What trajectories share: the client, the scheduler, sandboxes and the limits.
-
-    The engine builds its client over ``http`` itself, so every limit in ``config``
-    (the request timeout included) is the one that applies.
-    """
-
-    http: HTTPTransport
-    scheduler: Scheduler
-    _: KW_ONLY
-    config: EngineConfig = field(default_factory=EngineConfig)
-    sandboxes: SandboxProvider | None = None
-    #: Sees every record the engine makes, whichever session ran it (a log, a test);
-    #: the consumer of a rollout reads its session's stream instead.
-    on_record: Callable[[TrajectoryRecord], None] | None = None
-    client: OpenAIClient = field(init=False)
-    renderer: TemplateRenderer = field(init=False)
-    #: The trajectories its sessions hold (queued or running): no two alike at once,
-    #: whichever session holds them, since the scheduler keys its state by them.
-    live_ids: set[TrajectoryId] = field(init=False, default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.client = OpenAIClient(self.http, timeout_s=self.config.request_timeout_s)
-        self.renderer = TemplateRenderer(self.client)
-
-
 class _End(Exception):
     """The episode is over (normally): carries the status and why."""
 
@@ -148,6 +114,8 @@ async def run_trajectory(
         t.status, t.stop_reason = end.status, end.reason
     except TimeoutError:
         t.status, t.stop_reason = "truncated", "max_wall_s"
+    except ContextFull:
+        t.status, t.stop_reason = "truncated", "max_context_tokens"
     except GenerationError as exc:
         t.fail("server_error", str(exc))
     except SandboxError as exc:
@@ -173,7 +141,7 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
     while True:
         if t.turns >= max_turns:
             raise _End("truncated", "max_turns")
-        turn = await _generate(t, engine)
+        turn = await generate_turn(t, engine)
         t.add_model_turn(turn)
         generation = turn.generation
         calls = _tool_calls(env, generation)
@@ -194,243 +162,6 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
             engine.scheduler.on_tool_return(t.key, env.signal(result))
         if env.done:
             raise _End("completed", "env_done")
-
-
-# ------------------------------------------------------------------------- generation
-
-
-async def _generate(t: _Trajectory, engine: Engine) -> _Turn:
-    """One model turn, in as many generations as it takes.
-
-    A generation that ends with ``finish_reason: "abort"`` (a paused or drained server)
-    is not the end of the turn. On the token path its sampled tokens are kept and the
-    same turn is asked for again, through routing (so maybe on another endpoint), as a
-    continuation of the token list with what is left of the turn's token budget; the
-    pieces make one turn. The chat path cannot continue a partial reply, so there the
-    turn starts over (what it had sampled is dropped). After ``max_continuations`` such
-    restarts a further abort fails the trajectory as a server error.
-    """
-    config = engine.config
-    turn = _Turn()
-    for _ in range(config.max_continuations + 1):
-        if turn.pieces and _turn_budget(t, config, turn) <= 0:
-            return turn.ended("length")  # the abort came on the turn's last token
-        piece = await _attempt(t, engine, turn)
-        if piece.generation.path == "chat":
-            turn.pieces.clear()  # a chat reply is always the whole turn
-        turn.pieces.append(piece)
-        if piece.generation.finish_reason != "abort":
-            return turn
-    raise ServerUnavailable(f"a turn was aborted {config.max_continuations + 1} times")
-
-
-async def _attempt(t: _Trajectory, engine: Engine, turn: _Turn) -> _Piece:
-    """One generation call: route, call, release with what happened; on a server failure
-    retry (elsewhere if possible). A failure on an instance the fleet has retired since
-    (drained, removed) costs no attempt; with no usable endpoint the call waits for
-    capacity. An aborted generation came from a healthy server (paused or drained): it
-    is released as ``migrated``, and the turn goes on in the next piece."""
-    config, scheduler = engine.config, engine.scheduler
-    failed: set[str] = set()
-    backoff = config.retry_backoff_s
-    attempts = 0
-    capacity = _CapacityWait(config.capacity_wait_s)
-    while True:
-        route = await _route(t, turn, scheduler, failed, capacity)
-        generation: Generation | None = None
-        outcome: CallOutcome = "cancelled"  # unless the call says otherwise below
-        try:
-            generation = await _call(t, engine, route, turn)
-            outcome = "migrated" if generation.finish_reason == "abort" else "ok"
-            t.weights_changed_turns += route.weights_changed
-            return _Piece(generation, route.endpoint, route.weight_version)
-        except ServerUnavailable as exc:
-            capacity.last_error = str(exc)
-            if route.retired:
-                outcome = "migrated"
-                continue  # planned: go on elsewhere at once, no attempt spent
-            outcome = "failed"
-            failed.add(route.endpoint.name)
-            attempts += 1
-            if attempts >= config.max_attempts:
-                raise
-        except RequestRejected:
-            outcome = "rejected"
-            raise
-        finally:
-            sampled = len(generation.token_ids or ()) if generation is not None else 0
-            scheduler.release(route, outcome=outcome, new_tokens=sampled)
-        await anyio.sleep(backoff)
-        backoff *= 2
-
-
-class NoCapacity(ServerUnavailable):
-    """No endpoint became usable within ``capacity_wait_s``."""
-
-
-class _CapacityWait:
-    """What one call may still wait for an endpoint, and the failure to report if none."""
-
-    def __init__(self, budget_s: float) -> None:
-        self.budget_s = budget_s
-        self.last_error = ""
-
-    async def wait(self, router: Router, why: str) -> None:
-        """Until the router gains a usable endpoint (or the budget is spent: fail)."""
-        if self.budget_s <= 0:
-            after = f" (last failure: {self.last_error})" if self.last_error else ""
-            raise NoCapacity(f"no endpoint for {why}{after}")
-        started = anyio.current_time()
-        with anyio.move_on_after(self.budget_s):
-            await router.membership.wait()
-        self.budget_s -= anyio.current_time() - started
-
-
-async def _route(
-    t: _Trajectory, turn: _Turn, scheduler: Scheduler, failed: set[str], capacity: _CapacityWait
-) -> Route:
-    request = RouteRequest(
-        t.key,
-        t.prompt_key,
-        t.turns,
-        len(t.tokens) + turn.produced,
-        t.last_endpoint,
-        generated_tokens=t.output_tokens + turn.produced,
-        env=t.job.task.id.env,
-    )
-    while True:
-        try:
-            route = scheduler.route(request, frozenset(failed))
-        except NoEndpointAvailable as exc:
-            if failed:
-                failed.clear()  # every endpoint failed once: they may be back, try them all
-                continue
-            await capacity.wait(scheduler.router, str(exc))
-            continue
-        if t.weight_version is None:  # the weights it started on
-            t.weight_version = route.weight_version
-        return route
-
-
-async def _call(t: _Trajectory, engine: Engine, route: Route, turn: _Turn) -> Generation:
-    endpoint, client = route.endpoint, engine.client
-    if t.turns == 0 and t.tools and not await client.renders_tools(endpoint):
-        t.describe_tools_in_system_message()
-    started = anyio.current_time()
-    if t.tokens.source == "exact" and await client.speaks_tokens(endpoint):
-        await _render_pending(t, engine.renderer, endpoint)  # the budget sees the whole prompt
-    sampling = _turn_sampling(t, engine.config, route, turn)
-    generation = await client.generate(endpoint, _Prompt(t, turn, engine.renderer), sampling)
-    if generation.path == "chat":
-        t.tokens.absorb_prompt(generation.prompt_token_ids)
-    t.timings.generation_s += anyio.current_time() - started
-    t.last_endpoint = endpoint
-    return generation
-
-
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    """A generation request's conversation (see ``OpenAIClient.generate``): the chat, or
-    the exact token list, a partial turn included, with pending messages rendered."""
-
-    t: _Trajectory
-    turn: _Turn
-    renderer: TemplateRenderer
-
-    @property
-    def messages(self) -> list[openai.Message]:
-        return self.t.messages
-
-    @property
-    def tools(self) -> list[dict[str, Any]]:
-        return self.t.tools
-
-    async def token_ids(self, endpoint: Endpoint) -> list[int] | None:
-        if self.t.tokens.source != "exact":
-            return None
-        await _render_pending(self.t, self.renderer, endpoint)
-        return self.t.tokens.ids + self.turn.token_ids
-
-
-async def _render_pending(t: _Trajectory, renderer: TemplateRenderer, endpoint: Endpoint) -> None:
-    """Append the messages that arrived since the last model turn as token ids."""
-    if not t.tokens.ids:
-        t.tokens.add_context(await renderer.prompt(endpoint, t.messages, t.tools))
-    elif t.pending:
-        t.tokens.add_context(await renderer.continuation(endpoint, t.pending, t.tokens.ids[-1]))
-    t.pending = []
-
-
-def _turn_budget(t: _Trajectory, config: EngineConfig, turn: _Turn) -> int:
-    """Tokens the turn may still sample: its own limit, and the room left in the context."""
-    room = config.max_context_tokens - len(t.tokens)
-    return min(room, config.sampling.max_tokens_per_turn) - turn.produced
-
-
-def _turn_sampling(t: _Trajectory, config: EngineConfig, route: Route, turn: _Turn) -> TurnSampling:
-    """Every sampling parameter of the next request: the turn's remaining budget (capped
-    by the room left in the context), a per-turn seed, the route's priority."""
-    if config.max_context_tokens - len(t.tokens) <= 0:
-        raise _End("truncated", "max_context_tokens")
-    sampling = config.sampling
-    seed = sampling.seed
-    if seed is not None:  # reproducible, yet different for every sample and turn
-        seed = zlib.crc32(f"{seed}/{t.key}/{t.turns}".encode())
-    return TurnSampling(
-        max_tokens=_turn_budget(t, config, turn),
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=seed,
-        priority=route.priority,
-        stop=t.stop_strings,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """One generation of a turn, and where and by which weights it was sampled."""
-
-    generation: Generation
-    endpoint: Endpoint
-    weight_version: int
-
-
-@dataclass(slots=True)
-class _Turn:
-    """A model turn: one generation, or several when aborted ones were continued."""
-
-    pieces: list[_Piece] = field(default_factory=list)
-    finish_reason: str | None = None  # set when the turn ended for a reason of its own
-
-    @property
-    def produced(self) -> int:
-        return sum(piece.generation.completion_tokens for piece in self.pieces)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [i for piece in self.pieces for i in piece.generation.token_ids or ()]
-
-    def ended(self, finish_reason: str) -> _Turn:
-        self.finish_reason = finish_reason
-        return self
-
-    @property
-    def generation(self) -> Generation:
-        """The pieces as one generation (the text joined, the ids and logprobs too)."""
-        last = self.pieces[-1].generation
-        if len(self.pieces) == 1 and self.finish_reason is None:
-            return last
-        generations = [piece.generation for piece in self.pieces]
-        return Generation(
-            text="".join(g.text for g in generations),
-            finish_reason=self.finish_reason or last.finish_reason,
-            completion_tokens=self.produced,
-            token_ids=self.token_ids,
-            logprobs=[lp for g in generations for lp in g.logprobs or ()],
-            prompt_token_ids=last.prompt_token_ids,
-            tool_calls=last.tool_calls,
-            path=last.path,
-        )
 
 
 # ---------------------------------------------------------------------------- tools
@@ -598,23 +329,22 @@ class _Trajectory:
         self.messages = list(messages)
         env.messages = self.messages
 
+    @property
+    def env_name(self) -> str:
+        return self.job.task.id.env
+
     def describe_tools_in_system_message(self) -> None:
         """For servers whose chat template drops ``tools`` (SmolLM2's does): teach the
         model the tools and the call format in the system message instead."""
-        guide = self.parser.describe(self.tools)
+        self.messages[:] = with_tools_described(self.messages, self.parser.describe(self.tools))
         self.tools = []
-        first = self.messages[0] if self.messages else None
-        if first is not None and first.role == "system":
-            self.messages[0] = openai.Message(role="system", content=f"{first.content}\n\n{guide}")
-        else:
-            self.messages.insert(0, openai.Message(role="system", content=guide))
 
     @property
     def answer(self) -> str:
         replies = [m for m in self.messages if m.role == "assistant"]
         return (replies[-1].content or "") if replies else ""
 
-    def add_model_turn(self, turn: _Turn) -> None:
+    def add_model_turn(self, turn: Turn) -> None:
         """The turn's reply, and its sampled tokens piece by piece (each with the weight
         version of the endpoint that sampled it)."""
         generation = turn.generation
@@ -626,15 +356,7 @@ class _Trajectory:
                 role="assistant", content=generation.text, tool_calls=generation.tool_calls
             )
         )
-        for piece in turn.pieces:
-            if self.tokens.source != "exact":
-                return
-            if piece.generation.token_ids is None:
-                self.tokens.source = "none"
-                return
-            if piece.generation.token_ids:  # an abort can come before the first token
-                ids, logprobs = piece.generation.token_ids, piece.generation.logprobs
-                self.tokens.add_sampled(ids, logprobs, piece.weight_version)
+        turn.add_to(self.tokens)
 
     def add_messages(self, messages: list[openai.Message]) -> None:
         self.messages += messages

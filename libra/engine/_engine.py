@@ -1,0 +1,42 @@
+"""What every conversation the engine runs shares: the client, the scheduler, sandboxes
+and the limits (a rollout's trajectories and a gateway's sessions alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
+
+from libra.engine._client import OpenAIClient
+from libra.engine._config import EngineConfig
+from libra.engine._http import HTTPTransport
+from libra.engine._records import TrajectoryRecord
+from libra.engine._tokens import TemplateRenderer
+from libra.envs import SandboxProvider, TrajectoryId
+from libra.sched import Scheduler
+
+
+@dataclass
+class Engine:
+    """What trajectories share: the client, the scheduler, sandboxes and the limits.
+
+    The engine builds its client over ``http`` itself, so every limit in ``config``
+    (the request timeout included) is the one that applies.
+    """
+
+    http: HTTPTransport
+    scheduler: Scheduler
+    _: KW_ONLY
+    config: EngineConfig = field(default_factory=EngineConfig)
+    sandboxes: SandboxProvider | None = None
+    #: Sees every record the engine makes, whichever session ran it (a log, a test);
+    #: the consumer of a rollout reads its session's stream instead.
+    on_record: Callable[[TrajectoryRecord], None] | None = None
+    client: OpenAIClient = field(init=False)
+    renderer: TemplateRenderer = field(init=False)
+    #: The trajectories its sessions hold (queued or running): no two alike at once,
+    #: whichever session holds them, since the scheduler keys its state by them.
+    live_ids: set[TrajectoryId] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.client = OpenAIClient(self.http, timeout_s=self.config.request_timeout_s)
+        self.renderer = TemplateRenderer(self.client)

@@ -1,0 +1,314 @@
+"""One model turn of a conversation, in as many generation calls as it takes.
+
+A rollout's trajectory and a gateway's session both ask the model for turns the same
+way: :func:`generate_turn` routes each call through the scheduler, calls the endpoint
+(exact token ids where it speaks them, chat otherwise), releases the route with what
+happened, retries server failures elsewhere with backoff, waits for capacity when no
+endpoint is usable, and continues a generation that a paused or drained server aborted.
+What it needs of the conversation is the :class:`Dialogue` protocol.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+
+from libra import openai
+from libra.engine._client import Generation, RequestRejected, ServerUnavailable
+from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
+from libra.engine._engine import Engine
+from libra.engine._records import Timings
+from libra.engine._tokens import TemplateRenderer, TokenLog
+from libra.fleet import Endpoint
+from libra.sched import CallOutcome, NoEndpointAvailable, Route, Router, RouteRequest, Scheduler
+
+
+class Dialogue(Protocol):
+    """What one turn's mechanics read and update of the conversation it belongs to."""
+
+    key: str  # the scheduler's keys (see ``RouteRequest``)
+    prompt_key: str
+    turns: int  # model turns so far
+    tokens: TokenLog
+    messages: list[openai.Message]
+    tools: list[dict[str, Any]]  # sent with requests; [] once described in the prompt
+    pending: list[openai.Message]  # messages not yet in ``tokens``
+    last_endpoint: Endpoint | None
+    weight_version: int | None  # of the endpoint of its first call
+    weights_changed_turns: int
+    output_tokens: int
+    stop_strings: list[str] | None
+    sampling: SamplingConfig
+    timings: Timings
+
+    @property
+    def env_name(self) -> str: ...
+
+    def describe_tools_in_system_message(self) -> None:
+        """For servers whose chat template drops ``tools``: put them in the prompt."""
+        ...
+
+
+def with_tools_described(messages: list[openai.Message], guide: str) -> list[openai.Message]:
+    """``messages`` with ``guide`` (the tools and how to call them) in the system message,
+    for servers whose chat template drops ``tools`` (SmolLM2's does)."""
+    first = messages[0] if messages else None
+    if first is not None and first.role == "system":
+        system = openai.Message(role="system", content=f"{first.content}\n\n{guide}")
+        return [system, *messages[1:]]
+    return [openai.Message(role="system", content=guide), *messages]
+
+
+class ContextFull(Exception):
+    """The conversation has no room left in ``max_context_tokens`` for another turn."""
+
+
+class NoCapacity(ServerUnavailable):
+    """No endpoint became usable within ``capacity_wait_s``."""
+
+
+async def generate_turn(d: Dialogue, engine: Engine) -> Turn:
+    """One model turn, in as many generations as it takes.
+
+    A generation that ends with ``finish_reason: "abort"`` (a paused or drained server)
+    is not the end of the turn. On the token path its sampled tokens are kept and the
+    same turn is asked for again, through routing (so maybe on another endpoint), as a
+    continuation of the token list with what is left of the turn's token budget; the
+    pieces make one turn. The chat path cannot continue a partial reply, so there the
+    turn starts over (what it had sampled is dropped). After ``max_continuations`` such
+    restarts a further abort raises ``ServerUnavailable``.
+    """
+    config = engine.config
+    turn = Turn()
+    for _ in range(config.max_continuations + 1):
+        if turn.pieces and _turn_budget(d, config, turn) <= 0:
+            return turn.ended("length")  # the abort came on the turn's last token
+        piece = await _attempt(d, engine, turn)
+        if piece.generation.path == "chat":
+            turn.pieces.clear()  # a chat reply is always the whole turn
+        turn.pieces.append(piece)
+        if piece.generation.finish_reason != "abort":
+            return turn
+    raise ServerUnavailable(f"a turn was aborted {config.max_continuations + 1} times")
+
+
+async def _attempt(d: Dialogue, engine: Engine, turn: Turn) -> Piece:
+    """One generation call: route, call, release with what happened; on a server failure
+    retry (elsewhere if possible). A failure on an instance the fleet has retired since
+    (drained, removed) costs no attempt; with no usable endpoint the call waits for
+    capacity. An aborted generation came from a healthy server (paused or drained): it
+    is released as ``migrated``, and the turn goes on in the next piece."""
+    config, scheduler = engine.config, engine.scheduler
+    failed: set[str] = set()
+    backoff = config.retry_backoff_s
+    attempts = 0
+    capacity = _CapacityWait(config.capacity_wait_s)
+    while True:
+        route = await _route(d, turn, scheduler, failed, capacity)
+        generation: Generation | None = None
+        outcome: CallOutcome = "cancelled"  # unless the call says otherwise below
+        try:
+            generation = await _call(d, engine, route, turn)
+            outcome = "migrated" if generation.finish_reason == "abort" else "ok"
+            d.weights_changed_turns += route.weights_changed
+            return Piece(generation, route.endpoint, route.weight_version, route.bucket)
+        except ServerUnavailable as exc:
+            capacity.last_error = str(exc)
+            if route.retired:
+                outcome = "migrated"
+                continue  # planned: go on elsewhere at once, no attempt spent
+            outcome = "failed"
+            failed.add(route.endpoint.name)
+            attempts += 1
+            if attempts >= config.max_attempts:
+                raise
+        except RequestRejected:
+            outcome = "rejected"
+            raise
+        finally:
+            sampled = len(generation.token_ids or ()) if generation is not None else 0
+            scheduler.release(route, outcome=outcome, new_tokens=sampled)
+        await anyio.sleep(backoff)
+        backoff *= 2
+
+
+class _CapacityWait:
+    """What one call may still wait for an endpoint, and the failure to report if none."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.last_error = ""
+
+    async def wait(self, router: Router, why: str) -> None:
+        """Until the router gains a usable endpoint (or the budget is spent: fail)."""
+        if self.budget_s <= 0:
+            after = f" (last failure: {self.last_error})" if self.last_error else ""
+            raise NoCapacity(f"no endpoint for {why}{after}")
+        started = anyio.current_time()
+        with anyio.move_on_after(self.budget_s):
+            await router.membership.wait()
+        self.budget_s -= anyio.current_time() - started
+
+
+async def _route(
+    d: Dialogue, turn: Turn, scheduler: Scheduler, failed: set[str], capacity: _CapacityWait
+) -> Route:
+    request = RouteRequest(
+        d.key,
+        d.prompt_key,
+        d.turns,
+        len(d.tokens) + turn.produced,
+        d.last_endpoint,
+        generated_tokens=d.output_tokens + turn.produced,
+        env=d.env_name,
+    )
+    while True:
+        try:
+            route = scheduler.route(request, frozenset(failed))
+        except NoEndpointAvailable as exc:
+            if failed:
+                failed.clear()  # every endpoint failed once: they may be back, try them all
+                continue
+            await capacity.wait(scheduler.router, str(exc))
+            continue
+        if d.weight_version is None:  # the weights it started on
+            d.weight_version = route.weight_version
+        return route
+
+
+async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
+    endpoint, client = route.endpoint, engine.client
+    if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
+        d.describe_tools_in_system_message()
+    started = anyio.current_time()
+    if d.tokens.source == "exact" and await client.speaks_tokens(endpoint):
+        await render_pending(d, engine.renderer, endpoint)  # the budget sees the whole prompt
+    sampling = _turn_sampling(d, engine.config, route, turn)
+    generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
+    if generation.path == "chat":
+        d.tokens.absorb_prompt(generation.prompt_token_ids)
+    d.timings.generation_s += anyio.current_time() - started
+    d.last_endpoint = endpoint
+    return generation
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """A generation request's conversation (see ``OpenAIClient.generate``): the chat, or
+    the exact token list, a partial turn included, with pending messages rendered."""
+
+    d: Dialogue
+    turn: Turn
+    renderer: TemplateRenderer
+
+    @property
+    def messages(self) -> list[openai.Message]:
+        return self.d.messages
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return self.d.tools
+
+    async def token_ids(self, endpoint: Endpoint) -> list[int] | None:
+        if self.d.tokens.source != "exact":
+            return None
+        await render_pending(self.d, self.renderer, endpoint)
+        return self.d.tokens.ids + self.turn.token_ids
+
+
+async def render_pending(d: Dialogue, renderer: TemplateRenderer, endpoint: Endpoint) -> None:
+    """Append the messages that arrived since the last model turn as token ids."""
+    if not d.tokens.ids:
+        d.tokens.add_context(await renderer.prompt(endpoint, d.messages, d.tools))
+    elif d.pending:
+        d.tokens.add_context(await renderer.continuation(endpoint, d.pending, d.tokens.ids[-1]))
+    d.pending = []
+
+
+def _turn_budget(d: Dialogue, config: EngineConfig, turn: Turn) -> int:
+    """Tokens the turn may still sample: its own limit, and the room left in the context."""
+    room = config.max_context_tokens - len(d.tokens)
+    return min(room, d.sampling.max_tokens_per_turn) - turn.produced
+
+
+def _turn_sampling(d: Dialogue, config: EngineConfig, route: Route, turn: Turn) -> TurnSampling:
+    """Every sampling parameter of the next request: the turn's remaining budget (capped
+    by the room left in the context), a per-turn seed, the route's priority."""
+    if config.max_context_tokens - len(d.tokens) <= 0:
+        raise ContextFull(f"{len(d.tokens)} tokens fill max_context_tokens")
+    sampling = d.sampling
+    seed = sampling.seed
+    if seed is not None:  # reproducible, yet different for every sample and turn
+        seed = zlib.crc32(f"{seed}/{d.key}/{d.turns}".encode())
+    return TurnSampling(
+        max_tokens=_turn_budget(d, config, turn),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=seed,
+        priority=route.priority,
+        stop=d.stop_strings,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One generation of a turn, and where and by which weights it was sampled."""
+
+    generation: Generation
+    endpoint: Endpoint
+    weight_version: int
+    bucket: str = ""
+
+
+@dataclass(slots=True)
+class Turn:
+    """A model turn: one generation, or several when aborted ones were continued."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    finish_reason: str | None = None  # set when the turn ended for a reason of its own
+
+    @property
+    def produced(self) -> int:
+        return sum(piece.generation.completion_tokens for piece in self.pieces)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [i for piece in self.pieces for i in piece.generation.token_ids or ()]
+
+    def ended(self, finish_reason: str) -> Turn:
+        self.finish_reason = finish_reason
+        return self
+
+    @property
+    def generation(self) -> Generation:
+        """The pieces as one generation (the text joined, the ids and logprobs too)."""
+        last = self.pieces[-1].generation
+        if len(self.pieces) == 1 and self.finish_reason is None:
+            return last
+        generations = [piece.generation for piece in self.pieces]
+        return Generation(
+            text="".join(g.text for g in generations),
+            finish_reason=self.finish_reason or last.finish_reason,
+            completion_tokens=self.produced,
+            token_ids=self.token_ids,
+            logprobs=[lp for g in generations for lp in g.logprobs or ()],
+            prompt_token_ids=last.prompt_token_ids,
+            tool_calls=last.tool_calls,
+            path=last.path,
+        )
+
+    def add_to(self, tokens: TokenLog) -> None:
+        """Its sampled tokens, piece by piece (each with the weight version of the
+        endpoint that sampled it), while the log is exact."""
+        for piece in self.pieces:
+            if tokens.source != "exact":
+                return
+            if piece.generation.token_ids is None:
+                tokens.source = "none"
+                return
+            if piece.generation.token_ids:  # an abort can come before the first token
+                ids, logprobs = piece.generation.token_ids, piece.generation.logprobs
+                tokens.add_sampled(ids, logprobs, piece.weight_version)

@@ -1,0 +1,127 @@
+"""The fleet behind the gateway: pausing it, new weights, its status, and the stateless
+``/v1/completions`` call routed to one of its endpoints."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import msgspec
+
+from libra import openai
+from libra.engine import Engine, RequestRejected, ServerUnavailable, TransportError
+from libra.fleet import Endpoint
+from libra.gateway._config import GatewayConfig
+from libra.gateway._protocol import FleetStatus
+from libra.sched import CallOutcome, NoEndpointAvailable, RouteRequest
+from libra.serving import WeightSync
+
+log = logging.getLogger("libra.gateway")
+
+
+class Admin:
+    def __init__(self, engine: Engine, config: GatewayConfig) -> None:
+        self.engine, self.config = engine, config
+        self._resumed: anyio.Event | None = None  # set while paused
+
+    @property
+    def paused(self) -> bool:
+        return self._resumed is not None
+
+    async def unpaused(self) -> None:
+        """Return at once, or when a pause ends: new generation calls wait here."""
+        while self._resumed is not None:
+            await self._resumed.wait()
+
+    async def pause(self) -> None:
+        """Hold new generation calls here, and pause the upstream servers that can be
+        (vLLM's dev-mode ``/pause``, in ``config.pause_mode``; others are left alone)."""
+        if self._resumed is None:
+            self._resumed = anyio.Event()
+        await self._each_endpoint(f"/pause?mode={self.config.pause_mode}")
+
+    async def resume(self) -> None:
+        await self._each_endpoint("/resume")
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+
+    async def reload_weights(self, path: str, version: int) -> float:
+        """Load the weights folder ``path`` into every endpoint as ``version``; seconds."""
+        endpoints = list(self.engine.scheduler.router.endpoints().values())
+        report = await WeightSync(endpoints, self.config.weight_sync).sync(path, version)
+        return report.seconds
+
+    def status(self) -> FleetStatus:
+        router = self.engine.scheduler.router
+        now = router.clock()
+        instances = router.instances
+        return FleetStatus(
+            versions={i.name: i.endpoint.weight_version for i in instances},
+            healthy={i.name: i.state == "active" and not i.is_down(now) for i in instances},
+            paused=self.paused,
+        )
+
+    async def complete(self, request: openai.CompletionRequest, key: str) -> openai.Completion:
+        """One routed ``/v1/completions`` call (retried elsewhere on a server failure);
+        the scheduler forgets ``key`` after it, having learnt nothing from it."""
+        scheduler = self.engine.scheduler
+        prompt = request.prompt
+        context = len(prompt) if isinstance(prompt, list) else len(prompt) // 4
+        ask = RouteRequest(key, key, 0, context, env=self.config.env)
+        failed: set[str] = set()
+        try:
+            for _ in range(self.engine.config.max_attempts - 1):
+                try:
+                    return await self._complete_once(request, ask, failed)
+                except ServerUnavailable:
+                    await anyio.sleep(self.engine.config.retry_backoff_s)
+            return await self._complete_once(request, ask, failed)
+        finally:
+            scheduler.on_finish(key, key, output_tokens=0, failed=True)
+
+    async def _complete_once(
+        self, request: openai.CompletionRequest, ask: RouteRequest, failed: set[str]
+    ) -> openai.Completion:
+        scheduler = self.engine.scheduler
+        try:
+            route = scheduler.route(ask, frozenset(failed))
+        except NoEndpointAvailable as exc:
+            failed.clear()
+            raise ServerUnavailable(str(exc)) from exc
+        outcome: CallOutcome = "cancelled"
+        produced = 0
+        try:
+            upstream = msgspec.structs.replace(
+                request, model=route.endpoint.model, priority=route.priority, stream=None
+            )
+            completion = await self.engine.client.completion(route.endpoint, upstream)
+            outcome = "ok"
+            produced = completion.usage.completion_tokens if completion.usage else 0
+            return completion
+        except ServerUnavailable:
+            outcome = "failed"
+            failed.add(route.endpoint.name)
+            raise
+        except RequestRejected:
+            outcome = "rejected"
+            raise
+        finally:
+            scheduler.release(route, outcome=outcome, new_tokens=produced)
+
+    async def _each_endpoint(self, path: str) -> None:
+        async with anyio.create_task_group() as group:
+            for endpoint in self.engine.scheduler.router.endpoints().values():
+                group.start_soon(self._control, endpoint, path)
+
+    async def _control(self, endpoint: Endpoint, path: str) -> None:
+        timeout_s = self.config.weight_sync.timeout_s
+        try:
+            status, body = await self.engine.http.post(
+                endpoint.url + path, b"", endpoint.headers, timeout_s
+            )
+        except TransportError as exc:
+            log.warning("%s%s failed: %s", endpoint.name, path, exc)
+            return
+        if status not in (200, 404):  # 404: a server without the control API
+            log.warning("%s%s answered %d: %s", endpoint.name, path, status, body[:200])

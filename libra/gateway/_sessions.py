@@ -1,0 +1,314 @@
+"""The gateway's core: :class:`Sessions`, the table of live sessions behind ``libra serve``.
+
+``async with Sessions(engine, config) as core:`` serves :class:`GatewayCore`:
+
+- **Finding a session.** A request's explicit key (``ChatTurn.session``) names it;
+  without one, it continues the idle session whose client view (everything the client
+  was sent, its last reply included) its messages start with, up to their last assistant
+  message: one dict access by digest (``_session.py``). Otherwise a new session starts.
+  A keyed request whose messages do not extend its session (the client edited history,
+  or re-sent an old request) ends that session and starts a new one under the key.
+  Requests on one keyed session take turns.
+- **Tool results are signals.** The ``role: "tool"`` messages after the session's last
+  reply are reduced as the engine reduces tool returns (``signal_of``) and fed to the
+  scheduler before the turn is routed, so C-MLFQ promotes and demotes external agents.
+- **Generating** is the engine's own turn (``libra.engine.generate_turn``): routing,
+  exact token ids, retries elsewhere, continuation after a paused server's abort. A
+  request cancelled mid-turn (the client went away) or refused by the server leaves the
+  session as it was before it; a turn that no server could serve ends the session as
+  ``failed`` (``server_error``) and raises ``ServerUnavailable``.
+- **Ending.** An idle session ends after ``session_ttl_s``: a background task sweeps
+  every ``sweep_every_s`` (sessions are kept in order of last use, so a sweep visits only
+  the expired ones), and a request that finds its session expired starts a new one. The
+  scheduler forgets every ended session (``on_finish``); with recording on, its record is
+  written and streamed (``_recording.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+import anyio
+import anyio.abc
+
+from libra import openai
+from libra.engine import (
+    ContextFull,
+    Engine,
+    RequestRejected,
+    SamplingConfig,
+    ServerUnavailable,
+    TrajectoryRecord,
+    generate_turn,
+)
+from libra.gateway._admin import Admin
+from libra.gateway._config import GatewayConfig
+from libra.gateway._protocol import ChatReply, ChatTurn, FleetStatus
+from libra.gateway._recording import Recorder
+from libra.gateway._session import (
+    Digest,
+    Mark,
+    Session,
+    Status,
+    digests_of,
+    new_session_key,
+    prompt_key_of,
+)
+from libra.signals import ToolStatus, signal_of
+
+log = logging.getLogger("libra.gateway")
+
+
+class Sessions:
+    """Live sessions over ``engine``'s fleet and scheduler (see the module)."""
+
+    def __init__(self, engine: Engine, config: GatewayConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config if config is not None else GatewayConfig()
+        self.recorder = Recorder(
+            self.config.record_path,
+            stream=self.config.record_stream,
+            buffer=self.config.record_buffer,
+        )
+        self.admin = Admin(engine, self.config)
+        self._by_id: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._by_key: dict[str, Session] = {}  # the clients' own keys
+        self._by_digest: dict[Digest, Session] = {}  # idle sessions by their client view
+        self._counter = itertools.count(1)
+        self._group: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> Sessions:
+        self.recorder.open()
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()
+        self._group.start_soon(self._sweep)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        assert self._group is not None
+        self._group.cancel_scope.cancel()
+        try:
+            return await self._group.__aexit__(exc_type, exc, traceback)
+        finally:
+            for session in list(self._by_id.values()):
+                self._end(session, "completed", "shutdown")
+            self.recorder.close()
+
+    # ------------------------------------------------------------------ GatewayCore
+
+    def models(self) -> list[str]:
+        return sorted({e.model for e in self.engine.scheduler.router.endpoints().values()})
+
+    async def chat(self, turn: ChatTurn) -> ChatReply:
+        digests = digests_of(turn.messages)
+        session = await self._claim(turn, digests)
+        try:
+            return await self._generate(session, turn, digests)
+        finally:
+            session.busy = False
+            session.idle.set()
+            session.idle = anyio.Event()
+            if session.key in self._by_id:
+                self._touch(session)
+                if session.done:
+                    self._end(session, "completed", "done")
+
+    async def complete(self, request: openai.CompletionRequest) -> openai.Completion:
+        await self.admin.unpaused()
+        return await self.admin.complete(request, f"c{next(self._counter)}")
+
+    async def report(
+        self,
+        session: str,
+        *,
+        tool: tuple[str, ToolStatus] | None = None,
+        reward: float | None = None,
+        done: bool = False,
+    ) -> None:
+        """A client's account of its session (by its key or id; unknown ones raise
+        ``KeyError``): a tool outcome becomes a signal, a reward is kept for the record,
+        ``done`` ends it now (or once the turn in progress ends)."""
+        found = self._by_key.get(session) or self._by_id.get(session)
+        if found is None:
+            raise KeyError(f"no live session {session!r}")
+        if tool is not None:
+            signal = signal_of(tool[0], "", tool[1])
+            found.record_tool(signal, 0, 0.0)
+            self.engine.scheduler.on_tool_return(found.key, signal)
+        if reward is not None:
+            found.reward = reward
+        if done:
+            found.done = True
+            if not found.busy:
+                self._end(found, "completed", "done")
+
+    async def pause(self) -> None:
+        await self.admin.pause()
+
+    async def resume(self) -> None:
+        await self.admin.resume()
+
+    async def reload_weights(self, path: str, version: int) -> float:
+        return await self.admin.reload_weights(path, version)
+
+    def status(self) -> FleetStatus:
+        return self.admin.status()
+
+    # --------------------------------------------------------------- beyond the core
+
+    def records(self) -> AsyncIterator[TrajectoryRecord]:
+        """Ended sessions' records (with ``record_stream``), until the core closes."""
+        return self.recorder.records()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def expire(self) -> int:
+        """End every session idle for longer than the TTL; how many ended."""
+        deadline = anyio.current_time() - self.config.session_ttl_s
+        expired = []
+        for session in self._by_id.values():
+            if session.last_used > deadline:
+                break  # the rest were used later
+            if not session.busy:
+                expired.append(session)
+        for session in expired:
+            self._end(session, "completed", "idle_ttl")
+        return len(expired)
+
+    # -------------------------------------------------------------- finding sessions
+
+    async def _claim(self, turn: ChatTurn, digests: list[Digest]) -> Session:
+        """The session ``turn`` continues (or a new one), marked busy."""
+        while True:
+            session = self._lookup(turn, digests)
+            if session is None:
+                session = self._open(turn, digests)
+            elif session.busy:  # keyed, and its last request is still being answered
+                await session.idle.wait()
+                continue
+            elif not session.extended_by(turn.messages, digests):
+                self._end(session, "completed", "history_edited")
+                session = self._open(turn, digests)
+            self._by_digest.pop(session.digest, None)
+            session.busy = True
+            self._touch(session)
+            return session
+
+    def _lookup(self, turn: ChatTurn, digests: list[Digest]) -> Session | None:
+        if turn.session is not None:
+            session = self._by_key.get(turn.session)
+        else:
+            last = max(
+                (i for i, m in enumerate(turn.messages) if m.role == "assistant"), default=-1
+            )
+            session = self._by_digest.get(digests[last]) if last >= 0 else None
+        if session is not None and self._expired(session):
+            self._end(session, "completed", "idle_ttl")
+            return None
+        return session
+
+    def _expired(self, session: Session) -> bool:
+        idle = anyio.current_time() - session.last_used
+        return not session.busy and idle > self.config.session_ttl_s
+
+    def _open(self, turn: ChatTurn, digests: list[Digest]) -> Session:
+        while len(self._by_id) >= self.config.max_sessions:
+            oldest = next((s for s in self._by_id.values() if not s.busy), None)
+            if oldest is None:
+                break  # every one is generating: go past the limit rather than refuse
+            self._end(oldest, "completed", "evicted")
+        key = new_session_key(next(self._counter))
+        prompt_key = prompt_key_of(turn.messages, digests)
+        session = Session(key, self.config.env, prompt_key, self._sampling(turn), turn.tools)
+        self._by_id[key] = session
+        if turn.session is not None:
+            session.client_key = turn.session
+            self._by_key[turn.session] = session
+        return session
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = anyio.current_time()
+        self._by_id.move_to_end(session.key)
+
+    # ------------------------------------------------------------------ generating
+
+    async def _generate(self, session: Session, turn: ChatTurn, digests: list[Digest]) -> ChatReply:
+        mark = session.mark()
+        session.sampling = self._sampling(turn)
+        session.stop_strings = list(turn.stop) or None
+        for signal in session.take(turn.messages):
+            self.engine.scheduler.on_tool_return(session.key, signal)
+        try:
+            await self.admin.unpaused()
+            generated = await generate_turn(session, self.engine)
+        except ContextFull as exc:
+            self._end(session, "truncated", "max_context_tokens")
+            raise RequestRejected(f"the session's context is full: {exc}") from exc
+        except ServerUnavailable as exc:
+            self._end(session, "failed", "server_error", str(exc))
+            raise
+        except (RequestRejected, anyio.get_cancelled_exc_class()) as exc:
+            self._give_up(session, mark, exc)
+            raise
+        reply = session.add_reply(generated, turn.messages, digests)
+        if session.key in self._by_id:  # (not ended by a shutdown meanwhile)
+            self._by_digest[session.digest] = session
+        return reply
+
+    def _give_up(self, session: Session, mark: Mark, exc: BaseException) -> None:
+        """A request refused or cancelled: a session with replies goes back to before it
+        (the client may send it again); a new one ends, recorded as failed."""
+        if session.turns == 0:
+            reason = "rejected" if isinstance(exc, RequestRejected) else "cancelled"
+            self._end(session, "failed", reason, str(exc) or reason)
+        else:
+            session.rollback(mark)
+            self._by_digest[session.digest] = session
+
+    def _sampling(self, turn: ChatTurn) -> SamplingConfig:
+        default = self.config.sampling
+        return SamplingConfig(
+            temperature=default.temperature if turn.temperature is None else turn.temperature,
+            top_p=default.top_p if turn.top_p is None else turn.top_p,
+            max_tokens_per_turn=turn.max_tokens or default.max_tokens_per_turn,
+            seed=default.seed if turn.seed is None else turn.seed,
+        )
+
+    # -------------------------------------------------------------------- ending
+
+    def _end(self, session: Session, status: Status, reason: str, error: str | None = None) -> None:
+        """Forget the session (the scheduler too) and record it, once."""
+        if self._by_id.pop(session.key, None) is None:
+            return
+        if session.client_key is not None and self._by_key.get(session.client_key) is session:
+            del self._by_key[session.client_key]
+        if self._by_digest.get(session.digest) is session:
+            del self._by_digest[session.digest]
+        self.engine.scheduler.on_finish(
+            session.key,
+            session.prompt_key,
+            output_tokens=session.output_tokens,
+            failed=status == "failed",
+        )
+        if not self.recorder.on and self.engine.on_record is None:
+            return
+        record = session.record(status, reason, error)
+        self.recorder.add(record)
+        if self.engine.on_record is not None:
+            self.engine.on_record(record)
+
+    async def _sweep(self) -> None:
+        while True:
+            await anyio.sleep(self.config.sweep_every_s)
+            if ended := self.expire():
+                log.debug("%d idle sessions ended", ended)
