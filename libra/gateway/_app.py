@@ -53,6 +53,7 @@ from libra.gateway._metrics import GatewayMetrics
 from libra.gateway._protocol import ChatReply, GatewayCore
 from libra.gateway._wire import (
     ChatRequest,
+    CompletionOut,
     CompletionRequest,
     ErrorFields,
     ErrorOut,
@@ -273,12 +274,11 @@ class GatewayApp:
         result = public_completion(
             await self._in_core("completions", request.receive, call), completion.model
         )
-        if result.usage is not None:
-            usage = result.usage
-            self.metrics.generated("", "", usage.prompt_tokens, usage.completion_tokens)
+        usage = result.usage
+        self.metrics.generated("", "", usage.prompt_tokens, usage.completion_tokens)
         return self._completion_response(completion, result)
 
-    def _completion_response(self, request: CompletionRequest, result: Any) -> _Response:
+    def _completion_response(self, request: CompletionRequest, result: CompletionOut) -> _Response:
         if request.stream:
             options = request.stream_options
             include_usage = bool(options is not None and options.include_usage)
@@ -336,7 +336,13 @@ class GatewayApp:
     async def _report(self, request: _Request) -> _Response:
         report: ReportRequest = decode(self._report_decoder, request.body)
         tool = (report.tool.name, report.tool.status) if report.tool is not None else None
-        await self.core.report(report.session, tool=tool, reward=report.reward, done=report.done)
+        try:
+            await self.core.report(
+                report.session, tool=tool, reward=report.reward, done=report.done
+            )
+        except KeyError:
+            message = f"No live session {report.session!r}."
+            raise WireError(message, param="session", status=404, kind="not_found_error") from None
         return self._json({"session": report.session})
 
     async def _pause(self, request: _Request) -> _Response:

@@ -370,9 +370,12 @@ class ToolCallOut(msgspec.Struct):
 
 
 class AssistantOut(msgspec.Struct, omit_defaults=True):
+    role: str
     content: str | None
-    role: str = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+
+
+_CHUNK = "chat.completion.chunk"
 
 
 class Usage(msgspec.Struct):
@@ -390,11 +393,11 @@ class ChoiceOut(msgspec.Struct):
 
 class ChatCompletionOut(msgspec.Struct):
     id: str
+    object: str
     created: int
     model: str
     choices: list[ChoiceOut]
     usage: Usage
-    object: str = "chat.completion"
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -424,10 +427,10 @@ class ChunkChoice(msgspec.Struct):
 
 class ChatChunk(msgspec.Struct, omit_defaults=True):
     id: str
+    object: str
     created: int
     model: str
     choices: list[ChunkChoice]
-    object: str = "chat.completion.chunk"
     usage: Usage | None = None
 
 
@@ -465,11 +468,10 @@ class Head:
 def chat_completion(reply: ChatReply, head: Head) -> ChatCompletionOut:
     id, created, model = head.id, head.created, head.model
     calls = tool_calls_out(reply, head.parallel)
-    message = AssistantOut(content=reply.content, tool_calls=calls or None)
+    message = AssistantOut("assistant", reply.content, calls or None)
     choice = ChoiceOut(0, message, reply.finish_reason)
-    return ChatCompletionOut(
-        id, created, model, [choice], usage(reply.prompt_tokens, reply.completion_tokens)
-    )
+    tokens = usage(reply.prompt_tokens, reply.completion_tokens)
+    return ChatCompletionOut(id, "chat.completion", created, model, [choice], tokens)
 
 
 def chat_chunks(reply: ChatReply, head: Head, include_usage: bool) -> list[ChatChunk]:
@@ -484,12 +486,12 @@ def chat_chunks(reply: ChatReply, head: Head, include_usage: bool) -> list[ChatC
         deltas.append(Delta(tool_calls=[ToolCallDelta(index, call.id, "function", named)]))
         arguments = FunctionDelta(arguments=call.function.arguments)
         deltas.append(Delta(tool_calls=[ToolCallDelta(index, function=arguments)]))
-    chunks = [ChatChunk(id, created, model, [ChunkChoice(0, delta)]) for delta in deltas]
+    chunks = [ChatChunk(id, _CHUNK, created, model, [ChunkChoice(0, delta)]) for delta in deltas]
     finish = ChunkChoice(0, Delta(), reply.finish_reason)
-    chunks.append(ChatChunk(id, created, model, [finish]))
+    chunks.append(ChatChunk(id, _CHUNK, created, model, [finish]))
     if include_usage:
         tokens = usage(reply.prompt_tokens, reply.completion_tokens)
-        chunks.append(ChatChunk(id, created, model, [], usage=tokens))
+        chunks.append(ChatChunk(id, _CHUNK, created, model, [], usage=tokens))
     return chunks
 
 
@@ -502,41 +504,47 @@ class CompletionChunkChoice(msgspec.Struct):
 
 class CompletionChunk(msgspec.Struct, omit_defaults=True):
     id: str
+    object: str
     created: int
     model: str
     choices: list[CompletionChunkChoice]
-    object: str = "text_completion"
     usage: Usage | None = None
 
 
-def completion_chunks(completion: openai.Completion, include_usage: bool) -> list[CompletionChunk]:
+def completion_chunks(completion: CompletionOut, include_usage: bool) -> list[CompletionChunk]:
     """A whole completion as OpenAI's stream: its text, then its finish reason."""
     choice = completion.choices[0]
-    id, created, model = completion.id, completion.created, completion.model
+    head = (completion.id, "text_completion", completion.created, completion.model)
     chunks = [
-        CompletionChunk(id, created, model, [CompletionChunkChoice(0, choice.text)]),
-        CompletionChunk(id, created, model, [CompletionChunkChoice(0, "", choice.finish_reason)]),
+        CompletionChunk(*head, [CompletionChunkChoice(0, choice.text)]),
+        CompletionChunk(*head, [CompletionChunkChoice(0, "", choice.finish_reason)]),
     ]
-    if include_usage and completion.usage is not None:
-        u = completion.usage
-        chunks.append(
-            CompletionChunk(
-                id, created, model, [], usage=usage(u.prompt_tokens, u.completion_tokens)
-            )
-        )
+    if include_usage:
+        chunks.append(CompletionChunk(*head, [], usage=completion.usage))
     return chunks
 
 
-def public_completion(completion: openai.Completion, model: str) -> openai.Completion:
+class CompletionChoiceOut(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionOut(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoiceOut]
+    usage: Usage
+
+
+def public_completion(completion: openai.Completion, model: str) -> CompletionOut:
     """The upstream's completion as the client sees it: its model name, no token ids."""
-    choices = [
-        openai.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason)
-        for c in completion.choices
-    ]
-    return openai.Completion(
-        id=completion.id,
-        choices=choices,
-        model=model,
-        created=completion.created,
-        usage=completion.usage,
+    choices = [CompletionChoiceOut(c.index, c.text, c.finish_reason) for c in completion.choices]
+    counted = completion.usage or openai.Usage()
+    tokens = usage(counted.prompt_tokens, counted.completion_tokens)
+    return CompletionOut(
+        completion.id, "text_completion", completion.created, model, choices, tokens
     )
