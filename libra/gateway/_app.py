@@ -179,6 +179,8 @@ class GatewayApp:
             route = self._check(route, scope)
             body = await read_body(receive, self.max_body_bytes)
             return await route.handler(_Request(scope, body, receive))
+        except ClientDisconnected:
+            raise
         except WireError as error:
             return self._error(error)
         except BodyTooLarge:
@@ -275,7 +277,7 @@ class GatewayApp:
             await self._in_core("completions", request.receive, call), completion.model
         )
         usage = result.usage
-        self.metrics.generated("", "", usage.prompt_tokens, usage.completion_tokens)
+        self.metrics.counted(usage.prompt_tokens, usage.completion_tokens)
         return self._completion_response(completion, result)
 
     def _completion_response(self, request: CompletionRequest, result: CompletionOut) -> _Response:

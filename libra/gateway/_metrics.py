@@ -90,6 +90,10 @@ class GatewayMetrics:
         self.bucket_requests.labels(bucket, endpoint).inc()
         self.tokens.labels(bucket, "prompt").inc(prompt)
         self.tokens.labels(bucket, "completion").inc(completion)
+        self.counted(prompt, completion)
+
+    def counted(self, prompt: int, completion: int) -> None:
+        """Tokens of a call whose bucket is not known (a stateless completion)."""
         self.totals.prompt_tokens += prompt
         self.totals.completion_tokens += completion
 
