@@ -301,8 +301,10 @@ async def test_the_admin_api_pauses_resumes_and_reports() -> None:
 
 async def test_without_admin_keys_the_admin_api_is_closed() -> None:
     auth = {"Authorization": f"Bearer {USER_KEY}"}
-    async with gateway(keys=Keys.of([USER_KEY], [])) as (app, _, _):
-        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app))
+    async with (
+        gateway(keys=Keys.of([USER_KEY], [])) as (app, _, _),
+        httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as http,
+    ):
         response = await http.get("http://gateway/admin/status", headers=auth)
     assert response.status_code == 403 and "LIBRA_ADMIN_KEY" in response.text
 
