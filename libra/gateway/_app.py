@@ -214,11 +214,11 @@ class GatewayApp:
         verdict = self.keys.check(header(scope, b"authorization"), admin=route.admin)
         if verdict == "ok":
             return
+        if route.admin and not self.keys.admins and verdict != "missing":
+            message = "The admin API is closed: start libra serve with LIBRA_ADMIN_KEY set."
+            raise WireError(message, status=403, kind="permission_error")
         if verdict == "forbidden":
             message = "This key may not use the admin API; it needs an admin key."
-            raise WireError(message, status=403, kind="permission_error")
-        if route.admin and not self.keys.admins:
-            message = "The admin API is closed: start libra serve with LIBRA_ADMIN_KEY set."
             raise WireError(message, status=403, kind="permission_error")
         missing = verdict == "missing"
         message = (
