@@ -122,9 +122,10 @@ class FunctionDef(_Strict):
     strict: bool | None = None
 
 
-class ToolDef(_Strict):
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True):
+    # Not omit_defaults: the tool goes upstream as it came, "type" included.
+    type: Literal["function"]
     function: FunctionDef
-    type: Literal["function"] = "function"
 
 
 class NamedFunction(_Strict):
