@@ -367,3 +367,37 @@ async def test_a_client_that_disconnects_cancels_its_turn_upstream() -> None:
         assert len(core) == 0  # the session it would have started is not kept
     metrics = app.metrics.exposition().decode()
     assert 'libra_gateway_disconnects_total{route="chat"} 1.0' in metrics
+
+
+# ------------------------------------------------------- an agent framework's client
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # pydantic-ai needs asyncio's loop
+async def test_a_pydantic_ai_agent_with_a_tool_runs_through_the_gateway() -> None:
+    # A second real client: pydantic-ai's own OpenAI chat model, as its users run it.
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    async with gateway() as (app, core, scheduler):
+        provider = OpenAIProvider(
+            base_url="http://gateway/v1",
+            api_key=USER_KEY,
+            http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)),
+        )
+        agent = Agent(OpenAIChatModel(MODEL, provider=provider), instructions="Be careful.")
+        expressions: list[str] = []
+
+        @agent.tool_plain
+        def calculator(expression: str) -> str:
+            """Evaluate an arithmetic expression."""
+            expressions.append(expression)
+            return "42"
+
+        result = await agent.run("What is 6 times 7?")
+        assert result.output == "It is 42."
+        assert expressions == ["6 * 7"]
+        assert len(core) == 1  # both turns were one session
+        [session] = [key for key in scheduler.tracks]
+        await core.report(session, done=True)
+    assert scheduler.paths == {session: ["calculator:small:success"]}
