@@ -7,14 +7,15 @@ for a trainer: ``POST /admin/pause``, ``/admin/resume``, ``/admin/reload_weights
 ``{"path", "version"}``, ``GET /admin/status``. Nothing else is served: in particular
 no request ever reaches an upstream server's own admin endpoints.
 
-A chat request's session is named by the ``X-Libra-Session`` header, else its ``user``
-(else the core finds it by prefix); the answer carries the session id back in the same
-header. Streaming (``stream: true``) answers with server-sent events in OpenAI's chunk
-format: the core returns a whole turn, which is then sent as deltas (the role, the
-content, each tool call's id and name then its arguments, the finish reason, the usage
-if asked for, ``[DONE]``): a client reads a stream, but its first token arrives with
-its last. A client that disconnects while its turn generates cancels the core's call,
-and with it the upstream request.
+A chat request's session is named by the ``X-Libra-Session`` header, else its
+``metadata["libra_session"]``, else its ``user`` (else the core finds it by prefix);
+the answer carries the session id back in the same header. Streaming (``stream:
+true``) answers with server-sent events in OpenAI's chunk format: the core returns a
+whole turn, which is then sent as deltas (the role, the content, each tool call's id
+and name then its arguments, the finish reason, the usage if asked for, ``[DONE]``): a
+client reads a stream, but its first token arrives with its last. A client that
+disconnects while its turn generates cancels the core's call, and with it the upstream
+request.
 
 Like the emulated server this is a plain ASGI callable without a web framework, so a
 request costs little more than decoding and encoding its JSON.

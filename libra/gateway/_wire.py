@@ -45,6 +45,7 @@ _UNSUPPORTED = frozenset(
         "verbosity",
     }
 )
+SESSION_METADATA = "libra_session"
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$\.?([^`]*)`)?")
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
 
@@ -277,8 +278,9 @@ def _check_n(n: int | None) -> None:
 
 
 def chat_turn(request: ChatRequest, session: str | None) -> ChatTurn:
-    """The core's view of a validated request; ``session`` from the documented header
-    ``X-Libra-Session`` when the client sent it, else the request's ``user``."""
+    """The core's view of a validated request. Its session key: ``session`` (the
+    documented header ``X-Libra-Session``) when the client sent it, else the request's
+    ``metadata["libra_session"]``, else its ``user``; none: the core finds it by prefix."""
     tools: list[dict[str, object]] = []
     if request.tools and request.tool_choice != "none":
         tools = [msgspec.to_builtins(tool) for tool in request.tools]
@@ -293,8 +295,12 @@ def chat_turn(request: ChatRequest, session: str | None) -> ChatTurn:
         top_p=request.top_p,
         seed=request.seed,
         stop=_stop_list(request.stop),
-        session=session or request.user,
+        session=session or _metadata_session(request.metadata) or request.user,
     )
+
+
+def _metadata_session(metadata: dict[str, str] | None) -> str | None:
+    return metadata.get(SESSION_METADATA) if metadata else None
 
 
 def _message(message: MessageIn, index: int) -> openai.Message:

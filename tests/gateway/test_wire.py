@@ -87,6 +87,8 @@ def test_what_real_clients_send_becomes_a_chat_turn() -> None:
     assert (turn.max_tokens, turn.temperature, turn.top_p, turn.seed) == (50, 0.5, 0.9, 3)
     assert turn.stop == ["END"] and turn.session == "u-1"
     assert chat_turn(request, "header-key").session == "header-key"  # the header wins
+    keyed = decode_chat(body(user="u-1", metadata={"libra_session": "m-1"}))
+    assert chat_turn(keyed, None).session == "m-1"  # then metadata, then user
 
 
 def test_tool_choice_none_sends_no_tools() -> None:
