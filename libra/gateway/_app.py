@@ -29,7 +29,7 @@ import secrets
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -42,7 +42,6 @@ from libra._asgi import (
     Receive,
     Scope,
     Send,
-    cancel_on_disconnect,
     header,
     read_body,
     serve_lifespan,
@@ -85,11 +84,28 @@ _T = TypeVar("_T")
 _Headers = list[tuple[bytes, bytes]]
 
 
+@dataclass(slots=True)
+class _Watch:
+    """Watches a generating request for its client's disconnect, which cancels ``scope``
+    (where the core's call runs) unless the answer is already on its way."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    answered: bool = False
+    ended: bool = False
+
+    async def run(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.ended = True
+        if not self.answered:
+            self.scope.cancel()
+
+
 @dataclass(frozen=True, slots=True)
 class _Request:
     scope: Scope
     body: bytes
-    receive: Receive
+    watch: _Watch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +126,7 @@ class _Route:
     name: str
     auth: bool = True  # needs a user key (when auth is on)
     admin: bool = False  # needs an admin key
+    generates: bool = False  # calls the model: cancelled when its client disconnects
 
 
 class GatewayApp:
@@ -133,8 +150,8 @@ class GatewayApp:
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
         self._routes: dict[str, _Route] = {
-            "/v1/chat/completions": _Route("POST", self._chat, "chat"),
-            "/v1/completions": _Route("POST", self._completions, "completions"),
+            "/v1/chat/completions": _Route("POST", self._chat, "chat", generates=True),
+            "/v1/completions": _Route("POST", self._completions, "completions", generates=True),
             "/v1/models": _Route("GET", self._models, "models"),
             "/v1/libra/report": _Route("POST", self._report, "report"),
             "/health": _Route("GET", self._health, "health", auth=False),
@@ -155,17 +172,48 @@ class GatewayApp:
         started = time.perf_counter()
         route = self._routes.get(scope["path"])
         name = route.name if route is not None else "other"
-        in_progress = self.metrics.in_progress.labels(name)
-        in_progress.inc()
+        counts = self.metrics.route(name)
+        counts.in_progress.inc()
         self.metrics.totals.in_progress += 1
         try:
-            response = await self._answer(route, scope, receive)
-        except ClientDisconnected:
-            self.metrics.disconnects.labels(name).inc()
-            return
+            status = await self._exchange(route, scope, receive, send)
         finally:
-            in_progress.dec()
+            counts.in_progress.dec()
             self.metrics.totals.in_progress -= 1
+        if status is None:
+            counts.disconnects.inc()
+        else:
+            self.metrics.answered(counts, status, time.perf_counter() - started)
+
+    async def _exchange(
+        self, route: _Route | None, scope: Scope, receive: Receive, send: Send
+    ) -> int | None:
+        """Read, answer and send; the status sent, or None when the client left first."""
+        try:
+            route = self._check(route, scope)
+            body = await read_body(receive, self.max_body_bytes)
+        except ClientDisconnected:
+            return None
+        except (WireError, BodyTooLarge) as error:
+            return await self._send(send, self._refusal(error, scope))
+        if not route.generates:
+            response = await self._respond(route, _Request(scope, body))
+            return None if response is None else await self._send(send, response)
+        # While a generation runs, a task watches for the client's disconnect (which
+        # cancels it). Once answered, the server reports the exchange over through
+        # receive(): the watcher then ends by itself, cheaper than cancelling it.
+        watch = _Watch()
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch.run, receive)
+            response = await self._respond(route, _Request(scope, body, watch))
+            watch.answered = True
+            status = None if response is None else await self._send(send, response)
+            await anyio.lowlevel.checkpoint()
+            if not watch.ended:  # a server that does not report it (none known)
+                group.cancel_scope.cancel()
+        return status
+
+    async def _send(self, send: Send, response: _Response) -> int:
         headers: _Headers = [
             (b"content-type", response.content_type),
             (b"content-length", str(len(response.body)).encode()),
@@ -173,28 +221,31 @@ class GatewayApp:
         ]
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": response.body})
-        self.metrics.answered(name, response.status, time.perf_counter() - started)
+        return response.status
 
-    async def _answer(self, route: _Route | None, scope: Scope, receive: Receive) -> _Response:
+    async def _respond(self, route: _Route, request: _Request) -> _Response | None:
+        """The route's answer (an error's, in OpenAI's shape); None if the client left."""
         try:
-            route = self._check(route, scope)
-            body = await read_body(receive, self.max_body_bytes)
-            return await route.handler(_Request(scope, body, receive))
+            return await route.handler(request)
         except ClientDisconnected:
-            raise
+            return None
         except WireError as error:
             return self._error(error)
-        except BodyTooLarge:
-            message = f"The request body is larger than {self.max_body_bytes} bytes."
-            return self._error(WireError(message, status=413))
         except RequestRejected as error:
             return self._error(WireError(f"The model server refused the request: {error}"))
         except (ServerUnavailable, NoEndpointAvailable) as error:
             message = f"No model server could answer: {error}"
             return self._error(WireError(message, status=503, kind="service_unavailable"))
         except Exception:  # a bug: the client gets a 500, the log the traceback
+            scope = request.scope
             _log.exception("libra serve failed on %s %s", scope["method"], scope["path"])
             return self._error(WireError("Internal error.", status=500, kind="server_error"))
+
+    def _refusal(self, error: WireError | BodyTooLarge, scope: Scope) -> _Response:
+        if isinstance(error, BodyTooLarge):
+            message = f"The request body is larger than {self.max_body_bytes} bytes."
+            error = WireError(message, status=413)
+        return self._error(error)
 
     def _check(self, route: _Route | None, scope: Scope) -> _Route:
         """The route, once the method, the key and the declared size are right."""
@@ -249,7 +300,7 @@ class GatewayApp:
         self._check_model(chat.model)
         key = header(request.scope, _SESSION)
         turn = chat_turn(chat, key.decode("latin-1") if key is not None else None)
-        reply = await self._in_core("chat", request.receive, partial(self.core.chat, turn))
+        reply = await self._in_core("chat", request.watch, partial(self.core.chat, turn))
         self.metrics.generated(
             reply.bucket, reply.endpoint, reply.prompt_tokens, reply.completion_tokens
         )
@@ -275,7 +326,7 @@ class GatewayApp:
         upstream = upstream_completion(completion, completion.model)
         call = partial(self.core.complete, upstream)
         result = public_completion(
-            await self._in_core("completions", request.receive, call), completion.model
+            await self._in_core("completions", request.watch, call), completion.model
         )
         usage = result.usage
         self.metrics.counted(usage.prompt_tokens, usage.completion_tokens)
@@ -288,25 +339,19 @@ class GatewayApp:
             return self._events(completion_chunks(result, include_usage), ())
         return self._json(result)
 
-    async def _in_core(self, route: str, receive: Receive, call: Callable[[], Awaitable[_T]]) -> _T:
+    async def _in_core(
+        self, route: str, watch: _Watch | None, call: Callable[[], Awaitable[_T]]
+    ) -> _T:
         """``call``'s result; cancelled, and :class:`ClientDisconnected` raised, when the
         client goes away first (so the upstream request is cancelled too)."""
-        results: list[_T] = []
-        failure: Exception | None = None
+        assert watch is not None  # generation routes are watched
         started = time.perf_counter()
-        async with anyio.create_task_group() as group:
-            group.start_soon(cancel_on_disconnect, receive, group.cancel_scope)
-            try:
-                results.append(await call())
-            except Exception as error:  # raised below, outside the task group's wrapping
-                failure = error
-            group.cancel_scope.cancel()
-        self.metrics.core_latency.labels(route).observe(time.perf_counter() - started)
-        if failure is not None:
-            raise failure
-        if not results:
-            raise ClientDisconnected
-        return results[0]
+        try:
+            with watch.scope:
+                return await call()
+        finally:
+            self.metrics.route(route).core_latency.observe(time.perf_counter() - started)
+        raise ClientDisconnected  # the scope was cancelled: the client left
 
     def _check_model(self, model: str) -> None:
         models = self.core.models()

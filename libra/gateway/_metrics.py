@@ -40,6 +40,18 @@ class Totals:
     started: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class RouteMetrics:
+    """One route's labelled metrics (a label lookup costs more than the update)."""
+
+    name: str
+    in_progress: Gauge
+    disconnects: Counter
+    latency: Histogram
+    core_latency: Histogram
+    statuses: dict[int, Counter] = field(default_factory=dict)
+
+
 class GatewayMetrics:
     """The metrics of one gateway, in a registry of its own (several apps per process in
     tests each count their own)."""
@@ -76,20 +88,46 @@ class GatewayMetrics:
             "libra_gateway_disconnects", "Requests whose client left before the answer",
             ["route"], registry=registry,
         )  # fmt: skip
+        self._routes: dict[str, RouteMetrics] = {}
+        self._buckets: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
         if router is not None:
             registry.register(_FleetCollector(router, reasons))
 
-    def answered(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.latency.labels(route).observe(seconds)
+    def route(self, name: str) -> RouteMetrics:
+        """The metrics of one route, their labels looked up once."""
+        metrics = self._routes.get(name)
+        if metrics is None:
+            metrics = self._routes[name] = RouteMetrics(
+                name,
+                self.in_progress.labels(name),
+                self.disconnects.labels(name),
+                self.latency.labels(name),
+                self.core_latency.labels(name),
+            )
+        return metrics
+
+    def answered(self, route: RouteMetrics, status: int, seconds: float) -> None:
+        counter = route.statuses.get(status)
+        if counter is None:
+            counter = route.statuses[status] = self.requests.labels(route.name, str(status))
+        counter.inc()
+        route.latency.observe(seconds)
         self.totals.requests += 1
         if status >= 400:
             self.totals.errors += 1
 
     def generated(self, bucket: str, endpoint: str, prompt: int, completion: int) -> None:
-        self.bucket_requests.labels(bucket, endpoint).inc()
-        self.tokens.labels(bucket, "prompt").inc(prompt)
-        self.tokens.labels(bucket, "completion").inc(completion)
+        counters = self._buckets.get((bucket, endpoint))
+        if counters is None:
+            counters = self._buckets[bucket, endpoint] = (
+                self.bucket_requests.labels(bucket, endpoint),
+                self.tokens.labels(bucket, "prompt"),
+                self.tokens.labels(bucket, "completion"),
+            )
+        requests, prompt_tokens, completion_tokens = counters
+        requests.inc()
+        prompt_tokens.inc(prompt)
+        completion_tokens.inc(completion)
         self.counted(prompt, completion)
 
     def counted(self, prompt: int, completion: int) -> None:
