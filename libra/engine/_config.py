@@ -65,7 +65,7 @@ class EngineConfig(Section):
 @dataclass(frozen=True, slots=True)
 class TurnSampling:
     """Every sampling parameter of one generation request, built in one place (the
-    trajectory's ``_turn_sampling``) and sent as is by either API path of the client."""
+    ``_turn_sampling`` of ``_turn.py``) and sent as is by either API path of the client."""
 
     max_tokens: int
     temperature: float

@@ -85,7 +85,8 @@ class GatewayCore(Protocol):
         done: bool = False,
     ) -> None:
         """A client's own account of its session: a tool's outcome (name, status), the
-        final reward, or its end (``done``: recorded now rather than at the idle TTL)."""
+        final reward, or its end (``done``: recorded now rather than at the idle TTL).
+        Raises ``KeyError`` for a session that is not live (unknown, or ended)."""
         ...
 
     async def pause(self) -> None: ...

@@ -255,6 +255,10 @@ class Session:
     # ----------------------------------------------------------------- the record
 
     def record(self, status: Status, stop_reason: str, error: str | None) -> TrajectoryRecord:
+        """The session as ``libra rollout`` records a trajectory. Its task is its prompt
+        (``env/<digest of the messages before the first reply>``), so sessions that
+        start alike share a ``task_id`` and a ``group_id`` (at step 0: the gateway knows
+        no RL steps; ``weight_versions`` say which weights sampled what)."""
         self.timings.total_s = anyio.current_time() - self.started_at
         exact = self.tokens.source != "none"
         task = TaskId(self.env, self.prompt_key)
@@ -268,7 +272,7 @@ class Session:
             sample=0,
             status=status,
             stop_reason=stop_reason,
-            reward=self.reward if status == "completed" else None,
+            reward=None if status == "failed" else self.reward,
             turns=self.turns,
             messages=self.messages,
             token_ids=self.tokens.ids if exact else [],

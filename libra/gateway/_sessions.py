@@ -2,10 +2,11 @@
 
 ``async with Sessions(engine, config) as core:`` serves :class:`GatewayCore`:
 
-- **Finding a session.** A request's explicit key (``ChatTurn.session``) names it;
-  without one, it continues the idle session whose client view (everything the client
-  was sent, its last reply included) its messages start with, up to their last assistant
-  message: one dict access by digest (``_session.py``). Otherwise a new session starts.
+- **Finding a session.** A request's explicit key (``ChatTurn.session``: the client's
+  own, or the session id a reply carried) names it; without one, it continues the idle
+  session whose client view (everything the client was sent, its last reply included)
+  its messages start with, up to their last assistant message: one dict access by
+  digest (``_session.py``). Otherwise a new session starts.
   A keyed request whose messages do not extend its session (the client edited history,
   or re-sent an old request) ends that session and starts a new one under the key.
   Requests on one keyed session take turns.
@@ -34,6 +35,7 @@ from types import TracebackType
 
 import anyio
 import anyio.abc
+import pydantic
 
 from libra import openai
 from libra.engine import (
@@ -62,6 +64,9 @@ from libra.signals import ToolStatus, signal_of
 
 log = logging.getLogger("libra.gateway")
 
+#: Ends the gateway imposed on a live session: its length says nothing of its task's.
+_CUT_SHORT = frozenset({"evicted", "shutdown"})
+
 
 class Sessions:
     """Live sessions over ``engine``'s fleet and scheduler (see the module)."""
@@ -77,7 +82,9 @@ class Sessions:
         self.admin = Admin(engine, self.config)
         self._by_id: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._by_key: dict[str, Session] = {}  # the clients' own keys
-        self._by_digest: dict[Digest, Session] = {}  # idle sessions by their client view
+        # Idle sessions by their client view (several when identical conversations got
+        # identical replies: each follow-up takes one, the latest first).
+        self._by_digest: dict[Digest, list[Session]] = {}
         self._counter = itertools.count(1)
         self._group: anyio.abc.TaskGroup | None = None
 
@@ -100,7 +107,7 @@ class Sessions:
             return await self._group.__aexit__(exc_type, exc, traceback)
         finally:
             for session in list(self._by_id.values()):
-                self._end(session, "completed", "shutdown")
+                self._end(session, "truncated", "shutdown")
             self.recorder.close()
 
     # ------------------------------------------------------------------ GatewayCore
@@ -109,10 +116,11 @@ class Sessions:
         return sorted({e.model for e in self.engine.scheduler.router.endpoints().values()})
 
     async def chat(self, turn: ChatTurn) -> ChatReply:
+        sampling = self._sampling(turn)  # (invalid values raise before a session starts)
         digests = digests_of(turn.messages)
-        session = await self._claim(turn, digests)
+        session = await self._claim(turn, digests, sampling)
         try:
-            return await self._generate(session, turn, digests)
+            return await self._generate(session, turn, digests, sampling)
         finally:
             session.busy = False
             session.idle.set()
@@ -170,7 +178,13 @@ class Sessions:
         return self.recorder.records()
 
     def __len__(self) -> int:
+        """Live sessions."""
         return len(self._by_id)
+
+    @property
+    def indexed(self) -> int:
+        """Entries of the lookup tables (by client key, by digest): none without sessions."""
+        return len(self._by_key) + len(self._by_digest)
 
     def expire(self) -> int:
         """End every session idle for longer than the TTL; how many ended."""
@@ -187,31 +201,36 @@ class Sessions:
 
     # -------------------------------------------------------------- finding sessions
 
-    async def _claim(self, turn: ChatTurn, digests: list[Digest]) -> Session:
+    async def _claim(
+        self, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig
+    ) -> Session:
         """The session ``turn`` continues (or a new one), marked busy."""
         while True:
             session = self._lookup(turn, digests)
             if session is None:
-                session = self._open(turn, digests)
+                session = self._open(turn, digests, sampling)
             elif session.busy:  # keyed, and its last request is still being answered
                 await session.idle.wait()
                 continue
             elif not session.extended_by(turn.messages, digests):
                 self._end(session, "completed", "history_edited")
-                session = self._open(turn, digests)
-            self._by_digest.pop(session.digest, None)
+                session = self._open(turn, digests, sampling)
+            self._unindex(session)
             session.busy = True
             self._touch(session)
             return session
 
     def _lookup(self, turn: ChatTurn, digests: list[Digest]) -> Session | None:
+        """The session the client named, or else the idle one its messages extend."""
         if turn.session is not None:
-            session = self._by_key.get(turn.session)
+            # A client's own key, or the id the gateway answered with, sent back.
+            session = self._by_key.get(turn.session) or self._by_id.get(turn.session)
         else:
-            last = max(
-                (i for i, m in enumerate(turn.messages) if m.role == "assistant"), default=-1
-            )
-            session = self._by_digest.get(digests[last]) if last >= 0 else None
+            messages = turn.messages
+            last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+            extends = 0 <= last < len(messages) - 1  # a reply, and something after it
+            idle = self._by_digest.get(digests[last]) if extends else None
+            session = idle[-1] if idle else None
         if session is not None and self._expired(session):
             self._end(session, "completed", "idle_ttl")
             return None
@@ -221,20 +240,30 @@ class Sessions:
         idle = anyio.current_time() - session.last_used
         return not session.busy and idle > self.config.session_ttl_s
 
-    def _open(self, turn: ChatTurn, digests: list[Digest]) -> Session:
+    def _open(self, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig) -> Session:
         while len(self._by_id) >= self.config.max_sessions:
             oldest = next((s for s in self._by_id.values() if not s.busy), None)
             if oldest is None:
                 break  # every one is generating: go past the limit rather than refuse
-            self._end(oldest, "completed", "evicted")
+            self._end(oldest, "truncated", "evicted")
         key = new_session_key(next(self._counter))
         prompt_key = prompt_key_of(turn.messages, digests)
-        session = Session(key, self.config.env, prompt_key, self._sampling(turn), turn.tools)
+        session = Session(key, self.config.env, prompt_key, sampling, turn.tools)
         self._by_id[key] = session
         if turn.session is not None:
             session.client_key = turn.session
             self._by_key[turn.session] = session
         return session
+
+    def _index(self, session: Session) -> None:
+        self._by_digest.setdefault(session.digest, []).append(session)
+
+    def _unindex(self, session: Session) -> None:
+        idle = self._by_digest.get(session.digest)
+        if idle is not None and session in idle:
+            idle.remove(session)
+            if not idle:
+                del self._by_digest[session.digest]
 
     def _touch(self, session: Session) -> None:
         session.last_used = anyio.current_time()
@@ -242,9 +271,11 @@ class Sessions:
 
     # ------------------------------------------------------------------ generating
 
-    async def _generate(self, session: Session, turn: ChatTurn, digests: list[Digest]) -> ChatReply:
+    async def _generate(
+        self, session: Session, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig
+    ) -> ChatReply:
         mark = session.mark()
-        session.sampling = self._sampling(turn)
+        session.sampling = sampling
         session.stop_strings = list(turn.stop) or None
         for signal in session.take(turn.messages):
             self.engine.scheduler.on_tool_return(session.key, signal)
@@ -262,7 +293,7 @@ class Sessions:
             raise
         reply = session.add_reply(generated, turn.messages, digests)
         if session.key in self._by_id:  # (not ended by a shutdown meanwhile)
-            self._by_digest[session.digest] = session
+            self._index(session)
         return reply
 
     def _give_up(self, session: Session, mark: Mark, exc: BaseException) -> None:
@@ -273,16 +304,20 @@ class Sessions:
             self._end(session, "failed", reason, str(exc) or reason)
         else:
             session.rollback(mark)
-            self._by_digest[session.digest] = session
+            self._index(session)
 
     def _sampling(self, turn: ChatTurn) -> SamplingConfig:
+        """The request's sampling parameters, the config's where it gives none."""
         default = self.config.sampling
-        return SamplingConfig(
-            temperature=default.temperature if turn.temperature is None else turn.temperature,
-            top_p=default.top_p if turn.top_p is None else turn.top_p,
-            max_tokens_per_turn=turn.max_tokens or default.max_tokens_per_turn,
-            seed=default.seed if turn.seed is None else turn.seed,
-        )
+        try:
+            return SamplingConfig(
+                temperature=default.temperature if turn.temperature is None else turn.temperature,
+                top_p=default.top_p if turn.top_p is None else turn.top_p,
+                max_tokens_per_turn=turn.max_tokens or default.max_tokens_per_turn,
+                seed=default.seed if turn.seed is None else turn.seed,
+            )
+        except pydantic.ValidationError as exc:
+            raise RequestRejected(f"invalid sampling parameters: {exc}") from exc
 
     # -------------------------------------------------------------------- ending
 
@@ -292,13 +327,12 @@ class Sessions:
             return
         if session.client_key is not None and self._by_key.get(session.client_key) is session:
             del self._by_key[session.client_key]
-        if self._by_digest.get(session.digest) is session:
-            del self._by_digest[session.digest]
+        self._unindex(session)
         self.engine.scheduler.on_finish(
             session.key,
             session.prompt_key,
             output_tokens=session.output_tokens,
-            failed=status == "failed",
+            failed=status == "failed" or reason in _CUT_SHORT,
         )
         if not self.recorder.on and self.engine.on_record is None:
             return

@@ -313,3 +313,14 @@ async def test_error_rate_injects_http_500s() -> None:
             for _ in range(200)
         ]
     assert 30 < statuses.count(500) < 90 and statuses.count(200) + statuses.count(500) == 200
+
+
+async def test_a_weight_sync_s_dev_mode_routes_answer_like_vllm() -> None:
+    async with emulator() as client:
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": "/nowhere"}}
+        reloaded = await client.post("/collective_rpc", json=rpc)
+        assert reloaded.status_code == 200, reloaded.text
+        reset = await client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        assert reset.status_code == 200 and reset.json() == {"success": True}
+        other = await client.post("/collective_rpc", json={"method": "sleep"})
+        assert "sleep" in await error(other, 400)

@@ -56,3 +56,13 @@ def test_the_prefix_cache_matches_whole_leading_blocks_and_evicts_old_ones() -> 
     cache.insert(list(range(200, 232)))  # 8 more: nothing of the first prompt is left
     assert cache.match([*list(range(12)), 7]) == 0
     assert cache.hits > 0 and cache.queries > cache.hits
+
+
+def test_clearing_forgets_every_block_and_keeps_the_counters() -> None:
+    cache = PrefixCache(capacity_tokens=64, block_tokens=4)
+    cache.insert(list(range(12)))
+    assert cache.match([*list(range(12)), 99]) == 12
+    hits = cache.hits
+    cache.clear()
+    assert cache.match([*list(range(12)), 99]) == 0
+    assert cache.hits == hits

@@ -11,11 +11,19 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import httpx
 import msgspec
 import pytest
 
-from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
-from libra.engine import Engine, EngineConfig, ServerUnavailable, TrajectoryRecord, http_transport
+from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
+from libra.engine import (
+    Engine,
+    EngineConfig,
+    RequestRejected,
+    ServerUnavailable,
+    TrajectoryRecord,
+    http_transport,
+)
 from libra.fleet import Api, Endpoint
 from libra.gateway import ChatReply, ChatTurn, FleetStatus, GatewayConfig, GatewayCore, Sessions
 from libra.openai import CompletionRequest, Message
@@ -113,7 +121,7 @@ async def test_tool_calls_come_back_split_out_when_the_template_has_no_tools(api
     system = record.messages[0].content or ""
     assert system.startswith("You are careful.") and "<tools>" in system
     assert record.turns == 2 and [r.tool for r in record.tool_returns] == ["calculator"]
-    assert record.stop_reason == "shutdown"  # still live when the core closed
+    assert (record.status, record.stop_reason) == ("truncated", "shutdown")  # live at the end
     if api == "auto":
         assert record.tokens == "exact"
         assert_tokens_consistent(record, tools=[])
@@ -122,24 +130,48 @@ async def test_tool_calls_come_back_split_out_when_the_template_has_no_tools(api
 async def test_tool_results_reach_c_mlfq_and_an_expired_session_leaves_no_state() -> None:
     router = Router.over([Endpoint(EMULATED_URL, model=MODEL)])
     policy = CMLFQ(router)
-    config = GatewayConfig(session_ttl_s=0.05, sweep_every_s=0.01)
+    config = GatewayConfig(session_ttl_s=0.5, sweep_every_s=0.05)
     async with (
         emulated_engine(scheduler=policy) as (engine, records),
         Sessions(engine, config) as core,
     ):
+        tool_users = 0
         for n in range(20):
+            key = f"agent-{n}" if n % 2 else None  # keyed and unkeyed ones
             history = [Message(role="user", content=f"Add {n} and 1")]
-            first = await core.chat(ChatTurn(history, tools=[CALCULATOR]))
+            first = await core.chat(ChatTurn(history, tools=[CALCULATOR], session=key))
             if first.tool_calls:
+                tool_users += 1
                 history += [echoed(first), tool_result(first, "Error: division by zero")]
-                await core.chat(ChatTurn(history, tools=[CALCULATOR]))
-                assert policy.tracks[first.session].path == ["calculator:small:failure"]
+                await core.chat(ChatTurn(history, tools=[CALCULATOR], session=key))
         assert len(core) == 20 and len(policy.tracks) == 20
-        await anyio.sleep(0.5)  # ten TTLs: the background sweep ended every one
-        assert len(core) == 0
+        paths = [track.path for track in policy.tracks.values() if track.path]
+        assert tool_users > 0 and paths == [["calculator:small:failure"]] * tool_users
+        await anyio.sleep(1.5)  # three TTLs: the background sweep ended every one
+        assert len(core) == core.indexed == 0
         assert policy.tracks == {} and router.home == {}
     assert len(records) == 20 and {r.stop_reason for r in records} == {"idle_ttl"}
-    assert any(r.tool_returns for r in records)
+    assert sum(len(r.tool_returns) for r in records) == tool_users
+
+
+async def test_identical_conversations_stay_apart_and_an_echoed_id_is_a_key() -> None:
+    async with (
+        emulated_engine([*REPLIES, "You are welcome."]) as (engine, records),
+        Sessions(engine) as core,
+    ):
+        # Two agents ask the same and get the same reply: each follow-up takes one.
+        firsts = [await core.chat(ChatTurn(list(QUESTION), tools=[CALCULATOR])) for _ in "ab"]
+        assert firsts[0].session != firsts[1].session
+        results = zip(firsts, ["42", "41"], strict=True)
+        histories = [[*QUESTION, echoed(f), tool_result(f, r)] for f, r in results]
+        seconds = [await core.chat(ChatTurn(h, tools=[CALCULATOR])) for h in histories]
+        assert {r.session for r in seconds} == {f.session for f in firsts}
+        # The id the gateway answered with, sent back as the session key, names it.
+        history = [*histories[0], echoed(seconds[0]), Message(role="user", content="Thanks")]
+        third = await core.chat(ChatTurn(history, session=seconds[0].session))
+        assert third.session == seconds[0].session and len(core) == 2
+    assert sorted(r.turns for r in records) == [2, 3]
+    assert all(len(r.tool_returns) == 1 for r in records)
 
 
 async def test_edited_history_ends_the_keyed_session_and_starts_another() -> None:
@@ -231,6 +263,14 @@ async def test_every_session_ended_is_forgotten_and_recorded_once() -> None:
     assert len(records) == 5 and len({r.id for r in records}) == 5
 
 
+async def test_invalid_sampling_is_refused_before_a_session_starts() -> None:
+    async with emulated_engine() as (engine, records), Sessions(engine) as core:
+        with pytest.raises(RequestRejected):
+            await core.chat(ChatTurn(list(QUESTION), temperature=-1.0))
+        assert len(core) == 0
+    assert records == []
+
+
 async def test_stateless_completions_are_routed_and_leave_no_state() -> None:
     router = Router.over([Endpoint(EMULATED_URL, model=MODEL)])
     policy = CMLFQ(router)
@@ -264,19 +304,51 @@ def failing() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def tool_user() -> Iterator[str]:
+    """A server whose model calls a tool on its first turn and answers on its second."""
+    script = AgentScript(tool_call_probability=1.0, max_tool_turns=1)
+    with running_emulator(EmulatorConfig(latency=LatencyModel.zero(), agent=script)) as url:
+        yield url
+
+
 @asynccontextmanager
 async def loopback_core(
-    *urls: str, config: GatewayConfig | None = None
+    *urls: str,
+    policy: type[RoundRobin] | type[CMLFQ] = RoundRobin,
+    config: GatewayConfig | None = None,
 ) -> AsyncIterator[tuple[Sessions, list[TrajectoryRecord]]]:
     endpoints = [Endpoint(url, model=MODEL, name=f"e{i}") for i, url in enumerate(urls)]
     records: list[TrajectoryRecord] = []
     engine_config = EngineConfig(max_attempts=2, retry_backoff_s=0.01, capacity_wait_s=0)
     async with http_transport("httpx") as http:
         engine = Engine(
-            http, RoundRobin(Router.over(endpoints)), config=engine_config, on_record=records.append
+            http, policy(Router.over(endpoints)), config=engine_config, on_record=records.append
         )
         async with Sessions(engine, config) as core:
             yield core, records
+
+
+@pytest.mark.parametrize("key", [None, "agent-7"])
+async def test_a_tool_using_agent_over_a_real_port(tool_user: str, key: str | None) -> None:
+    async with loopback_core(tool_user, policy=CMLFQ) as (core, records):
+        first, second = await agent(core, key)
+        assert first.session == second.session and first.finish_reason == "tool_calls"
+        assert second.content == "The answer is 42." and second.tool_calls == []
+        policy = core.engine.scheduler
+        assert isinstance(policy, CMLFQ)
+        [track] = policy.tracks.values()
+        assert track.path == ["calculator:small:success"]
+        await core.report(second.session, reward=1.0, done=True)
+        assert policy.tracks == {}
+    [record] = records
+    assert (record.status, record.reward, record.turns, record.tokens) == (
+        "completed",
+        1.0,
+        2,
+        "exact",
+    )
+    assert_tokens_consistent(record, [CALCULATOR])
 
 
 async def test_a_failing_server_is_retried_elsewhere(loopback: str, failing: str) -> None:
@@ -285,6 +357,9 @@ async def test_a_failing_server_is_retried_elsewhere(loopback: str, failing: str
             reply = await core.chat(ChatTurn(list(QUESTION)))
             assert reply.endpoint == "e1"
             await core.report(reply.session, done=True)
+        request = CompletionRequest(model=MODEL, prompt="Once upon a time", max_tokens=4)
+        for _ in range(2):  # round robin: one of them goes to the failing server first
+            assert (await core.complete(request)).choices
     assert [r.status for r in records] == ["completed"] * 3
     assert all(r.endpoints == ["e1"] for r in records)
 
@@ -315,3 +390,45 @@ async def test_reload_weights_bumps_the_version_sessions_record(
     [record] = records
     assert [span.version for span in record.weight_versions] == [0, 3]
     assert record.weight_version == 0
+
+
+DICTATION = "Every token of this reply is sampled one decode step after the other. " * 4
+SLOW = LatencyModel(
+    prefill_s_per_token=0.0, step_base_s=0.005, step_per_seq_s=0.0, step_per_ctx_token_s=0.0
+)  # the echoed dictation (280 tokens) takes ~1.4 s
+
+
+async def running_requests(url: str) -> float:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{url}/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running{"))
+    return float(line.split()[-1])
+
+
+async def test_a_pause_mid_turn_holds_the_request_without_failing_it() -> None:
+    config = GatewayConfig(pause_mode="abort")
+    replies: list[ChatReply] = []
+    with running_emulator(EmulatorConfig(script="echo", latency=SLOW)) as url:
+        async with loopback_core(url, config=config) as (core, records):
+
+            async def dictate() -> None:
+                message = Message(role="user", content=DICTATION)
+                replies.append(await core.chat(ChatTurn([message], session="d")))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(dictate)
+                with anyio.fail_after(10):
+                    while await running_requests(url) < 1:  # noqa: ASYNC110 (another process)
+                        await anyio.sleep(0.02)
+                await anyio.sleep(0.3)
+                await core.pause()  # the upstream aborts the generation: the turn waits
+                assert core.status().paused and not replies
+                await anyio.sleep(0.2)
+                await core.resume()
+            await core.report("d", done=True)
+    [reply] = replies
+    assert reply.content == DICTATION and reply.finish_reason == "stop"
+    [record] = records
+    assert record.turns == 1 and record.status == "completed"
+    assert len(record.weight_versions) == 2  # one turn in two pieces
+    assert_tokens_consistent(record, [])
