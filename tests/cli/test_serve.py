@@ -19,6 +19,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
+from libra.cli._serve import ServeConfig
+from libra.config import load_config
 from libra.engine import TrajectoryRecord
 from tests._helpers import CALCULATOR, MODEL
 
@@ -156,3 +158,10 @@ def test_without_a_key_libra_serve_says_how_to_give_one() -> None:
     )
     assert done.returncode == 2 and "LIBRA_API_KEY" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_example_config_is_a_valid_serve_config() -> None:
+    config = load_config(ServeConfig, ROOT / "examples" / "serve.toml", {}, ["port=9000"])
+    assert config.policy == "cmlfq" and config.port == 9000 and config.fleet is not None
+    assert [b.name for b in config.fleet.buckets] == ["short", "long"]
+    assert config.gateway.session_ttl_s == 300
