@@ -32,7 +32,7 @@ from libra.fleet import FleetSpec
 from libra.gateway import GatewayConfig, Sessions
 from libra.gateway._app import DEFAULT_MAX_BODY_BYTES, create_gateway
 from libra.gateway._auth import Keys, gateway_keys
-from libra.gateway._metrics import GatewayMetrics
+from libra.gateway._metrics import GatewayMetrics, Totals
 from libra.launch import SCHEDULERS, build_scheduler, open_fleet, save_scheduler_state
 from libra.sched import Scheduler
 from libra.sched.policies import CMLFQConfig, RoutedPolicy
@@ -149,7 +149,7 @@ async def serve(config: ServeConfig, keys: Keys) -> None:
                 group.start_soon(_stop_on_signal, server)
                 group.start_soon(_announce, server, config, keys)
                 if config.console:
-                    group.start_soon(_console, metrics, core, config.console_every_s)
+                    group.start_soon(console_view, metrics, core, config.console_every_s)
                 await server.serve()
                 group.cancel_scope.cancel()
         save_scheduler_state(scheduler, config.scheduler_state)
@@ -212,9 +212,12 @@ def _reasons(scheduler: Scheduler) -> Callable[[], Mapping[str, int]] | None:
     return None
 
 
-async def _console(metrics: GatewayMetrics, core: Sessions, every_s: float) -> None:
-    """One line, redrawn once a second: requests, their rate, tokens, sessions, load."""
-    console = Console(stderr=True)
+async def console_view(
+    metrics: GatewayMetrics, core: Sessions, every_s: float, console: Console | None = None
+) -> None:
+    """One line, redrawn every ``every_s``: requests, their rate, errors, sessions, calls
+    upstream, tokens. Nothing on a console that is not a terminal (a log file)."""
+    console = console or Console(stderr=True)
     if not console.is_terminal:
         return
     last, last_time = 0, time.monotonic()
@@ -224,11 +227,14 @@ async def _console(metrics: GatewayMetrics, core: Sessions, every_s: float) -> N
             totals, now = metrics.totals, time.monotonic()
             rate = (totals.requests - last) / max(now - last_time, 1e-9)
             last, last_time = totals.requests, now
-            in_flight = sum(i.in_flight for i in core.engine.scheduler.router.instances)
-            line = (
-                f"[bold]libra serve[/] {totals.requests} requests ({rate:.0f}/s) · "
-                f"[red]{totals.errors} errors[/] · {totals.in_progress} in progress · "
-                f"{len(core)} sessions · {in_flight} upstream calls · "
-                f"{totals.prompt_tokens} prompt + {totals.completion_tokens} completion tokens"
-            )
-            live.update(line, refresh=True)
+            live.update(_line(totals, rate, core), refresh=True)
+
+
+def _line(totals: Totals, rate: float, core: Sessions) -> str:
+    in_flight = sum(i.in_flight for i in core.engine.scheduler.router.instances)
+    return (
+        f"[bold]libra serve[/] {totals.requests} requests ({rate:.0f}/s) · "
+        f"[red]{totals.errors} errors[/] · {totals.in_progress} in progress · "
+        f"{len(core)} sessions · {in_flight} upstream calls · "
+        f"{totals.prompt_tokens} prompt + {totals.completion_tokens} completion tokens"
+    )

@@ -4,6 +4,7 @@ API keys, recording, a client that gives up, and the refusals of bad settings.""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -13,16 +14,22 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import anyio
 import httpx2
 import msgspec
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from rich.console import Console
 
-from libra.cli._serve import ServeConfig
+from libra.cli._serve import ServeConfig, console_view
 from libra.config import load_config
 from libra.engine import TrajectoryRecord
-from tests._helpers import CALCULATOR, MODEL
+from libra.gateway import GatewayConfig, Sessions
+from libra.gateway._app import create_gateway
+from libra.gateway._auth import Keys
+from libra.gateway._metrics import GatewayMetrics
+from tests._helpers import CALCULATOR, MODEL, emulated_engine
 
 ROOT = Path(__file__).parents[2]
 USER_KEY, ADMIN_KEY = "cli-user-key", "cli-admin-key"
@@ -165,3 +172,24 @@ def test_the_example_config_is_a_valid_serve_config() -> None:
     assert config.policy == "cmlfq" and config.port == 9000 and config.fleet is not None
     assert [b.name for b in config.fleet.buckets] == ["short", "long"]
     assert config.gateway.session_ttl_s == 300
+
+
+@pytest.mark.anyio
+async def test_the_console_line_counts_requests_sessions_and_tokens() -> None:
+    async with (
+        emulated_engine(["Hello there."]) as (engine, _),
+        Sessions(engine, GatewayConfig()) as core,
+    ):
+        metrics = GatewayMetrics(engine.scheduler.router)
+        app = create_gateway(core, Keys.of([], [], enabled=False), metrics=metrics)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as http:
+            response = await http.post("http://gateway/v1/chat/completions", json=body)
+        assert response.status_code == 200
+        screen = io.StringIO()
+        console = Console(file=screen, force_terminal=True, width=200, color_system=None)
+        with anyio.move_on_after(0.35):
+            await console_view(metrics, core, 0.1, console)
+    line = [text for text in screen.getvalue().splitlines() if "libra serve" in text][-1]
+    assert "libra serve 1 requests" in line and "0 errors" in line and "1 sessions" in line
+    assert "0 upstream calls" in line and "completion tokens" in line
