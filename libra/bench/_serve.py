@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import anyio
 
-from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
+from libra.emulation import EmulatorConfig, LatencyModel, emulator_process
 
 _HEADERS = {"content-type": "application/json"}
 _MODEL = "libra-emulated"
@@ -43,6 +43,9 @@ class Latencies:
     requests_s: float
     p50_ms: float
     p99_ms: float
+    # CPU of the process that answered (the emulated server; the gateway), per request:
+    # robust to other load on the machine, unlike requests/s and latencies.
+    server_cpu_us: float = float("nan")
 
 
 @dataclass
@@ -69,9 +72,16 @@ def as_json(results: Sequence[ServeBenchResult]) -> dict[str, Any]:
     return {"levels": levels, "gateway_max_requests_s": best}
 
 
+@dataclass(frozen=True)
+class _Server:
+    url: str
+    pid: int
+
+
 def bench_serve(concurrency: Sequence[int], seconds: float) -> list[ServeBenchResult]:
     config = EmulatorConfig(latency=LatencyModel.zero(), script="echo")
-    with running_emulator(config) as upstream, _gateway(upstream) as gateway:
+    with emulator_process(config) as emulator, _gateway(emulator.url) as gateway:
+        upstream = _Server(emulator.url, emulator.process.pid)
         return anyio.run(
             _measure_levels, upstream, gateway, tuple(concurrency), seconds,
             backend_options={"use_uvloop": True},
@@ -79,7 +89,7 @@ def bench_serve(concurrency: Sequence[int], seconds: float) -> list[ServeBenchRe
 
 
 async def _measure_levels(
-    upstream: str, gateway: str, levels: tuple[int, ...], seconds: float
+    upstream: _Server, gateway: _Server, levels: tuple[int, ...], seconds: float
 ) -> list[ServeBenchResult]:
     results = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -93,8 +103,20 @@ async def _measure_levels(
     return results
 
 
-async def _load(http: aiohttp.ClientSession, url: str, sessions: int, seconds: float) -> Latencies:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process ``pid`` has used; nan off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _load(
+    http: aiohttp.ClientSession, server: _Server, sessions: int, seconds: float
+) -> Latencies:
     """``sessions`` clients, each one request at a time, for ``seconds``."""
+    url = server.url
     latencies: list[float] = []
     errors = 0
     deadline = time.perf_counter() + seconds
@@ -112,12 +134,15 @@ async def _load(http: aiohttp.ClientSession, url: str, sessions: int, seconds: f
                     errors += 1
             latencies.append(time.perf_counter() - started)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_s(server.pid)
     async with anyio.create_task_group() as group:
         for number in range(sessions):
             group.start_soon(client, number)
     elapsed = time.perf_counter() - started
-    return _summary(latencies, errors, elapsed)
+    summary = _summary(latencies, errors, elapsed)
+    if latencies:
+        summary.server_cpu_us = (_cpu_s(server.pid) - cpu) / len(latencies) * 1e6
+    return summary
 
 
 def _body(client: int, request: int) -> bytes:
@@ -140,8 +165,8 @@ def _summary(latencies: list[float], errors: int, elapsed: float) -> Latencies:
 
 
 @contextmanager
-def _gateway(upstream: str) -> Iterator[str]:
-    """``libra serve --server upstream`` in a subprocess; its base URL."""
+def _gateway(upstream: str) -> Iterator[_Server]:
+    """``libra serve --server upstream`` in a subprocess."""
     root = Path(__file__).resolve().parents[2]
     command = [
         sys.executable, "-m", "libra", "serve", "--server", upstream, "--no-auth",
@@ -158,7 +183,7 @@ def _gateway(upstream: str) -> Iterator[str]:
             line = process.stdout.readline()
             if not line.startswith("libra serve: http://"):
                 raise RuntimeError(f"libra serve did not start: {line!r}")
-            yield line.split()[2].removesuffix("/v1")
+            yield _Server(line.split()[2].removesuffix("/v1"), process.pid)
         finally:
             process.send_signal(signal.SIGTERM)
             try:

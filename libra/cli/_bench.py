@@ -93,14 +93,16 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="libra bench serve: zero-latency emulated server, direct vs gateway")
     columns = ("sessions", "direct req/s", "gateway req/s", "direct p50 ms", "gateway p50 ms",
-               "added p50 ms", "added p99 ms", "errors")  # fmt: skip
+               "added p50 ms", "added p99 ms", "server CPU µs/req", "gateway CPU µs/req",
+               "errors")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(
             f"{r.concurrency:,}", f"{r.direct.requests_s:,.0f}", f"{r.gateway.requests_s:,.0f}",
             f"{r.direct.p50_ms:.2f}", f"{r.gateway.p50_ms:.2f}", f"{r.added_p50_ms:.2f}",
-            f"{r.added_p99_ms:.2f}", f"{r.direct.errors + r.gateway.errors}",
+            f"{r.added_p99_ms:.2f}", f"{r.direct.server_cpu_us:,.0f}",
+            f"{r.gateway.server_cpu_us:,.0f}", f"{r.direct.errors + r.gateway.errors}",
         )  # fmt: skip
     Console().print(table)
     return 0
