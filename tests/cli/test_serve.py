@@ -92,14 +92,16 @@ def test_an_sdk_agent_with_tools_is_served_streamed_and_recorded(tmp_path: Path)
             chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[-1].choices[0].finish_reason in ("stop", "tool_calls")
-        sdk.post("/libra/report", body={"session": "agent-1", "reward": 1.0}, cast_to=dict)
+        report = {"session": "agent-1", "reward": 1.0, "done": True}
+        sdk.post("/libra/report", body=report, cast_to=dict)
         assert [m.id for m in sdk.models.list()] == [MODEL]
     records = [
         msgspec.json.decode(line, type=TrajectoryRecord) for line in record.read_text().splitlines()
     ]
-    mine = [r for r in records if r.turns == turns]
-    assert any(r.reward == 1.0 and r.status == "completed" for r in mine)
-    assert all(r.tokens == "exact" for r in records)
+    # The agent's session, reported done; the streamed one ended with the server.
+    done = [r for r in records if r.status == "completed"]
+    assert [(r.reward, r.turns, r.stop_reason) for r in done] == [(1.0, turns, "done")]
+    assert len(records) == 2 and all(r.tokens == "exact" for r in records)
 
 
 def test_keys_are_required_and_the_admin_api_takes_only_the_admin_key() -> None:
