@@ -19,11 +19,15 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from libra._asgi import ASGIMessage
 from libra.emulation import LatencyModel
+from libra.engine import Engine, EngineConfig, http_transport
+from libra.fleet import Endpoint
 from libra.gateway import GatewayConfig, Sessions
 from libra.gateway._app import GatewayApp, create_gateway
 from libra.gateway._auth import Keys
 from libra.gateway._metrics import GatewayMetrics
-from tests._helpers import CALCULATOR, MODEL, PathRecorder, emulated_engine
+from libra.sched.policies import LeastLoadedScheduler
+from libra.serving import VLLMServer
+from tests._helpers import CALCULATOR, MODEL, REAL_MODEL_NAME, PathRecorder, emulated_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -401,3 +405,33 @@ async def test_a_pydantic_ai_agent_with_a_tool_runs_through_the_gateway() -> Non
         [session] = [key for key in scheduler.tracks]
         await core.report(session, done=True)
     assert scheduler.paths == {session: ["calculator:small:success"]}
+
+
+# ---------------------------------------------------------------- real vLLM (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one server, one backend is enough
+async def test_the_sdk_through_the_gateway_to_real_vllm(real_server: VLLMServer) -> None:
+    endpoint = Endpoint(real_server.url, model=REAL_MODEL_NAME)
+    async with http_transport("aiohttp") as http:
+        engine = Engine(http, LeastLoadedScheduler([endpoint]), config=EngineConfig())
+        async with Sessions(engine, GatewayConfig()) as core:
+            sdk = client(create_gateway(core, KEYS))
+            ask: dict[str, Any] = {
+                "model": REAL_MODEL_NAME,
+                "messages": QUESTION,
+                "tools": TOOLS,
+                "temperature": 0.0,
+                "max_completion_tokens": 32,
+            }
+            reply = await sdk.chat.completions.create(**ask)
+            async with await sdk.chat.completions.create(**ask, stream=True) as stream:
+                chunks = [chunk async for chunk in stream]
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 32
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (choice.message.content or "")  # greedy: the same turn
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
