@@ -195,7 +195,7 @@ class GatewayApp:
         except ClientDisconnected:
             return None
         except (WireError, BodyTooLarge) as error:
-            return await self._send(send, self._refusal(error, scope))
+            return await self._send(send, self._refusal(error))
         if not route.generates:
             response = await self._respond(route, _Request(scope, body))
             return None if response is None else await self._send(send, response)
@@ -241,7 +241,7 @@ class GatewayApp:
             _log.exception("libra serve failed on %s %s", scope["method"], scope["path"])
             return self._error(WireError("Internal error.", status=500, kind="server_error"))
 
-    def _refusal(self, error: WireError | BodyTooLarge, scope: Scope) -> _Response:
+    def _refusal(self, error: WireError | BodyTooLarge) -> _Response:
         if isinstance(error, BodyTooLarge):
             message = f"The request body is larger than {self.max_body_bytes} bytes."
             error = WireError(message, status=413)
@@ -272,12 +272,9 @@ class GatewayApp:
         if verdict == "forbidden":
             message = "This key may not use the admin API; it needs an admin key."
             raise WireError(message, status=403, kind="permission_error")
-        missing = verdict == "missing"
-        message = (
-            "Missing API key: send 'Authorization: Bearer KEY'."
-            if missing
-            else ("Incorrect API key provided.")
-        )
+        message = "Incorrect API key provided."
+        if verdict == "missing":
+            message = "Missing API key: send 'Authorization: Bearer KEY'."
         raise WireError(message, status=401, kind="invalid_request_error", code="invalid_api_key")
 
     def _error(self, error: WireError) -> _Response:
@@ -373,10 +370,9 @@ class GatewayApp:
         return self._json({"object": "list", "data": cards})
 
     async def _health(self, request: _Request) -> _Response:
-        healthy = any(self.core.status().healthy.values())
-        return _Response(
-            200 if healthy else 503, b'{"status":"ok"}' if healthy else b'{"status":"unavailable"}'
-        )
+        if any(self.core.status().healthy.values()):
+            return _Response(200, b'{"status":"ok"}')
+        return _Response(503, b'{"status":"no healthy model server"}')
 
     async def _metrics(self, request: _Request) -> _Response:
         return _Response(200, self.metrics.exposition(), _PROMETHEUS)
