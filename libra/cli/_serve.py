@@ -52,7 +52,7 @@ class ServeConfig(BaseModel):
         None, description="C-MLFQ's prefix forest: read at start if it exists, written at exit"
     )
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535, description="0: any free port (printed)")
+    port: int = Field(8080, ge=0, le=65535, description="0: any free port (printed)")
     record: Path | None = Field(None, description="append every ended session here (JSONL)")
     no_auth: bool = Field(False, description="no API key (allowed on loopback only)")
     api_key_file: Path | None = Field(None, description="user keys, one a line")
@@ -84,7 +84,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--model", help="model name upstream (default: the server's)")
     parser.add_argument("--policy", help=f"routing policy: {', '.join(SCHEDULERS)} (cmlfq)")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default 8000; 0: any free one)")
+    parser.add_argument("--port", type=int, help="port (default 8080; 0: any free one)")
     parser.add_argument("--record", type=Path, help="JSONL file of the sessions as trajectories")
     parser.add_argument(
         "--no-auth", action="store_true", help="no API key (only on a loopback address)"
