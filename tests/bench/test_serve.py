@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from libra.bench._serve import as_json, bench_serve
 
 
+@pytest.mark.slow  # two servers in subprocesses, and a benchmark
 def test_a_short_run_measures_both_paths_at_each_level() -> None:
     results = bench_serve([1, 4], seconds=0.3)
     assert [r.concurrency for r in results] == [1, 4]
