@@ -72,6 +72,7 @@ from libra.gateway._wire import (
     upstream_completion,
 )
 from libra.sched import NoEndpointAvailable
+from libra.serving import WeightSyncError
 
 SESSION_HEADER = "X-Libra-Session"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -236,6 +237,9 @@ class GatewayApp:
         except (ServerUnavailable, NoEndpointAvailable) as error:
             message = f"No model server could answer: {error}"
             return self._error(WireError(message, status=503, kind="service_unavailable"))
+        except WeightSyncError as error:
+            message = f"The weights were not reloaded: {error}"
+            return self._error(WireError(message, status=502, kind="server_error"))
         except Exception:  # a bug: the client gets a 500, the log the traceback
             scope = request.scope
             _log.exception("libra serve failed on %s %s", scope["method"], scope["path"])

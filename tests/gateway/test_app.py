@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -289,7 +290,9 @@ async def test_requests_need_a_key_and_admin_routes_an_admin_key() -> None:
                 assert await status(path, ADMIN_KEY, "POST") == 404
 
 
-async def test_the_admin_api_pauses_resumes_and_reports() -> None:
+async def test_the_admin_api_pauses_resumes_reports_and_refuses_a_bad_reload(
+    tmp_path: Path,
+) -> None:
     async with gateway() as (app, core, _):
         auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
         async with httpx2.AsyncClient(
@@ -299,6 +302,11 @@ async def test_the_admin_api_pauses_resumes_and_reports() -> None:
             assert (await http.get("/admin/status")).json()["paused"] is True
             assert (await http.post("/admin/resume")).json() == {"paused": False}
             status = (await http.get("/admin/status")).json()
+            body = {"path": str(tmp_path), "version": 2}  # no weights file in it
+            failed = await http.post("/admin/reload_weights", json=body)
+            assert failed.status_code == 502 and "not reloaded" in failed.text
+            typo = await http.post("/admin/reload_weights", json={"path": "x", "versoin": 2})
+            assert typo.status_code == 400 and typo.json()["error"]["param"] == "versoin"
         assert status["paused"] is False and list(status["healthy"].values()) == [True]
         assert core.status().paused is False
 
