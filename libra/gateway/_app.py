@@ -34,6 +34,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
+import httpx
 import msgspec
 
 from libra._asgi import (
@@ -237,10 +238,11 @@ class GatewayApp:
         except (ServerUnavailable, NoEndpointAvailable) as error:
             message = f"No model server could answer: {error}"
             return self._error(WireError(message, status=503, kind="service_unavailable"))
-        except WeightSyncError as error:
-            message = f"The weights were not reloaded: {error}"
-            return self._error(WireError(message, status=502, kind="server_error"))
-        except Exception:  # a bug: the client gets a 500, the log the traceback
+        except Exception as error:
+            if _reload_failed(error):
+                message = f"The weights were not reloaded: {_leaves(error)}"
+                return self._error(WireError(message, status=502, kind="server_error"))
+            # A bug: the client gets a 500, the log the traceback.
             scope = request.scope
             _log.exception("libra serve failed on %s %s", scope["method"], scope["path"])
             return self._error(WireError("Internal error.", status=500, kind="server_error"))
@@ -408,6 +410,20 @@ class GatewayApp:
 
     async def _status(self, request: _Request) -> _Response:
         return self._json(self.core.status())
+
+
+def _reload_failed(error: BaseException) -> bool:
+    """A weight reload that failed upstream: the sync's own refusal, or its HTTP client's
+    errors (grouped when several servers were synced at once)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_reload_failed(e) for e in error.exceptions)
+    return isinstance(error, WeightSyncError | httpx.HTTPError)
+
+
+def _leaves(error: BaseException) -> str:
+    if isinstance(error, BaseExceptionGroup):
+        return "; ".join(_leaves(e) for e in error.exceptions)
+    return f"{type(error).__name__}: {error}"
 
 
 def _header_value(session: str) -> bytes:

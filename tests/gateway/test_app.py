@@ -27,7 +27,7 @@ from libra.gateway._app import GatewayApp, create_gateway
 from libra.gateway._auth import Keys
 from libra.gateway._metrics import GatewayMetrics
 from libra.sched.policies import LeastLoadedScheduler
-from libra.serving import VLLMServer
+from libra.serving import WEIGHTS_FILE, VLLMServer
 from tests._helpers import CALCULATOR, MODEL, REAL_MODEL_NAME, PathRecorder, emulated_engine
 
 pytestmark = pytest.mark.anyio
@@ -305,6 +305,10 @@ async def test_the_admin_api_pauses_resumes_reports_and_refuses_a_bad_reload(
             body = {"path": str(tmp_path), "version": 2}  # no weights file in it
             failed = await http.post("/admin/reload_weights", json=body)
             assert failed.status_code == 502 and "not reloaded" in failed.text
+            (tmp_path / WEIGHTS_FILE).write_bytes(b"")
+            # The in-process emulated server has no port for the sync's own HTTP client.
+            unreachable = await http.post("/admin/reload_weights", json=body)
+            assert unreachable.status_code == 502 and "ConnectError" in unreachable.text
             typo = await http.post("/admin/reload_weights", json={"path": "x", "versoin": 2})
             assert typo.status_code == 400 and typo.json()["error"]["param"] == "versoin"
         assert status["paused"] is False and list(status["healthy"].values()) == [True]
