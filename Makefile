@@ -62,6 +62,7 @@ demo: setup-serving setup-sandbox
 
 bench: setup-serving setup-sandbox
 	$(BIN)/libra bench engine
+	$(BIN)/libra bench serve
 	$(BIN)/libra bench sandbox
 	$(BIN)/libra bench sched
 

@@ -393,7 +393,7 @@ class Trajectory:
 
 # ------------------------------------------------------ real vLLM on the embedded model (slow)
 
-REAL_MODEL_NAME = EMBEDDED_MODEL_NAME  # served as `libra serve` serves it
+REAL_MODEL_NAME = EMBEDDED_MODEL_NAME  # served as `libra vllm` serves it
 
 
 def require_vllm() -> None:

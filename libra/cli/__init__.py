@@ -7,15 +7,17 @@ import gc
 import sys
 from collections.abc import Sequence
 
-from libra.cli import _bench, _images, _rollout, _serve, _train
+from libra.cli import _bench, _images, _rollout, _serve, _train, _vllm
 from libra.config import ConfigError
 from libra.envs import SandboxError, UnknownEnvError, available_envs
+from libra.gateway._auth import AuthError
 from libra.launch import FleetError
 from libra.serving import ModelError, VLLMServerError
 
 # Errors a user can fix from the message alone: print one line, not a traceback.
 _USER_ERRORS = (
     ConfigError,
+    AuthError,
     FleetError,
     UnknownEnvError,
     SandboxError,
@@ -62,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     _rollout.add_parser(commands)
     _bench.add_parser(commands)
     _images.add_parser(commands)
-    _serve.add_parsers(commands)
+    _serve.add_parser(commands)
+    _vllm.add_parsers(commands)
     _train.add_parsers(commands)
     envs = commands.add_parser("envs", help="list the installed envs")
     envs.set_defaults(run=lambda args: print("\n".join(available_envs())) or 0)

@@ -13,6 +13,8 @@ from libra.bench._engine import as_json, run_engine_bench
 from libra.bench._sandbox import bench_sandbox
 from libra.bench._sched import add_arguments as add_sched_arguments
 from libra.bench._sched import main_sched
+from libra.bench._serve import as_json as serve_as_json
+from libra.bench._serve import bench_serve
 from libra.bench._train import as_json as train_as_json
 from libra.bench._train import bench_train
 
@@ -41,6 +43,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sandbox.add_argument("--calls", type=int, default=256, help="calls per concurrency level")
     sandbox.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sandbox.set_defaults(run=run_sandbox)
+    serve = benches.add_parser(
+        "serve", help="libra serve's added latency and its request rate, vs direct calls"
+    )
+    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
+    serve.add_argument("--seconds", type=float, default=3.0, help="per level and path")
+    serve.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    serve.set_defaults(run=run_serve)
     train = benches.add_parser(
         "train", help="FSDPTrainer tokens/s vs a plain torch loop, and weight export s/step"
     )
@@ -72,6 +81,28 @@ def run_engine(args: argparse.Namespace) -> int:
             f"{r.bare_aiohttp_calls_s:,.0f}", f"{r.calls_s / r.bare_aiohttp_calls_s:.2f}",
             f"{r.bare_httpx_calls_s:,.0f}", f"{r.cpu_us_per_call:,.0f}",
             f"{r.bare_aiohttp_cpu_us_per_call:,.0f}", f"{r.errors}",
+        )  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    results = bench_serve(tuple(args.concurrency), args.seconds)
+    if args.json:
+        print(json.dumps(serve_as_json(results)))
+        return 0
+    table = Table(title="libra bench serve: zero-latency emulated server, direct vs gateway")
+    columns = ("sessions", "direct req/s", "gateway req/s", "direct p50 ms", "gateway p50 ms",
+               "added p50 ms", "added p99 ms", "server CPU µs/req", "gateway CPU µs/req",
+               "errors")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            f"{r.concurrency:,}", f"{r.direct.requests_s:,.0f}", f"{r.gateway.requests_s:,.0f}",
+            f"{r.direct.p50_ms:.2f}", f"{r.gateway.p50_ms:.2f}", f"{r.added_p50_ms:.2f}",
+            f"{r.added_p99_ms:.2f}", f"{r.direct.server_cpu_us:,.0f}",
+            f"{r.gateway.server_cpu_us:,.0f}", f"{r.direct.errors + r.gateway.errors}",
         )  # fmt: skip
     Console().print(table)
     return 0

@@ -1,79 +1,240 @@
-"""``libra model prepare`` and ``libra serve``: the embedded model on a real vLLM server.
+"""``libra serve``: the gateway, one OpenAI-compatible endpoint for a whole fleet.
 
-``libra serve`` runs a vLLM server in the foreground and records it in
-``$LIBRA_HOME/run/embedded.json``, so that ``libra rollout --server embedded`` reuses it
-instead of starting (and stopping) a server of its own.
+It opens the fleet it is given (``--server emulated|embedded|URL[,URL...]`` or a
+``[fleet]`` of buckets, as ``libra rollout`` does), builds the scheduler (``--policy``,
+C-MLFQ's saved forest), the engine and the gateway's core over them, and serves the
+gateway's ASGI app with uvicorn until Ctrl-C or SIGTERM. Clients point the ``openai``
+SDK's ``base_url`` at ``http://HOST:PORT/v1``. A one-line console view shows the
+traffic once a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import contextlib
 import signal
-import threading
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import anyio
+import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+from rich.console import Console
+from rich.live import Live
+
 from libra.cli._config import add_config_arguments
-from libra.serving import (
-    EMBEDDED_MODEL_NAME,
-    VLLMServer,
-    prepare_model,
-    resolve_model,
-    server_config,
-    state_file,
-)
+from libra.config import load_config
+from libra.emulation import EmulatorConfig
+from libra.engine import Engine, EngineConfig, TransportName
+from libra.fleet import FleetSpec
+from libra.gateway import GatewayConfig, Sessions
+from libra.gateway._app import DEFAULT_MAX_BODY_BYTES, create_gateway
+from libra.gateway._auth import Keys, gateway_keys
+from libra.gateway._metrics import GatewayMetrics, Totals
+from libra.launch import SCHEDULERS, build_scheduler, open_fleet, save_scheduler_state
+from libra.sched import Scheduler
+from libra.sched.policies import CMLFQConfig, RoutedPolicy
 
 
-def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    model = commands.add_parser("model", help="the embedded default model")
-    actions = model.add_subparsers(title="actions", metavar="ACTION", required=True)
-    prepare = actions.add_parser("prepare", help="build the embedded model folder (once)")
-    prepare.add_argument("--force", action="store_true", help="rebuild it")
-    prepare.set_defaults(run=lambda args: print(prepare_model(force=args.force)) or 0)
+class ServeConfig(BaseModel):
+    """``libra serve``'s settings (TOML with ``--config``, ``--set KEY=VALUE``)."""
 
-    serve = commands.add_parser("serve", help="serve a model with vLLM (OpenAI-compatible)")
-    serve.add_argument("--model", default="embedded", help="'embedded' or a local HF folder")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--threads", type=int, help="CPU threads for the server")
-    serve.add_argument("--max-model-len", type=int, help="default 8192")
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="default priority")
-    serve.add_argument("--dev-mode", action="store_true", help="allow weight reloads")
-    serve.add_argument("--tool-call-parser", help="vLLM's parser for tool calls, e.g. hermes")
-    serve.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        help="skip torch.compile and CUDA graphs (default: on, for quick starts on CPU)",
+    model_config = ConfigDict(extra="forbid")
+
+    server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
+    fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
+    model: str | None = Field(None, description="model name upstream (default: the server's)")
+    policy: str = Field("cmlfq", description=f"one of {', '.join(SCHEDULERS)}")
+    cmlfq: CMLFQConfig = CMLFQConfig()
+    scheduler_state: Path | None = Field(
+        None, description="C-MLFQ's prefix forest: read at start if it exists, written at exit"
     )
-    add_config_arguments(serve, "VLLMServerConfig settings", "tensor_parallel_size=2")
-    serve.set_defaults(run=run_serve)
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535, description="0: any free port (printed)")
+    record: Path | None = Field(None, description="append every ended session here (JSONL)")
+    no_auth: bool = Field(False, description="no API key (allowed on loopback only)")
+    api_key_file: Path | None = Field(None, description="user keys, one a line")
+    admin_key_file: Path | None = Field(None, description="admin keys, one a line")
+    max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
+    console: bool = Field(True, description="a one-line view of the traffic, once a second")
+    console_every_s: PositiveFloat = 1.0
+    transport: TransportName = "aiohttp"
+    max_connections: PositiveInt = 1024
+    engine: EngineConfig = EngineConfig()
+    emulator: EmulatorConfig = EmulatorConfig()
+    gateway: GatewayConfig = GatewayConfig()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in SCHEDULERS:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(SCHEDULERS)}")
+        return name
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)
-    name = EMBEDDED_MODEL_NAME if args.model == "embedded" else Path(model).name
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "serve", help="the gateway: one OpenAI-compatible endpoint for a fleet, C-MLFQ behind it"
+    )
+    parser.add_argument(
+        "--server", help="'emulated' (default), 'embedded' or OpenAI-compatible URL(s)"
+    )
+    parser.add_argument("--model", help="model name upstream (default: the server's)")
+    parser.add_argument("--policy", help=f"routing policy: {', '.join(SCHEDULERS)} (cmlfq)")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default 8080; 0: any free one)")
+    parser.add_argument("--record", type=Path, help="JSONL file of the sessions as trajectories")
+    parser.add_argument(
+        "--no-auth", action="store_true", help="no API key (only on a loopback address)"
+    )
+    parser.add_argument(
+        "--api-key-file", type=Path, help="user keys, one a line (else $LIBRA_API_KEY)"
+    )
+    parser.add_argument(
+        "--admin-key-file", type=Path, help="admin keys, one a line (else $LIBRA_ADMIN_KEY)"
+    )
+    parser.add_argument("--no-console", action="store_true", help="no console view")
+    add_config_arguments(parser, "these settings and more", "gateway.session_ttl_s=60")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
     flags = {
+        "server": args.server,
+        "model": args.model,
+        "policy": args.policy,
         "host": args.host,
         "port": args.port,
-        "threads": args.threads,
-        "max_model_len": args.max_model_len,
-        "scheduling_policy": args.scheduling_policy,
-        "dev_mode": args.dev_mode or None,
-        "tool_call_parser": args.tool_call_parser,
-        "enforce_eager": args.enforce_eager,
+        "record": args.record,
+        "no_auth": True if args.no_auth else None,
+        "api_key_file": args.api_key_file,
+        "admin_key_file": args.admin_key_file,
+        "console": False if args.no_console else None,
     }
-    config = server_config(args.config, flags, args.set)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    with VLLMServer(model, served_model_name=name, config=config) as server:
-        if args.model == "embedded":
-            state_file().write_text(json.dumps({"url": server.url, "pid": os.getpid()}))
-        print(f"serving {name} at {server.url} (log: {server.log_file}); Ctrl-C stops it")
-        try:
-            while not stop.wait(1.0) and server.is_running:
-                pass
-        finally:
-            state_file().unlink(missing_ok=True)
+    config = load_config(ServeConfig, args.config, flags, args.set)
+    keys = gateway_keys(
+        config.host,
+        no_auth=config.no_auth,
+        api_key_file=config.api_key_file,
+        admin_key_file=config.admin_key_file,
+    )
+    anyio.run(serve, config, keys, backend_options={"use_uvloop": True})
     return 0
+
+
+async def serve(config: ServeConfig, keys: Keys) -> None:
+    """Serve until SIGINT or SIGTERM; then stop taking requests, end every session
+    (recorded) and save the scheduler's state."""
+    opening = open_fleet(
+        config.server,
+        fleet=config.fleet,
+        model=config.model,
+        transport=config.transport,
+        max_connections=config.max_connections,
+        emulator=config.emulator,
+    )
+    async with opening as fleet:
+        scheduler = build_scheduler(config.policy, fleet.spec, config.cmlfq, config.scheduler_state)
+        engine = Engine(fleet.http, scheduler, config=config.engine)
+        gateway = config.gateway
+        if config.record is not None:
+            gateway = gateway.model_copy(update={"record_path": config.record})
+        async with Sessions(engine, gateway) as core:
+            metrics = GatewayMetrics(scheduler.router, _reasons(scheduler))
+            app = create_gateway(core, keys, metrics=metrics, max_body_bytes=config.max_body_bytes)
+            server = _Server(_uvicorn_config(app, config))
+            async with anyio.create_task_group() as group:
+                group.start_soon(_stop_on_signal, server)
+                group.start_soon(_announce, server, config, keys)
+                if config.console:
+                    group.start_soon(console_view, metrics, core, config.console_every_s)
+                await server.serve()
+                group.cancel_scope.cancel()
+        save_scheduler_state(scheduler, config.scheduler_state)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, without its own signal handling: ``libra serve`` stops it (and then
+    ends its sessions) on SIGINT or SIGTERM rather than re-raising them at the end."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = anyio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.listening.set()
+
+
+def _uvicorn_config(app: Callable[..., object], config: ServeConfig) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http="httptools",
+        loop="none",  # anyio's loop (uvloop) is already running
+        lifespan="off",
+        log_level="warning",
+        access_log=False,  # a log of requests would hold their headers' neighbours
+        backlog=4096,
+        timeout_keep_alive=60,
+    )
+
+
+async def _stop_on_signal(server: uvicorn.Server) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            server.should_exit = True
+            return
+
+
+async def _announce(server: _Server, config: ServeConfig, keys: Keys) -> None:
+    """Print the endpoint once uvicorn listens (the port, when ``port`` was 0)."""
+    await server.listening.wait()
+    if not server.started:  # it could not bind: uvicorn said why
+        return
+    port = server.servers[0].sockets[0].getsockname()[1]
+    auth = "API key required" if keys.enabled else "no auth (loopback)"
+    print(f"libra serve: http://{config.host}:{port}/v1 ({config.policy}, {auth})", flush=True)
+
+
+def _reasons(scheduler: Scheduler) -> Callable[[], Mapping[str, int]] | None:
+    """The policy's decisions by reason (promotions and demotions among them), when it
+    keeps them."""
+    if isinstance(scheduler, RoutedPolicy):
+        return lambda: scheduler.reasons
+    return None
+
+
+async def console_view(
+    metrics: GatewayMetrics, core: Sessions, every_s: float, console: Console | None = None
+) -> None:
+    """One line, redrawn every ``every_s``: requests, their rate, errors, sessions, calls
+    upstream, tokens. Nothing on a console that is not a terminal (a log file)."""
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        return
+    last, last_time = 0, time.monotonic()
+    with Live("", console=console, auto_refresh=False, transient=False) as live:
+        while True:
+            await anyio.sleep(every_s)
+            totals, now = metrics.totals, time.monotonic()
+            rate = (totals.requests - last) / max(now - last_time, 1e-9)
+            last, last_time = totals.requests, now
+            live.update(_line(totals, rate, core), refresh=True)
+
+
+def _line(totals: Totals, rate: float, core: Sessions) -> str:
+    in_flight = sum(i.in_flight for i in core.engine.scheduler.router.instances)
+    return (
+        f"[bold]libra serve[/] {totals.requests} requests ({rate:.0f}/s) · "
+        f"[red]{totals.errors} errors[/] · {totals.in_progress} in progress · "
+        f"{len(core)} sessions · {in_flight} upstream calls · "
+        f"{totals.prompt_tokens} prompt + {totals.completion_tokens} completion tokens"
+    )

@@ -24,7 +24,7 @@ import secrets
 import time
 import urllib.parse
 from array import array
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -32,6 +32,15 @@ import anyio
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from libra._asgi import (
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    cancel_on_disconnect,
+    read_body,
+    serve_lifespan,
+)
 from libra.emulation._latency import BatchingEngine, LatencyModel, PauseMode
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import AgentScript, Conversation, Reply, Script, builtin_script
@@ -64,11 +73,6 @@ from libra.openai import (
     ToolCall,
     Usage,
 )
-
-ASGIMessage = MutableMapping[str, Any]
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[ASGIMessage]]
-Send = Callable[[ASGIMessage], Awaitable[None]]
 
 _JSON = b"application/json"
 _PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
@@ -139,10 +143,6 @@ class _HTTPError(Exception):
         self.kind = kind
 
 
-class _ClientDisconnected(Exception):
-    """The client went away while its request was generating; nobody to answer."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Reply:
     """The tokens a request generates, why they end, and the stop string that ended them."""
@@ -209,13 +209,13 @@ class EmulatorApp:
         if scope["type"] == "http":
             await self._serve_http(scope, receive, send)
         elif scope["type"] == "lifespan":
-            await _serve_lifespan(receive, send)
+            await serve_lifespan(receive, send)
         # Other scopes (websocket) are not served: returning closes them.
 
     async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             handler = self._route(scope["method"], scope["path"])
-            body = await _read_body(receive)
+            body = await read_body(receive)
             query = scope.get("query_string", b"")
             status, payload, content_type = await handler(body, receive, query)
         except _HTTPError as error:
@@ -223,7 +223,7 @@ class EmulatorApp:
             payload = self._encoder.encode(
                 ErrorResponse(ErrorBody(message=error.message, type=error.kind, code=error.status))
             )
-        except _ClientDisconnected:
+        except ClientDisconnected:
             return
         await send(
             {
@@ -498,14 +498,14 @@ class EmulatorApp:
         cached, chain, digests = (0, None, []) if cache is None else cache.lookup(prompt, packed)
         produced: int | None = None
         async with anyio.create_task_group() as group:
-            group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
+            group.start_soon(cancel_on_disconnect, receive, group.cancel_scope)
             # A stop string at the very start still cost the model one decode step.
             produced = await engine.generate(
                 len(prompt), max(1, len(reply.tokens)), priority=priority or 0, cached_tokens=cached
             )
             group.cancel_scope.cancel()
         if produced is None:
-            raise _ClientDisconnected
+            raise ClientDisconnected
         reply = reply.cut_to(produced)
         self.generation_tokens_total += len(reply.tokens)
         if cache is not None and chain is not None:
@@ -689,34 +689,3 @@ def _logprobs(key: int, count: int) -> list[float]:
     while len(values) < count:
         values += table[: count - len(values)]
     return values
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientDisconnected
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    """Cancel ``scope`` when the client disconnects (ASGI servers say so via receive)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
-
-
-async def _serve_lifespan(receive: Receive, send: Send) -> None:
-    """Acknowledge startup and shutdown; the app holds no resources that need them."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

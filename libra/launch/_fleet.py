@@ -99,7 +99,7 @@ async def _with_models(http: HTTPTransport, fleet: FleetSpec) -> FleetSpec:
 
 @asynccontextmanager
 async def _embedded_url() -> AsyncIterator[str]:
-    """A running ``libra serve`` of the embedded model, or a server for this command."""
+    """A running ``libra vllm`` of the embedded model, or a server for this command."""
     from libra.serving import VLLMServer, prepare_model, running_embedded_url, server_config
 
     url = await anyio.to_thread.run_sync(running_embedded_url)

@@ -1,6 +1,6 @@
-"""The embedded model's server: Libra's vLLM defaults, and finding a running ``libra serve``.
+"""The embedded model's server: Libra's vLLM defaults, and finding a running ``libra vllm``.
 
-``libra serve`` records the server it runs in ``$LIBRA_HOME/run/embedded.json``, so that
+``libra vllm`` records the server it runs in ``$LIBRA_HOME/run/embedded.json``, so that
 ``--server embedded`` reuses it instead of starting (and stopping) a server of its own.
 """
 
@@ -29,7 +29,7 @@ def server_config(
 
 
 def running_embedded_url() -> str | None:
-    """The URL of a healthy ``libra serve`` of the embedded model, if one runs."""
+    """The URL of a healthy ``libra vllm`` of the embedded model, if one runs."""
     try:
         state = json.loads(state_file().read_text())
         os.kill(int(state["pid"]), 0)

@@ -174,7 +174,7 @@ def test_the_demo_runs_on_a_running_libra_serve_with_docker_tools(
 ) -> None:
     monkeypatch.setenv("LIBRA_HOME", str(tmp_path))
     (tmp_path / "run").mkdir()
-    state = {"url": real_server.url, "pid": os.getpid()}  # as `libra serve` records itself
+    state = {"url": real_server.url, "pid": os.getpid()}  # as `libra vllm` records itself
     (tmp_path / "run" / "embedded.json").write_text(json.dumps(state))
     out, plot = tmp_path / "demo.jsonl", tmp_path / "demo.png"
     args = ["rollout", "--config", str(DEMO), "-n", "4", "--out", str(out), "--plot", str(plot)]

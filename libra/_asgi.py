@@ -1,0 +1,70 @@
+"""Small helpers shared by Libra's raw ASGI apps (the emulated server and the gateway).
+
+Both serve HTTP without a web framework, so that a request costs little more than
+decoding and encoding its JSON; these are the few pieces of the ASGI protocol they share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio
+
+ASGIMessage = MutableMapping[str, Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[ASGIMessage]]
+Send = Callable[[ASGIMessage], Awaitable[None]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; nobody to answer."""
+
+
+class BodyTooLarge(Exception):
+    """The request's body is over the app's limit."""
+
+
+async def read_body(receive: Receive, limit: int | None = None) -> bytes:
+    """The request's whole body; :class:`BodyTooLarge` as soon as it passes ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` when the client disconnects (ASGI servers say so via receive)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def serve_lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge startup and shutdown; for apps that hold no resources needing them."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The value of the request header ``name`` (lower case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None

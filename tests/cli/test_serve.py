@@ -1,0 +1,197 @@
+"""``libra serve`` as a user runs it: a subprocess on a loopback port over the emulated
+fleet, driven by the official ``openai`` SDK (sync, streaming and not, tool calls), with
+API keys, recording, a client that gives up, and the refusals of bad settings."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import anyio
+import httpx2
+import msgspec
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from rich.console import Console
+
+from libra.cli._serve import ServeConfig, console_view
+from libra.config import load_config
+from libra.engine import TrajectoryRecord
+from libra.gateway import GatewayConfig, Sessions
+from libra.gateway._app import create_gateway
+from libra.gateway._auth import Keys
+from libra.gateway._metrics import GatewayMetrics
+from tests._helpers import CALCULATOR, MODEL, emulated_engine
+
+ROOT = Path(__file__).parents[2]
+USER_KEY, ADMIN_KEY = "cli-user-key", "cli-admin-key"
+TOOLS: list[ChatCompletionToolParam] = [CALCULATOR]  # type: ignore[list-item]
+ZERO_LATENCY = [
+    f"emulator.latency.{field}=0"
+    for field in ("prefill_s_per_token", "step_base_s", "step_per_seq_s", "step_per_ctx_token_s")
+]
+
+
+@contextmanager
+def libra_serve(*flags: str, settings: list[str] = ZERO_LATENCY) -> Iterator[str]:
+    """``libra serve --server emulated`` on a free loopback port; yields its base URL.
+    Stopped with SIGTERM (as a service manager stops it) and checked to exit cleanly."""
+    command = [sys.executable, "-m", "libra", "serve", "--server", "emulated", "--port", "0"]
+    command += ["--no-console", *flags, *(f"--set={s}" for s in settings)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env |= {"LIBRA_API_KEY": USER_KEY, "LIBRA_ADMIN_KEY": ADMIN_KEY}
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline()  # "libra serve: http://127.0.0.1:PORT/v1 (...)"
+            assert line.startswith("libra serve: http://"), line
+            yield line.split()[2].removesuffix("/v1")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def test_an_sdk_agent_with_tools_is_served_streamed_and_recorded(tmp_path: Path) -> None:
+    record = tmp_path / "sessions.jsonl"
+    with ExitStack() as stack:
+        url = stack.enter_context(libra_serve("--record", str(record), "--policy", "cmlfq"))
+        sdk = stack.enter_context(
+            openai.OpenAI(base_url=f"{url}/v1", api_key=USER_KEY, max_retries=0)
+        )
+        session = {"X-Libra-Session": "agent-1"}
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": "Use the calculator."},
+            {"role": "user", "content": "What is 6 times 7?"},
+        ]
+        turns = 0
+        while turns < 4:  # the emulated agent calls the tool, then answers
+            turns += 1
+            reply = sdk.chat.completions.create(
+                model=MODEL, messages=messages, tools=TOOLS, extra_headers=session
+            )
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_unset=True))  # type: ignore[arg-type]
+            if not message.tool_calls:
+                break
+            for call in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+        assert turns >= 2 and reply.choices[0].finish_reason == "stop"
+        with sdk.chat.completions.create(
+            model=MODEL, messages=messages[:2], tools=TOOLS, stream=True
+        ) as stream:
+            chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason in ("stop", "tool_calls")
+        report = {"session": "agent-1", "reward": 1.0, "done": True}
+        sdk.post("/libra/report", body=report, cast_to=dict)
+        assert [m.id for m in sdk.models.list()] == [MODEL]
+    records = [
+        msgspec.json.decode(line, type=TrajectoryRecord) for line in record.read_text().splitlines()
+    ]
+    # The agent's session, reported done; the streamed one ended with the server.
+    done = [r for r in records if r.status == "completed"]
+    assert [(r.reward, r.turns, r.stop_reason) for r in done] == [(1.0, turns, "done")]
+    assert len(records) == 2 and all(r.tokens == "exact" for r in records)
+
+
+def test_keys_are_required_and_the_admin_api_takes_only_the_admin_key() -> None:
+    with libra_serve() as url:
+        with (
+            openai.OpenAI(base_url=f"{url}/v1", api_key="guess", max_retries=0) as sdk,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            sdk.models.list()
+        user = {"Authorization": f"Bearer {USER_KEY}"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        assert httpx2.get(f"{url}/admin/status", headers=user).status_code == 403
+        status = httpx2.get(f"{url}/admin/status", headers=admin).json()
+        assert status["paused"] is False and all(status["healthy"].values())
+
+
+def test_a_client_that_gives_up_cancels_its_call_upstream() -> None:
+    slow = ["emulator.latency.step_base_s=0.05", "emulator.latency.step_per_seq_s=0"]
+    with libra_serve(settings=slow) as url:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story"}]}
+        auth = {"Authorization": f"Bearer {USER_KEY}"}
+        with pytest.raises(httpx2.ReadTimeout):
+            httpx2.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=0.5)
+        metrics = ""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            metrics = httpx2.get(f"{url}/metrics", headers=auth).text
+            if 'libra_gateway_disconnects_total{route="chat"} 1.0' in metrics:
+                break
+            time.sleep(0.1)
+        assert 'libra_gateway_disconnects_total{route="chat"} 1.0' in metrics
+        in_flight = [line for line in metrics.splitlines() if "upstream_in_flight{" in line]
+        assert in_flight and all(line.endswith(" 0.0") for line in in_flight), in_flight
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--no-auth", "--host", "0.0.0.0"], "--no-auth is allowed only on a loopback"),
+        (["--policy", "fastest"], "unknown policy"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_starts(flags: list[str], error: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LIBRA_API_KEY"}
+    done = subprocess.run(
+        [sys.executable, "-m", "libra", "serve", *flags],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and error in done.stderr
+
+
+def test_without_a_key_libra_serve_says_how_to_give_one() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "LIBRA_API_KEY"}
+    done = subprocess.run(
+        [sys.executable, "-m", "libra", "serve"],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "LIBRA_API_KEY" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_example_config_is_a_valid_serve_config() -> None:
+    config = load_config(ServeConfig, ROOT / "examples" / "serve.toml", {}, ["port=9000"])
+    assert config.policy == "cmlfq" and config.port == 9000 and config.fleet is not None
+    assert [b.name for b in config.fleet.buckets] == ["short", "long"]
+    assert config.gateway.session_ttl_s == 300
+
+
+@pytest.mark.anyio
+async def test_the_console_line_counts_requests_sessions_and_tokens() -> None:
+    async with (
+        emulated_engine(["Hello there."]) as (engine, _),
+        Sessions(engine, GatewayConfig()) as core,
+    ):
+        metrics = GatewayMetrics(engine.scheduler.router)
+        app = create_gateway(core, Keys.of([], [], enabled=False), metrics=metrics)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as http:
+            response = await http.post("http://gateway/v1/chat/completions", json=body)
+        assert response.status_code == 200
+        screen = io.StringIO()
+        console = Console(file=screen, force_terminal=True, width=200, color_system=None)
+        with anyio.move_on_after(0.35):
+            await console_view(metrics, core, 0.1, console)
+    line = [text for text in screen.getvalue().splitlines() if "libra serve" in text][-1]
+    assert "libra serve 1 requests" in line and "0 errors" in line and "1 sessions" in line
+    assert "0 upstream calls" in line and "completion tokens" in line
