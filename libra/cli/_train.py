@@ -140,6 +140,8 @@ def _progress(*, enabled: bool) -> Callable[[int, RolloutStats], Any]:
 
 # ------------------------------------------------------------------------- plot
 
+_SMOOTHING = 5  # steps in the reward's running mean
+
 _PANELS = (
     ("reward", (("reward_mean", "mean reward"),)),
     ("response tokens", (("response_tokens_mean", "mean response length"),)),
@@ -157,7 +159,25 @@ _PANELS = (
 
 def run_plot(args: argparse.Namespace) -> int:
     print(f"plotted {plot_run(args.run_dir)}")
+    print(reward_trend(list(iter_metrics(args.run_dir))))
     return 0
+
+
+def reward_trend(lines: list[dict[str, object]], window: int = _SMOOTHING) -> str:
+    """The mean reward of the first and of the last ``window`` steps, in one line."""
+
+    if not lines:
+        return "no steps yet"
+    first, last = lines[:window], lines[-window:]
+    return (
+        f"mean reward over steps {first[0]['step']}-{first[-1]['step']}: {_mean_reward(first)}, "
+        f"over steps {last[0]['step']}-{last[-1]['step']}: {_mean_reward(last)}"
+    )
+
+
+def _mean_reward(lines: list[dict[str, object]]) -> str:
+    values = [v for v in (_number(line.get("reward_mean")) for line in lines) if not math.isnan(v)]
+    return f"{sum(values) / len(values):.3f}" if values else "-"
 
 
 def plot_run(run_dir: Path) -> Path:
@@ -190,9 +210,6 @@ def plot_run(run_dir: Path) -> Path:
     figure.savefig(target, dpi=100)
     plt.close(figure)
     return target
-
-
-_SMOOTHING = 5
 
 
 def _running_mean(values: list[float]) -> list[float]:

@@ -63,11 +63,19 @@ def test_plot_draws_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[s
         logprob_gap_max=1e-5,
         logprob_gap_tokens=160,
     )
-    second = replace(first, step=1, version=1, weight_version=2, reward_mean=None)
-    (tmp_path / METRICS_FILE).write_text(first.to_json() + "\n" + second.to_json() + "\n")
+    later = [
+        replace(first, step=k, version=k, weight_version=k + 1, reward_mean=k / 10)
+        for k in range(1, 12)
+    ]
+    unscored = replace(first, step=12, version=12, weight_version=13, reward_mean=None)
+    lines = [first, *later, unscored]
+    (tmp_path / METRICS_FILE).write_text("".join(line.to_json() + "\n" for line in lines))
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
-    assert str(tmp_path / "plot.png") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert str(tmp_path / "plot.png") in out
+    # 0.25, then 0.1 .. 0.4 for steps 0-4; 0.8 .. 1.1 and no reward for steps 8-12.
+    assert "over steps 0-4: 0.250, over steps 8-12: 0.950" in out
 
 
 @pytest.mark.slow
