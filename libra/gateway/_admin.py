@@ -49,7 +49,8 @@ class Admin:
     async def reload_weights(self, path: str, version: int) -> float:
         """Load the weights folder ``path`` into every endpoint as ``version``; seconds."""
         endpoints = list(self.engine.scheduler.router.endpoints().values())
-        report = await WeightSync(endpoints, self.config.weight_sync).sync(path, version)
+        sync = WeightSync(endpoints, self.config.weight_sync, self.engine.http)
+        report = await sync.sync(path, version)
         return report.seconds
 
     def status(self) -> FleetStatus:

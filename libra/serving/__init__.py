@@ -19,6 +19,7 @@ from libra.serving._model import (
 from libra.serving._vllm import VLLMServer, VLLMServerConfig, VLLMServerError
 from libra.serving._weight_sync import (
     WEIGHTS_FILE,
+    ControlTransport,
     SyncReport,
     WeightSync,
     WeightSyncConfig,
@@ -28,6 +29,7 @@ from libra.serving._weight_sync import (
 __all__ = [
     "EMBEDDED_MODEL_NAME",
     "WEIGHTS_FILE",
+    "ControlTransport",
     "ModelError",
     "SyncReport",
     "VLLMServer",

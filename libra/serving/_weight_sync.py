@@ -14,12 +14,16 @@ second value of :attr:`WeightSyncConfig.transport` behind the same :meth:`Weight
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import Literal, Protocol, Self
 
 import anyio
 import httpx
@@ -28,7 +32,14 @@ from pydantic import Field
 from libra.config import Section
 from libra.fleet import Endpoint
 
-__all__ = ["WEIGHTS_FILE", "SyncReport", "WeightSync", "WeightSyncConfig", "WeightSyncError"]
+__all__ = [
+    "WEIGHTS_FILE",
+    "ControlTransport",
+    "SyncReport",
+    "WeightSync",
+    "WeightSyncConfig",
+    "WeightSyncError",
+]
 
 log = logging.getLogger("libra.serving")
 
@@ -64,31 +75,66 @@ class SyncReport:
     endpoint_seconds: dict[str, float]
 
 
+class ControlTransport(Protocol):
+    """How the sync reaches the servers: a POST and its answer. The engine's HTTP
+    transports are ones (so an in-process emulated fleet is reached as the engine reaches
+    it); by default the sync opens an httpx client of its own."""
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]: ...
+
+
 class WeightSync:
     """Pushes weight folders into serving endpoints and bumps their ``weight_version``.
 
     The servers need vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``) for ``/pause``,
-    ``/collective_rpc`` and ``/reset_prefix_cache``.
+    ``/collective_rpc`` and ``/reset_prefix_cache``. Any failure, on any endpoint, is
+    one :class:`WeightSyncError` naming each endpoint that failed and why.
     """
 
-    def __init__(self, endpoints: Sequence[Endpoint], config: WeightSyncConfig | None = None):
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        config: WeightSyncConfig | None = None,
+        transport: ControlTransport | None = None,
+    ):
         self.endpoints = list(endpoints)
         self.config = config if config is not None else WeightSyncConfig()
+        self.transport = transport
 
     async def sync(self, weights: str | Path, version: int) -> SyncReport:
-        """Load ``weights`` (a folder from :func:`export_weights`) into every endpoint."""
-        path = await anyio.Path(weights).resolve()
-        if not await (path / WEIGHTS_FILE).is_file():
+        """Load ``weights`` (a folder from ``libra.train.export_weights``) into every
+        endpoint."""
+        path = Path(await anyio.Path(weights).resolve())
+        if not await anyio.Path(path / WEIGHTS_FILE).is_file():
             raise WeightSyncError(f"{path} holds no {WEIGHTS_FILE}")
         started = time.perf_counter()
         seconds: dict[str, float] = {}
-        async with (
-            httpx.AsyncClient(timeout=self.config.timeout_s) as client,
-            anyio.create_task_group() as group,
-        ):
-            for endpoint in self.endpoints:
-                group.start_soon(self._sync_one, client, endpoint, Path(path), version, seconds)
-        report = SyncReport(version, Path(path), time.perf_counter() - started, seconds)
+        errors: dict[str, str] = {}
+
+        async def sync_one(transport: ControlTransport, endpoint: Endpoint) -> None:
+            name = endpoint.name or endpoint.url
+            try:
+                seconds[name] = await self._sync_one(transport, endpoint, path, version)
+            except Exception as error:  # each endpoint's failure is reported, none lost
+                errors[name] = str(error) if isinstance(error, WeightSyncError) else repr(error)
+
+        async with AsyncExitStack() as stack:
+            transport: ControlTransport
+            if self.transport is not None:
+                transport = self.transport
+            else:
+                transport = await stack.enter_async_context(_HttpxControl())
+            async with anyio.create_task_group() as group:
+                for endpoint in self.endpoints:
+                    group.start_soon(sync_one, transport, endpoint)
+        if errors:
+            raise WeightSyncError(
+                f"weights v{version} not loaded into "
+                + "; ".join(f"{name}: {error}" for name, error in errors.items())
+            )
+        report = SyncReport(version, path, time.perf_counter() - started, seconds)
         log.info(
             "weights v%d synced into %d endpoints in %.2f s (%s)",
             version,
@@ -99,40 +145,70 @@ class WeightSync:
         return report
 
     async def _sync_one(
-        self,
-        client: httpx.AsyncClient,
-        endpoint: Endpoint,
-        path: Path,
-        version: int,
-        seconds: dict[str, float],
-    ) -> None:
+        self, transport: ControlTransport, endpoint: Endpoint, path: Path, version: int
+    ) -> float:
+        """Pause, reload, reset the prefix cache, resume: one endpoint; its seconds."""
         started = time.perf_counter()
-        url = endpoint.url.rstrip("/")
-        await _call(client, "POST", f"{url}/pause", params={"mode": self.config.pause_mode})
+        control = _Control(transport, endpoint, self.config.timeout_s)
+        await control.post("/pause", {"mode": self.config.pause_mode})
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
-            await _call(client, "POST", f"{url}/collective_rpc", json=rpc)
-            await _reset_prefix_cache(client, url)
+            await control.post("/collective_rpc", body=rpc)
+            await _reset_prefix_cache(control)
             endpoint.weight_version = version
         finally:
             # Shielded: a server left paused would stall every trajectory routed to it.
             with anyio.CancelScope(shield=True):
-                await _call(client, "POST", f"{url}/resume")
-        seconds[endpoint.name or endpoint.url] = time.perf_counter() - started
+                await control.post("/resume")
+        return time.perf_counter() - started
 
 
-async def _reset_prefix_cache(client: httpx.AsyncClient, url: str) -> None:
+@dataclass(frozen=True, slots=True)
+class _Control:
+    """One endpoint's control API."""
+
+    transport: ControlTransport
+    endpoint: Endpoint
+    timeout_s: float
+
+    async def post(
+        self, path: str, params: dict[str, str] | None = None, body: object = None
+    ) -> bytes:
+        url = self.endpoint.url.rstrip("/") + path
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        payload = b"" if body is None else json.dumps(body).encode()
+        headers = {**self.endpoint.headers, "content-type": "application/json"}
+        status, answer = await self.transport.post(url, payload, headers, self.timeout_s)
+        if status != 200:
+            raise WeightSyncError(f"POST {path} answered {status}: {answer[:200]!r}")
+        return answer
+
+
+async def _reset_prefix_cache(control: _Control) -> None:
     """Drop cached KV; requests frozen by a ``keep`` pause are preempted and recomputed
     with the new weights when they resume, instead of continuing on stale KV."""
-    response = await _call(
-        client, "POST", f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}
-    )
-    if not response.json().get("success", False):
-        raise WeightSyncError(f"{url} did not reset its prefix cache: {response.text[:200]}")
+    answer = await control.post("/reset_prefix_cache", {"reset_running_requests": "true"})
+    if not json.loads(answer or b"{}").get("success", False):
+        raise WeightSyncError(f"the prefix cache was not reset: {answer[:200]!r}")
 
 
-async def _call(client: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> httpx.Response:
-    response = await client.request(method, url, **kwargs)
-    if response.status_code != 200:
-        raise WeightSyncError(f"{method} {url} answered {response.status_code}: {response.text}")
-    return response
+class _HttpxControl:
+    """The default :class:`ControlTransport`: an httpx client of the sync's own."""
+
+    def __init__(self) -> None:
+        self.client = httpx.AsyncClient()
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> tuple[int, bytes]:
+        response = await self.client.post(url, content=body, headers=headers, timeout=timeout_s)
+        return response.status_code, response.content
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.client.aclose()

@@ -331,7 +331,8 @@ class TrainRun:
         self.session.pause()
         try:
             if self.config.reloads:
-                report = await WeightSync(self.endpoints, self.config.sync).sync(folder, version)
+                sync = WeightSync(self.endpoints, self.config.sync, self.session.engine.http)
+                report = await sync.sync(folder, version)
                 return report.seconds
             # servers that hold no weights: the version is all that changes
             for endpoint in self.endpoints:
