@@ -1,23 +1,27 @@
 """Bubblewrap sandboxes, for machines without Docker.
 
 Every :meth:`BwrapSandbox.exec` is one ``bwrap`` process: new user, pid, network, ipc and uts
-namespaces (``--unshare-all``; ``--share-net`` only when the spec asks for network), a fresh
+namespaces (``--unshare-all``; ``--share-net`` only when the spec asks for network), no further
+user namespaces inside (``--disable-userns``), a seccomp filter (:mod:`._seccomp`), and a fresh
 root holding read-only binds of the image's root filesystem (``$LIBRA_HOME/images/<image>``,
 the same one Docker imports) or of the host's ``/usr``, ``/lib*``, ``/bin``, ``/sbin`` and a few
-files of ``/etc``, plus ``/proc``, a minimal ``/dev`` and the trajectory's work dir and ``/tmp``.
-The work dir and ``/tmp`` live in one host directory per trajectory (a size-capped tmpfs when
-running as root), so files persist across calls; processes do not (the pid namespace dies with
-the command). The directory is removed when the trajectory ends; directories of dead runs are
-reaped when a provider starts.
+files of ``/etc``, the sandbox's own ``/etc/hostname``, ``/etc/hosts`` and ``/etc/resolv.conf``,
+plus ``/proc``, a minimal read-only ``/dev`` with a capped ``/dev/shm``, and the trajectory's
+work dir and ``/tmp``. The work dir and ``/tmp`` live in one host directory per trajectory
+(size-capped tmpfs mounts when running as root), so files persist across calls; processes do
+not (the pid namespace dies with the command), nor do IPC objects (the ipc namespace too).
+The directory is removed when the trajectory ends; directories of dead runs are reaped when a
+provider starts.
 
 Users and limits. As root, each trajectory runs as an unprivileged host uid of its own (seen as
-65534 inside), so the ``prlimit`` process limit (RLIMIT_NPROC, counted per host uid) is per
-trajectory, and files the env writes as root with mode 0o600 stay unreadable to commands.
-Memory is capped per process with RLIMIT_AS (a memory bomb gets ``MemoryError``), CPU time with
-RLIMIT_CPU, file size with RLIMIT_FSIZE. ``spec.cpus`` is not enforced (that needs cgroups).
-Without root, commands run as the calling user: the pids limit is the user's current task
-count plus ``spec.pids``, the work dir has no total size cap, and mode 0o600 does not hide a
-file from commands (same uid).
+65534 inside), so files the env writes as root with mode 0o600 stay unreadable to commands,
+and in a cgroup of its own (:mod:`._cgroups`) that caps the memory, the processes and the CPU
+of all its processes together, as Docker does. Each process is also held by rlimits: address
+space (a memory bomb gets ``MemoryError``), processes of its uid, CPU time and file size.
+Without root, or where no cgroup can be made, only the rlimits hold: memory is then capped per
+process (several processes may together exceed ``spec.memory_mb``) and ``spec.cpus`` is not
+enforced; without root, commands also run as the calling user, the work dir has no total size
+cap, and mode 0o600 does not hide a file from commands (same uid).
 
 On timeout the whole bwrap process group is killed; ``--die-with-parent`` and the pid namespace
 take every process of the command with it. Without ``bwrap`` the provider refuses to run; it
@@ -62,6 +66,11 @@ _TMP_SIZE_MB = 16  # /tmp, and /dev/shm
 _BASE_SIZE_MB = 1  # the trajectory directory itself: mount points and the identity files
 _KILL_DRAIN_S = 1.0  # after killing a timed-out command, how long its exit may take to show
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Printed inside the sandbox before the command runs: stdout that does not start with it means
+# bwrap failed to set the sandbox up. What bwrap then writes to stderr ("bwrap: ...") is no
+# proof, since the command can print the same and fake a sandbox fault.
+_STARTED = b"\0libra-started\0"
+_MARK_START = "printf '\\0libra-started\\0'; exec \"$@\""
 
 # Top-level entries of a root filesystem that commands need; anything else stays invisible.
 _SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -443,13 +452,13 @@ class BwrapSandbox:
             "--clearenv",
             *[arg for key, value in variables.items() for arg in ("--setenv", key, value)],
             "--",
-            *argv,
+            *["sh", "-c", _MARK_START, "sh", *argv],
         ]
 
     async def _run(
         self, command: list[str], timeout_s: float, stdin: bytes | None, filter_fd: int | None
     ) -> ExecResult:
-        output = CappedOutput(self.spec.output_limit_bytes)
+        output = CappedOutput(self.spec.output_limit_bytes, stdout_extra=len(_STARTED))
         started = time.monotonic()
         process = await anyio.open_process(
             command,
@@ -479,15 +488,15 @@ def _result(
     returncode: int | None, output: CappedOutput, timed_out: bool, duration: float
 ) -> ExecResult:
     stderr = output.stderr.decode(errors="replace")
-    if returncode == 1 and stderr.startswith("bwrap: ") and not timed_out:
+    started = output.stdout.startswith(_STARTED)
+    if not started and not timed_out:
         raise SandboxError(f"bubblewrap could not set up the sandbox: {stderr.strip()}")
-    if returncode == 125 and stderr.startswith("sh: ") and not timed_out:
-        raise SandboxError(f"cannot put the command in its sandbox's cgroup: {stderr.strip()}")
+    stdout = output.stdout[len(_STARTED) :] if started else output.stdout
     if returncode is None or returncode < 0:  # killed by a signal: report it as a shell does
         returncode = 128 + (-(returncode or 0) or signal.SIGKILL)
     return ExecResult(
         exit_code=returncode,
-        stdout=output.stdout.decode(errors="replace"),
+        stdout=stdout.decode(errors="replace"),
         stderr=stderr,
         timed_out=timed_out,
         truncated=output.truncated,

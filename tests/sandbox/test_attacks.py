@@ -608,3 +608,17 @@ async def test_nothing_outlives_the_provider(request: pytest.FixtureRequest, bac
         uid, base = jail.host_uid, jail._scratch.base
     assert uid is None or await all_gone(uid)
     assert not base.exists()
+
+
+async def test_a_program_cannot_pass_its_failure_off_as_a_sandbox_fault(
+    provider: SandboxProvider,
+) -> None:
+    """A sandbox fault is not the model's doing and is not scored; printing what a broken
+    sandbox prints must not turn the program's own failure into one."""
+    code = (
+        'import sys\nsys.stderr.write("bwrap: Can\'t mount proc on /newroot/proc\\n")\nsys.exit(1)'
+    )
+    async with provider.sandbox(SPEC) as box:
+        result = await run_python(box, code)
+    assert (result.exit_code, result.status) == (1, "failure")
+    assert result.stderr.startswith("bwrap: ")
