@@ -89,6 +89,35 @@ chmod "$mode" -- "$tmp"
 mv -f -- "$tmp" "$target"
 """
 
+# A command under `timeout`, then whether any other process of the sandbox user is left (a
+# /proc entry it owns), told after all of its output, at the very end of stderr, where the
+# command cannot write after it. Most commands leave nothing, which spares the extra exec that
+# kills leftovers.
+_LEFTOVERS_MARK = b"\0libra-leftovers="
+_RUN_AND_LOOK_FOR_LEFTOVERS = """
+limit=$1; shift
+timeout -s KILL "$limit" "$@"; status=$?
+left=0
+for p in /proc/[0-9]*; do
+  if [ "$p" != "/proc/$$" ] && [ -O "$p" ]; then left=1; break; fi
+done
+printf '\\0libra-leftovers=%s' "$left" >&2
+exit $status
+"""
+
+
+def _leftovers_of(raw: RawExec) -> bool:
+    """Whether the command may have left processes (True unless it said it did not)."""
+    return not raw.stderr.endswith(_LEFTOVERS_MARK + b"0")
+
+
+def _without_leftovers_mark(stderr: bytes) -> bytes:
+    for verdict in (b"0", b"1"):
+        if stderr.endswith(_LEFTOVERS_MARK + verdict):
+            return stderr[: -len(_LEFTOVERS_MARK) - 1]
+    return stderr
+
+
 _READ_FILE_SCRIPT = f'[ -e "$1" ] || exit {_EXIT_MISSING_FILE}; exec cat -- "$1"'
 
 # First pass, as the sandbox user: kill all its processes (twice: a fork in flight may escape
@@ -198,6 +227,7 @@ class DockerSandbox:
         self.container_id = container_id
         self.spec = spec
         self._running = 0  # execs in flight
+        self._maybe_leftovers = False  # an exec may have left processes of the sandbox user
         self._sweeping = anyio.Lock()  # no exec starts while leftovers are being killed
 
     async def exec(
@@ -211,10 +241,12 @@ class DockerSandbox:
     ) -> ExecResult:
         """Run ``argv`` as the sandbox user; on timeout kill its process tree."""
         check_exec_args(argv, timeout_s)
-        cmd = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv]
+        cmd = ["sh", "-c", _RUN_AND_LOOK_FOR_LEFTOVERS, "sh", f"{timeout_s:.3f}", *argv]
+        limit = self.spec.output_limit_bytes
         async with self._sweeping:
             self._running += 1
         started = time.monotonic()
+        raw: RawExec | None = None
         try:
             raw = await self._run(
                 cmd,
@@ -222,21 +254,23 @@ class DockerSandbox:
                 stdin=stdin,
                 workdir=self._absolute(workdir or self.spec.workdir),
                 env=env or {},
-                output_limit=self.spec.output_limit_bytes,
+                output_limit=limit + len(_LEFTOVERS_MARK) + 1,
                 deadline=started + timeout_s + _KILL_GRACE_S,
             )
         finally:
             self._running -= 1
+            self._maybe_leftovers |= raw is None or raw.deadline_hit or _leftovers_of(raw)
             with anyio.CancelScope(shield=True):
                 await self._kill_leftovers()
         duration = time.monotonic() - started
         timed_out = raw.deadline_hit or (raw.exit_code == 137 and duration >= timeout_s)
+        stderr = _without_leftovers_mark(raw.stderr)
         return ExecResult(
             exit_code=137 if raw.exit_code is None else raw.exit_code,
-            stdout=raw.stdout.decode(errors="replace"),
-            stderr=raw.stderr.decode(errors="replace"),
+            stdout=raw.stdout[:limit].decode(errors="replace"),
+            stderr=stderr[:limit].decode(errors="replace"),
             timed_out=timed_out,
-            truncated=raw.truncated,
+            truncated=raw.truncated or len(raw.stdout) > limit or len(stderr) > limit,
             duration_s=duration,
         )
 
@@ -280,11 +314,12 @@ class DockerSandbox:
         raise SandboxError(f"cannot read {target} from the sandbox: {detail or raw.exit_code}")
 
     async def _kill_leftovers(self) -> None:
-        """Once no exec runs, kill what the last ones left (daemons, background jobs): every
-        process of the sandbox user."""
+        """Once no exec runs, kill what the last ones may have left (daemons, background
+        jobs): every process of the sandbox user."""
         async with self._sweeping:
-            if self._running == 0:
+            if self._running == 0 and self._maybe_leftovers:
                 await self._provider.kill_sandbox_processes(self.container_id)
+                self._maybe_leftovers = False
 
     def _absolute(self, path: str) -> str:
         """``path`` made absolute: relative paths are under the work dir."""
