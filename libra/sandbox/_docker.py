@@ -107,8 +107,11 @@ exit $status
 
 
 def _leftovers_of(raw: RawExec) -> bool:
-    """Whether the command may have left processes (True unless it said it did not)."""
-    return not raw.stderr.endswith(_LEFTOVERS_MARK + b"0")
+    """Whether the command may have left processes: True unless the check's "none" ends the
+    whole stderr. Only a leftover could write after the check, and the check then said "some",
+    which no later write can hide; a cut stream may have lost the verdict."""
+    said_none = raw.stderr.endswith(_LEFTOVERS_MARK + b"0")
+    return raw.truncated or not said_none or _LEFTOVERS_MARK + b"1" in raw.stderr
 
 
 def _without_leftovers_mark(stderr: bytes) -> bytes:
