@@ -1,23 +1,27 @@
 """Bubblewrap sandboxes, for machines without Docker.
 
 Every :meth:`BwrapSandbox.exec` is one ``bwrap`` process: new user, pid, network, ipc and uts
-namespaces (``--unshare-all``; ``--share-net`` only when the spec asks for network), a fresh
+namespaces (``--unshare-all``; ``--share-net`` only when the spec asks for network), no further
+user namespaces inside (``--disable-userns``), a seccomp filter (:mod:`._seccomp`), and a fresh
 root holding read-only binds of the image's root filesystem (``$LIBRA_HOME/images/<image>``,
 the same one Docker imports) or of the host's ``/usr``, ``/lib*``, ``/bin``, ``/sbin`` and a few
-files of ``/etc``, plus ``/proc``, a minimal ``/dev`` and the trajectory's work dir and ``/tmp``.
-The work dir and ``/tmp`` live in one host directory per trajectory (a size-capped tmpfs when
-running as root), so files persist across calls; processes do not (the pid namespace dies with
-the command). The directory is removed when the trajectory ends; directories of dead runs are
-reaped when a provider starts.
+files of ``/etc``, the sandbox's own ``/etc/hostname``, ``/etc/hosts`` and ``/etc/resolv.conf``,
+plus ``/proc``, a minimal read-only ``/dev`` with a capped ``/dev/shm``, and the trajectory's
+work dir and ``/tmp``. The work dir and ``/tmp`` live in one host directory per trajectory
+(size-capped tmpfs mounts when running as root), so files persist across calls; processes do
+not (the pid namespace dies with the command), nor do IPC objects (the ipc namespace too).
+The directory is removed when the trajectory ends; directories of dead runs are reaped when a
+provider starts.
 
 Users and limits. As root, each trajectory runs as an unprivileged host uid of its own (seen as
-65534 inside), so the ``prlimit`` process limit (RLIMIT_NPROC, counted per host uid) is per
-trajectory, and files the env writes as root with mode 0o600 stay unreadable to commands.
-Memory is capped per process with RLIMIT_AS (a memory bomb gets ``MemoryError``), CPU time with
-RLIMIT_CPU, file size with RLIMIT_FSIZE. ``spec.cpus`` is not enforced (that needs cgroups).
-Without root, commands run as the calling user: the pids limit is the user's current task
-count plus ``spec.pids``, the work dir has no total size cap, and mode 0o600 does not hide a
-file from commands (same uid).
+65534 inside), so files the env writes as root with mode 0o600 stay unreadable to commands,
+and in a cgroup of its own (:mod:`._cgroups`) that caps the memory, the processes and the CPU
+of all its processes together, as Docker does. Each process is also held by rlimits: address
+space (a memory bomb gets ``MemoryError``), processes of its uid, CPU time and file size.
+Without root, or where no cgroup can be made, only the rlimits hold: memory is then capped per
+process (several processes may together exceed ``spec.memory_mb``) and ``spec.cpus`` is not
+enforced; without root, commands also run as the calling user, the work dir has no total size
+cap, and mode 0o600 does not hide a file from commands (same uid).
 
 On timeout the whole bwrap process group is killed; ``--die-with-parent`` and the pid namespace
 take every process of the command with it. Without ``bwrap`` the provider refuses to run; it
@@ -48,27 +52,34 @@ import anyio.to_thread
 
 from libra.envs import ExecResult, SandboxError, SandboxSpec, check_exec_args
 from libra.sandbox._beneath import read_beneath, write_beneath
+from libra.sandbox._cgroups import SandboxCgroup, create_cgroup, stale_cgroup_dirs
 from libra.sandbox._common import CappedOutput, process_start_time
 from libra.sandbox._images import rootfs_dir
+from libra.sandbox._seccomp import program_fd, seccomp_program
 
 __all__ = ["BwrapSandbox", "BwrapSandboxProvider", "reap_stale_workdirs"]
 
 _log = logging.getLogger(__name__)
 
 INSIDE_UID = 65534  # what commands see as their uid and gid, as in the Docker sandboxes
-_TMP_SIZE_MB = 16
+_TMP_SIZE_MB = 16  # /tmp, and /dev/shm
+_BASE_SIZE_MB = 1  # the trajectory directory itself: mount points and the identity files
 _KILL_DRAIN_S = 1.0  # after killing a timed-out command, how long its exit may take to show
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Printed inside the sandbox before the command runs: stdout that does not start with it means
+# bwrap failed to set the sandbox up. What bwrap then writes to stderr ("bwrap: ...") is no
+# proof, since the command can print the same and fake a sandbox fault.
+_STARTED = b"\0libra-started\0"
+_MARK_START = "printf '\\0libra-started\\0'; exec \"$@\""
 
 # Top-level entries of a root filesystem that commands need; anything else stays invisible.
 _SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# From the host's /etc only what programs need to start and resolve names (no secrets).
+# From the host's /etc only what programs need to start (no secrets; the host's name, hosts
+# and resolver are replaced by the sandbox's own: see _IDENTITY).
 _HOST_ETC_FILES = (
     "passwd",
     "group",
     "nsswitch.conf",
-    "hosts",
-    "resolv.conf",
     "host.conf",
     "ld.so.cache",
     "ld.so.conf",
@@ -79,11 +90,20 @@ _HOST_ETC_FILES = (
     "ca-certificates",
 )
 
+# The sandbox's own /etc/hostname and /etc/hosts; /etc/resolv.conf is empty without network
+# and the host's with it (the command then shares the host's network).
+_IDENTITY = {
+    "hostname": "sandbox\n",
+    "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost\n",
+    "resolv.conf": "",
+}
+
 RootChoice = Literal["auto", "image", "host"] | Path
 
 
 def _require_tools() -> None:
-    for tool, package in (("bwrap", "bubblewrap"), ("prlimit", "util-linux")):
+    tools = [("bwrap", "bubblewrap"), ("prlimit", "util-linux"), ("setpriv", "util-linux")]
+    for tool, package in tools:
         if shutil.which(tool) is None:
             raise SandboxError(
                 f"`{tool}` is not installed, and Libra never runs commands unsandboxed: "
@@ -109,11 +129,13 @@ def _workdirs_parent() -> Path:
 class _Scratch:
     """A trajectory's host directory: ``work`` and ``tmp`` are bound into every command, and
     ``rootfs`` (when set) is a bind of the image's root filesystem that the sandbox uid can
-    reach (the image itself may lie under a root-only home)."""
+    reach (the image itself may lie under a root-only home). ``cgroup`` holds all the
+    trajectory's processes (None where cgroups cannot be made: see the README)."""
 
     base: Path
     mounted: bool
     rootfs: Path | None
+    cgroup: SandboxCgroup | None = None
 
     @property
     def work(self) -> Path:
@@ -129,27 +151,37 @@ def _make_scratch(spec: SandboxSpec, host_uid: int | None, rootfs: Path | None) 
     base = _workdirs_parent() / f"{pid}-{process_start_time(pid)}-{secrets.token_hex(4)}"
     base.mkdir(mode=0o700)
     mounted = False
+    cgroup = None
     try:
         if host_uid is not None:
-            mounted = _mount_tmpfs(base, spec.workdir_size_mb + _TMP_SIZE_MB)
+            mounted = _mount_tmpfs(base, _BASE_SIZE_MB)
             # Only root and the trajectory's own uid (through its group) may pass through.
             os.chown(base, 0, host_uid)
             os.chmod(base, 0o710)
-        for sub in ("work", "tmp"):
+        for sub, size_mb in (("work", spec.workdir_size_mb), ("tmp", _TMP_SIZE_MB)):
             (base / sub).mkdir()
+            if mounted:  # each its own cap, as Docker's two tmpfs mounts
+                _mount_tmpfs(base / sub, size_mb)
             os.chmod(base / sub, 0o1777)  # like /tmp: commands add files, cannot drop the env's
+        for name, text in _IDENTITY.items():
+            (base / name).write_text(text)
+            os.chmod(base / name, 0o644)
         if rootfs is not None and mounted:
             rootfs = _bind_rootfs(rootfs, base / "rootfs")
+        if host_uid is not None:
+            cgroup = create_cgroup(
+                base.name, memory_mb=spec.memory_mb, cpus=spec.cpus, pids=spec.pids + 2
+            )
     except BaseException:
-        _remove_scratch(base, mounted)
+        _remove_scratch(base, mounted, cgroup)
         raise
-    return _Scratch(base, mounted, rootfs)
+    return _Scratch(base, mounted, rootfs, cgroup)
 
 
-def _mount_tmpfs(base: Path, size_mb: int) -> bool:
-    """Mount a size-capped tmpfs on ``base``; False (and a warning) where mounting is denied."""
+def _mount_tmpfs(path: Path, size_mb: int) -> bool:
+    """Mount a size-capped tmpfs on ``path``; False (and a warning) where mounting is denied."""
     options = f"size={size_mb}m,mode=0700,nosuid,nodev"
-    argv = ["mount", "-t", "tmpfs", "-o", options, "libra-sandbox", str(base)]
+    argv = ["mount", "-t", "tmpfs", "-o", options, "libra-sandbox", str(path)]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         _log.warning("no tmpfs for sandbox dirs (%s): work dir size is not capped", done.stderr)
@@ -165,9 +197,11 @@ def _bind_rootfs(rootfs: Path, target: Path) -> Path:
     return target
 
 
-def _remove_scratch(base: Path, mounted: bool) -> None:
+def _remove_scratch(base: Path, mounted: bool, cgroup: SandboxCgroup | None = None) -> None:
     # No command runs by now (each died with its pid namespace): nothing races these calls.
-    if mounted:  # lazily detaches the tmpfs and the root filesystem bind inside it
+    if cgroup is not None and not cgroup.remove():
+        _log.warning("sandbox cgroup %s is still busy; it is reaped later", base.name)
+    if mounted:  # lazily detaches the tmpfs mounts and the root filesystem bind inside them
         subprocess.run(["umount", "-l", str(base)], capture_output=True, check=False)
     if os.geteuid() != 0:
         _make_dirs_writable(base)
@@ -190,14 +224,21 @@ def reap_stale_workdirs() -> list[Path]:
     mounts = _mount_points()
     reaped: list[Path] = []
     for base in parent.iterdir():
-        pid_text, _, rest = base.name.partition("-")
-        started = rest.rsplit("-", 1)[0]
-        if pid_text.isdigit() and process_start_time(int(pid_text)) == started:
-            continue  # its owner is alive
+        if _owner_alive(base.name):
+            continue
         with contextlib.suppress(OSError):
             _remove_scratch(base, str(base) in mounts)
             reaped.append(base)
+    for dirs in stale_cgroup_dirs(lambda name: not _owner_alive(name)).values():
+        SandboxCgroup(dirs).remove()
     return reaped
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process that named a trajectory directory (or cgroup) still runs."""
+    pid_text, _, rest = name.partition("-")
+    started = rest.rsplit("-", 1)[0]
+    return pid_text.isdigit() and process_start_time(int(pid_text)) == started
 
 
 def _mount_points() -> set[str]:
@@ -209,7 +250,7 @@ def _mount_points() -> set[str]:
 # Command line
 
 
-def _mount_args(scratch: _Scratch, workdir: str) -> list[str]:
+def _mount_args(scratch: _Scratch, workdir: str, network: bool) -> list[str]:
     """bwrap's mounts: read-only system dirs, /proc, /dev, the work dir and /tmp."""
     args: list[str] = []
     source = scratch.rootfs or Path("/")
@@ -221,11 +262,29 @@ def _mount_args(scratch: _Scratch, workdir: str) -> list[str]:
         args += ["--dir", "/etc"]
         for name in _HOST_ETC_FILES:
             args += _ro_bind(Path("/etc") / name, f"/etc/{name}")
+    args += _identity_binds(scratch, network)
+    # A minimal /dev, read-only but for a capped /dev/shm (bwrap's own is writable, uncapped).
     args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--perms", "1777", "--size", str(_TMP_SIZE_MB << 20), "--tmpfs", "/dev/shm"]
+    args += ["--remount-ro", "/dev"]
     args += ["--bind", str(scratch.work), workdir, "--bind", str(scratch.tmp), "/tmp"]
     # bwrap's own root is a writable tmpfs: make it read-only once everything is mounted,
-    # so only the work dir and /tmp take writes (as in the Docker sandbox).
+    # so only the work dir, /tmp and /dev/shm take writes (as in the Docker sandbox).
     return [*args, "--remount-ro", "/"]
+
+
+def _identity_binds(scratch: _Scratch, network: bool) -> list[str]:
+    """The sandbox's own hostname, hosts and resolver files over whatever /etc holds (an
+    image's carry those of the machine that built it)."""
+    args: list[str] = []
+    for name in _IDENTITY:
+        source = scratch.base / name
+        if name == "resolv.conf" and network:
+            source = Path("/etc/resolv.conf")
+        target_exists = scratch.rootfs is None or (scratch.rootfs / "etc" / name).exists()
+        if source.exists() and target_exists:  # bwrap cannot add a file to a read-only /etc
+            args += ["--ro-bind", str(source), f"/etc/{name}"]
+    return args
 
 
 def _ro_bind(host: Path, inside: str) -> list[str]:
@@ -234,6 +293,20 @@ def _ro_bind(host: Path, inside: str) -> list[str]:
     if host.exists():
         return ["--ro-bind", str(host), inside]
     return []
+
+
+# As root: join the trajectory's cgroup (one cgroup.procs per hierarchy), then become its uid.
+_JOIN_CGROUP = 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done'
+
+
+def _enter_cgroup_as(host_uid: int | None, cgroup: SandboxCgroup | None) -> list[str]:
+    """The wrapper that puts the command in ``cgroup`` and drops root for ``host_uid``."""
+    if host_uid is None:  # not root: the command runs as the caller, in the caller's cgroup
+        return []
+    procs = cgroup.procs_files if cgroup is not None else []
+    user = [f"--reuid={host_uid}", f"--regid={host_uid}", "--clear-groups"]
+    join = f'{_JOIN_CGROUP}; shift; exec "$@"'
+    return ["sh", "-c", join, "sh", *procs, "--", "setpriv", *user, "--"]
 
 
 def _limits(spec: SandboxSpec, timeout_s: float, host_uid: int | None) -> list[str]:
@@ -274,6 +347,7 @@ class BwrapSandbox:
         self.spec = spec
         self.host_uid = host_uid
         self._scratch = scratch
+        self._running = 0  # execs in flight: the pids budget is reset only between them
 
     @property
     def rootfs(self) -> Path | None:
@@ -291,8 +365,32 @@ class BwrapSandbox:
     ) -> ExecResult:
         """Run ``argv`` in a fresh bwrap; on timeout kill it and every process it started."""
         check_exec_args(argv, timeout_s)
-        command = self._command(argv, timeout_s, workdir, env or {})
-        return await self._run(command, timeout_s, stdin)
+        if self._scratch.cgroup is not None and self._running == 0:
+            cgroup = self._scratch.cgroup
+            await anyio.to_thread.run_sync(cgroup.budget_pids, self.spec.pids + 2)
+        self._running += 1
+        try:
+            return await self._exec(argv, timeout_s, stdin, workdir, env)
+        finally:
+            self._running -= 1
+
+    async def _exec(
+        self,
+        argv: Sequence[str],
+        timeout_s: float,
+        stdin: bytes | None,
+        workdir: str | None,
+        env: Mapping[str, str] | None,
+    ) -> ExecResult:
+        program = seccomp_program()
+        filter_fd = program_fd(program) if program is not None else None
+        try:
+            seccomp = ["--seccomp", str(filter_fd)] if filter_fd is not None else []
+            command = self._command(argv, timeout_s, workdir, env or {}, seccomp)
+            return await self._run(command, timeout_s, stdin, filter_fd)
+        finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         """Write ``data`` (owned by the env's user, with ``mode``) under the work dir or /tmp."""
@@ -324,32 +422,43 @@ class BwrapSandbox:
         )
 
     def _command(
-        self, argv: Sequence[str], timeout_s: float, workdir: str | None, env: Mapping[str, str]
+        self,
+        argv: Sequence[str],
+        timeout_s: float,
+        workdir: str | None,
+        env: Mapping[str, str],
+        seccomp_args: Sequence[str] = (),
     ) -> list[str]:
         spec = self.spec
         variables = {"PATH": _SANDBOX_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "USER": "nobody"}
         variables |= dict(spec.env) | dict(env)
         network = ["--share-net"] if spec.network else []
         identity = ["--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--hostname", "sandbox"]
+        # No user namespaces inside (`unshare -r` and friends), and the seccomp filter.
+        kernel = ["--unshare-user", "--disable-userns", *seccomp_args]
         return [
+            *_enter_cgroup_as(self.host_uid, self._scratch.cgroup),
             *_limits(spec, timeout_s, self.host_uid),
             "bwrap",
             "--unshare-all",
             *network,
+            *kernel,
             "--die-with-parent",
             "--new-session",
             *identity,
-            *_mount_args(self._scratch, spec.workdir),
+            *_mount_args(self._scratch, spec.workdir, spec.network),
             "--chdir",
             posixpath.normpath(posixpath.join(spec.workdir, workdir or ".")),
             "--clearenv",
             *[arg for key, value in variables.items() for arg in ("--setenv", key, value)],
             "--",
-            *argv,
+            *["sh", "-c", _MARK_START, "sh", *argv],
         ]
 
-    async def _run(self, command: list[str], timeout_s: float, stdin: bytes | None) -> ExecResult:
-        output = CappedOutput(self.spec.output_limit_bytes)
+    async def _run(
+        self, command: list[str], timeout_s: float, stdin: bytes | None, filter_fd: int | None
+    ) -> ExecResult:
+        output = CappedOutput(self.spec.output_limit_bytes, stdout_extra=len(_STARTED))
         started = time.monotonic()
         process = await anyio.open_process(
             command,
@@ -358,9 +467,7 @@ class BwrapSandbox:
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, killed as one on timeout
             env={"PATH": os.environ.get("PATH", _SANDBOX_PATH)},  # no host secrets in bwrap
-            user=self.host_uid,
-            group=self.host_uid,
-            extra_groups=[] if self.host_uid is not None else None,
+            pass_fds=[filter_fd] if filter_fd is not None else [],
         )
         try:
             # The pipes reach end of stream once the pid namespace, and with it every process
@@ -381,13 +488,15 @@ def _result(
     returncode: int | None, output: CappedOutput, timed_out: bool, duration: float
 ) -> ExecResult:
     stderr = output.stderr.decode(errors="replace")
-    if returncode == 1 and stderr.startswith("bwrap: ") and not timed_out:
+    started = output.stdout.startswith(_STARTED)
+    if not started and not timed_out:
         raise SandboxError(f"bubblewrap could not set up the sandbox: {stderr.strip()}")
+    stdout = output.stdout[len(_STARTED) :] if started else output.stdout
     if returncode is None or returncode < 0:  # killed by a signal: report it as a shell does
         returncode = 128 + (-(returncode or 0) or signal.SIGKILL)
     return ExecResult(
         exit_code=returncode,
-        stdout=output.stdout.decode(errors="replace"),
+        stdout=stdout.decode(errors="replace"),
         stderr=stderr,
         timed_out=timed_out,
         truncated=output.truncated,
@@ -525,7 +634,7 @@ class BwrapSandboxProvider:
                 with anyio.CancelScope(shield=True):
                     if self._open.pop(scratch.base, None) is not None:
                         await anyio.to_thread.run_sync(
-                            _remove_scratch, scratch.base, scratch.mounted
+                            _remove_scratch, scratch.base, scratch.mounted, scratch.cgroup
                         )
 
     @contextlib.contextmanager
@@ -550,4 +659,6 @@ class BwrapSandboxProvider:
         self._open.clear()
         with anyio.CancelScope(shield=True):
             for scratch in leftovers:
-                await anyio.to_thread.run_sync(_remove_scratch, scratch.base, scratch.mounted)
+                await anyio.to_thread.run_sync(
+                    _remove_scratch, scratch.base, scratch.mounted, scratch.cgroup
+                )

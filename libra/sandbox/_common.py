@@ -10,9 +10,11 @@ __all__ = ["CappedOutput", "process_start_time"]
 
 @dataclass(slots=True)
 class CappedOutput:
-    """stdout and stderr, each kept up to ``limit`` bytes; the rest is read and dropped."""
+    """stdout and stderr, each kept up to ``limit`` bytes; the rest is read and dropped.
+    ``stdout_extra`` more bytes of stdout are kept for a marker the sandbox prints first."""
 
     limit: int
+    stdout_extra: int = 0
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     truncated: bool = False
@@ -20,7 +22,8 @@ class CappedOutput:
     def add(self, stream: int, data: bytes) -> None:
         """Append ``data`` to stream 1 (stdout) or 2 (stderr)."""
         buffer = self.stderr if stream == 2 else self.stdout
-        room = self.limit - len(buffer)
+        limit = self.limit if stream == 2 else self.limit + self.stdout_extra
+        room = limit - len(buffer)
         if len(data) > room:
             self.truncated = True
             data = data[: max(room, 0)]

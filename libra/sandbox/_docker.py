@@ -2,8 +2,11 @@
 
 Each :class:`SandboxSpec` maps to a pool of started containers (``sleep infinity`` under
 Docker's init). A trajectory borrows one, runs tools in it with ``exec``, and gives it back;
-the container is then reset (the sandbox user's processes killed, the work dir, ``/tmp`` and
-``/dev/shm`` wiped) and reused, or destroyed and replaced when the reset fails.
+the container is then reset (the sandbox user's processes killed, the work dir, ``/tmp``,
+``/dev/shm``, ``/dev/mqueue`` and its System V IPC objects wiped) and reused, or destroyed
+and replaced when the reset fails. Processes do not outlive the call that started them:
+when no exec of the sandbox is running any more, every process of the sandbox user is
+killed (a daemon started by one tool call is gone before the next), as in bubblewrap.
 
 Defaults are the safe ones: no network unless the spec asks, a read-only root with a tmpfs work
 dir, all capabilities dropped, ``no-new-privileges``, memory (no swap), CPU and pids limits.
@@ -17,12 +20,14 @@ adds files but cannot delete or replace the env's.
 
 Timeouts. A command runs under ``timeout -s KILL`` inside the container, which kills the
 command's whole process group; the host stops waiting ``timeout + 0.5 s`` after the start in
-any case and then kills every process of the sandbox user (descendants that left the process
-group, or hold the output pipe, die too). A command that exits while a background process
-it started still holds stdout returns after Docker's 2 s output grace; redirect the output of
-background processes.
+any case, and once no other exec runs kills every process of the sandbox user (descendants
+that left the process group, or hold the output pipe, die too). A command that exits while a
+background process it started still holds stdout returns after Docker's 2 s output grace;
+redirect the output of background processes.
 
-Images need ``sh``, ``sleep``, ``find`` and coreutils' ``timeout`` (``libra/python`` has them).
+Images need ``sh``, ``sleep``, ``find``, coreutils' ``timeout`` and util-linux's ``ipcrm``
+(``libra/python`` has them; without ``ipcrm`` a container that made IPC objects is replaced
+rather than reused).
 """
 
 from __future__ import annotations
@@ -84,12 +89,46 @@ chmod "$mode" -- "$tmp"
 mv -f -- "$tmp" "$target"
 """
 
+# A command under `timeout`, then whether any other process of the sandbox user is left (a
+# /proc entry it owns), told after all of its output, at the very end of stderr, where the
+# command cannot write after it. Most commands leave nothing, which spares the extra exec that
+# kills leftovers.
+_LEFTOVERS_MARK = b"\0libra-leftovers="
+_RUN_AND_LOOK_FOR_LEFTOVERS = """
+limit=$1; shift
+timeout -s KILL "$limit" "$@"; status=$?
+left=0
+for p in /proc/[0-9]*; do
+  if [ "$p" != "/proc/$$" ] && [ -O "$p" ]; then left=1; break; fi
+done
+printf '\\0libra-leftovers=%s' "$left" >&2
+exit $status
+"""
+
+
+def _leftovers_of(raw: RawExec) -> bool:
+    """Whether the command may have left processes: True unless the check's "none" ends the
+    whole stderr. Only a leftover could write after the check, and the check then said "some",
+    which no later write can hide; a cut stream may have lost the verdict."""
+    said_none = raw.stderr.endswith(_LEFTOVERS_MARK + b"0")
+    return raw.truncated or not said_none or _LEFTOVERS_MARK + b"1" in raw.stderr
+
+
+def _without_leftovers_mark(stderr: bytes) -> bytes:
+    for verdict in (b"0", b"1"):
+        if stderr.endswith(_LEFTOVERS_MARK + verdict):
+            return stderr[: -len(_LEFTOVERS_MARK) - 1]
+    return stderr
+
+
 _READ_FILE_SCRIPT = f'[ -e "$1" ] || exit {_EXIT_MISSING_FILE}; exec cat -- "$1"'
 
 # First pass, as the sandbox user: kill all its processes (twice: a fork in flight may escape
-# the first sweep), make its own files deletable, delete them.
+# the first sweep), remove its System V IPC objects (they outlive every process, pass data to
+# the next trajectory and count against its memory), make its own files deletable, delete them.
 _RESET_AS_SANDBOX_USER = """
 kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null
+command -v ipcrm >/dev/null && ipcrm --all 2>/dev/null
 for dir in "$@"; do
   chmod -R u+rwX -- "$dir" 2>/dev/null
   find "$dir" -mindepth 1 -delete 2>/dev/null
@@ -97,11 +136,15 @@ done
 exit 0
 """
 
-# Second pass, as root: delete the env's files; fail unless every directory is empty now.
+# Second pass, as root: delete the env's files; fail unless every directory is empty now and
+# no System V IPC object is left (each table has a header line only).
 _RESET_AS_ROOT = """
 for dir in "$@"; do find "$dir" -mindepth 1 -delete 2>/dev/null; done
 for dir in "$@"; do
   if [ -n "$(find "$dir" -mindepth 1 -print 2>/dev/null | head -n 1)" ]; then exit 1; fi
+done
+for table in /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem; do
+  if [ -e "$table" ] && [ "$(wc -l < "$table")" -gt 1 ]; then exit 1; fi
 done
 exit 0
 """
@@ -186,6 +229,9 @@ class DockerSandbox:
         self._provider = provider
         self.container_id = container_id
         self.spec = spec
+        self._running = 0  # execs in flight
+        self._maybe_leftovers = False  # an exec may have left processes of the sandbox user
+        self._sweeping = anyio.Lock()  # no exec starts while leftovers are being killed
 
     async def exec(
         self,
@@ -198,27 +244,36 @@ class DockerSandbox:
     ) -> ExecResult:
         """Run ``argv`` as the sandbox user; on timeout kill its process tree."""
         check_exec_args(argv, timeout_s)
-        cmd = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv]
+        cmd = ["sh", "-c", _RUN_AND_LOOK_FOR_LEFTOVERS, "sh", f"{timeout_s:.3f}", *argv]
+        limit = self.spec.output_limit_bytes
+        async with self._sweeping:
+            self._running += 1
         started = time.monotonic()
-        raw = await self._run(
-            cmd,
-            user=self._provider.user,
-            stdin=stdin,
-            workdir=self._absolute(workdir or self.spec.workdir),
-            env=env or {},
-            output_limit=self.spec.output_limit_bytes,
-            deadline=started + timeout_s + _KILL_GRACE_S,
-        )
+        raw: RawExec | None = None
+        try:
+            raw = await self._run(
+                cmd,
+                user=self._provider.user,
+                stdin=stdin,
+                workdir=self._absolute(workdir or self.spec.workdir),
+                env=env or {},
+                output_limit=limit + len(_LEFTOVERS_MARK) + 1,
+                deadline=started + timeout_s + _KILL_GRACE_S,
+            )
+        finally:
+            self._running -= 1
+            self._maybe_leftovers |= raw is None or raw.deadline_hit or _leftovers_of(raw)
+            with anyio.CancelScope(shield=True):
+                await self._kill_leftovers()
         duration = time.monotonic() - started
-        if raw.deadline_hit:
-            await self._provider.kill_sandbox_processes(self.container_id)
         timed_out = raw.deadline_hit or (raw.exit_code == 137 and duration >= timeout_s)
+        stderr = _without_leftovers_mark(raw.stderr)
         return ExecResult(
             exit_code=137 if raw.exit_code is None else raw.exit_code,
-            stdout=raw.stdout.decode(errors="replace"),
-            stderr=raw.stderr.decode(errors="replace"),
+            stdout=raw.stdout[:limit].decode(errors="replace"),
+            stderr=stderr[:limit].decode(errors="replace"),
             timed_out=timed_out,
-            truncated=raw.truncated,
+            truncated=raw.truncated or len(raw.stdout) > limit or len(stderr) > limit,
             duration_s=duration,
         )
 
@@ -260,6 +315,14 @@ class DockerSandbox:
         assert raw is not None
         detail = raw.stderr.decode(errors="replace").strip()
         raise SandboxError(f"cannot read {target} from the sandbox: {detail or raw.exit_code}")
+
+    async def _kill_leftovers(self) -> None:
+        """Once no exec runs, kill what the last ones may have left (daemons, background
+        jobs): every process of the sandbox user."""
+        async with self._sweeping:
+            if self._running == 0 and self._maybe_leftovers:
+                await self._provider.kill_sandbox_processes(self.container_id)
+                self._maybe_leftovers = False
 
     def _absolute(self, path: str) -> str:
         """``path`` made absolute: relative paths are under the work dir."""
@@ -543,6 +606,7 @@ class DockerSandboxProvider:
             "environment": {"HOME": "/tmp", **spec.env},
             "labels": _owner_labels(self.run_id),
             "hostname": "sandbox",
+            "ipc_mode": "private",  # an IPC namespace of its own, which no other can join
         }
         if self.runtime:
             config["runtime"] = self.runtime
@@ -553,7 +617,7 @@ class DockerSandboxProvider:
 
     async def _reset(self, container_id: str, spec: SandboxSpec) -> bool:
         """Make a used container like new; False when that could not be verified."""
-        dirs = [posixpath.normpath(spec.workdir), "/tmp", "/dev/shm"]
+        dirs = [posixpath.normpath(spec.workdir), "/tmp", "/dev/shm", "/dev/mqueue"]
         try:
             for user, script in ((self.user, _RESET_AS_SANDBOX_USER), (ROOT_USER, _RESET_AS_ROOT)):
                 raw = await self._exec_plain(

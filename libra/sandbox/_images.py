@@ -65,6 +65,14 @@ _STRIPPED_PATHS = (
 )
 
 
+# What an image's /etc says about its machine: nothing of the one that built it.
+_NEUTRAL_IDENTITY = {
+    "hostname": "sandbox\n",
+    "hosts": "127.0.0.1\tlocalhost\n::1\tlocalhost\n",
+    "resolv.conf": "",
+}
+
+
 class ImageBuildError(SandboxError):
     """A sandbox image or root filesystem could not be built."""
 
@@ -240,6 +248,11 @@ def _strip(rootfs: Path) -> None:
         if directory.is_dir():
             shutil.rmtree(directory)
             directory.mkdir(mode=0o755)
+    # debootstrap copies the building machine's name and resolver into the image.
+    for name, text in _NEUTRAL_IDENTITY.items():
+        path = rootfs / "etc" / name
+        path.unlink(missing_ok=True)  # may be a link to the host's resolver
+        path.write_text(text)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

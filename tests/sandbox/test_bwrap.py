@@ -8,6 +8,7 @@ debootstrap), otherwise the host's system dirs.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from libra.envs import SandboxError, SandboxSpec
 from libra.sandbox import BwrapSandboxProvider, reap_stale_workdirs
 from libra.sandbox._bwrap import _workdirs_parent
+from libra.sandbox._cgroups import create_cgroup
 from tests._helpers import assert_exec_round_trip, processes_of, unavailable
 
 pytestmark = pytest.mark.anyio
@@ -130,3 +132,39 @@ async def test_many_quick_calls_keep_their_whole_process_budget(
         for _ in range(20):
             result = await box.exec(["sh", "-c", "true & true & true & wait"], timeout_s=10)
             assert result.exit_code == 0, result.stderr
+
+
+async def test_each_sandbox_has_a_cgroup_that_goes_with_it(
+    provider: BwrapSandboxProvider,
+) -> None:
+    async with provider.sandbox(SPEC) as box:
+        cgroup = box._scratch.cgroup
+        if cgroup is None:
+            pytest.skip("no cgroup can be made here (not root, or no writable cgroup fs)")
+        limits = {
+            path.name: path.read_text().strip()
+            for directory in cgroup.dirs
+            for path in directory.iterdir()
+            if path.name in {"memory.limit_in_bytes", "memory.max", "cpu.cfs_quota_us", "cpu.max"}
+        }
+        async with anyio.create_task_group() as group:
+            group.start_soon(functools.partial(box.exec, ["sleep", "1"], timeout_s=10))
+            await anyio.sleep(0.5)
+            members = cgroup.pids()  # the running command is in it
+    memory = str(SPEC.memory_mb << 20)
+    assert limits.get("memory.limit_in_bytes", memory) == limits.get("memory.max", memory)
+    assert memory in limits.values()
+    quota = str(round(SPEC.cpus * 100_000))  # per 100 ms period
+    assert quota in (limits.get("cpu.cfs_quota_us"), limits.get("cpu.max", "").split(" ")[0])
+    assert members
+    assert not any(directory.exists() for directory in cgroup.dirs)
+
+
+async def test_cgroups_of_dead_runs_are_reaped(provider: BwrapSandboxProvider) -> None:
+    async with await anyio.open_process(["true"]) as dead:
+        await dead.wait()
+    stale = create_cgroup(f"{dead.pid}-1-deadbeef", memory_mb=64, cpus=1.0, pids=8)
+    if stale is None:
+        pytest.skip("no cgroup can be made here (not root, or no writable cgroup fs)")
+    reap_stale_workdirs()
+    assert not any(directory.exists() for directory in stale.dirs)

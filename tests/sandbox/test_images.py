@@ -18,7 +18,7 @@ from libra.sandbox import (
     debian_mirror,
     rootfs_dir,
 )
-from libra.sandbox._images import _split_reference
+from libra.sandbox._images import _split_reference, _strip
 from tests._helpers import unavailable
 
 
@@ -138,3 +138,17 @@ def test_docker_image_is_built_once_and_runs_python() -> None:
     )
     assert output.decode().strip() == "(3, 11)"
     client.close()
+
+
+def test_a_built_root_filesystem_carries_no_trace_of_the_building_machine(
+    tmp_path: Path,
+) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "hostname").write_text("build-host\n")
+    (etc / "resolv.conf").symlink_to("/etc/resolv.conf")  # the host's, through a link
+    _strip(tmp_path)
+    assert (etc / "hostname").read_text() == "sandbox\n"
+    assert not (etc / "resolv.conf").is_symlink()
+    assert (etc / "resolv.conf").read_text() == ""
+    assert "build-host" not in (etc / "hosts").read_text()
