@@ -26,7 +26,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ConfigError(ValueError):
+class UsageError(Exception):
+    """Input the user can fix from the message alone (a flag, a file, an env, a server).
+
+    Every front end shows it as one line (``libra: error: ...``, exit status 2), never
+    as a traceback; the message says what is wrong and what would work instead.
+    """
+
+
+class ConfigError(UsageError, ValueError):
     """A config file or override is invalid; the message is one line for the user."""
 
 

@@ -8,16 +8,15 @@ import sys
 from collections.abc import Sequence
 
 from libra.cli import _bench, _images, _rollout, _serve, _train
-from libra.config import ConfigError
-from libra.envs import SandboxError, UnknownEnvError, available_envs
-from libra.launch import FleetError
+from libra.config import UsageError
+from libra.envs import SandboxError, available_envs
 from libra.serving import ModelError, VLLMServerError
 
-# Errors a user can fix from the message alone: print one line, not a traceback.
+# Errors a user can fix from the message alone: print one line, not a traceback. Front
+# ends raise ``UsageError`` (a bad flag, config key, env, output path or server); the
+# others are the library's own errors whose messages say what to do.
 _USER_ERRORS = (
-    ConfigError,
-    FleetError,
-    UnknownEnvError,
+    UsageError,
     SandboxError,
     ModelError,
     VLLMServerError,

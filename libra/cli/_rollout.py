@@ -15,7 +15,7 @@ from libra.cli._progress import rollout_progress, summary
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.config import load_config
 from libra.engine import RolloutSession, RolloutStats, TrajectoryJob, jobs_for, jobs_of
-from libra.envs import Env, load_env
+from libra.envs import Env, env_name, load_env
 from libra.fleet import FleetSpec
 from libra.launch import RolloutConfig, open_engine, read_tasks
 
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
 async def run_rollout(config: RolloutConfig) -> RolloutStats:
     """One session, its jobs all submitted at once, and its records written as JSONL."""
     env_cls = load_env(config.env)
-    env_name = config.env if ":" not in config.env else env_cls.__name__.lower()
-    jobs = _jobs(config, env_cls, env_name)
+    name = env_name(config.env, env_cls)
+    jobs = _jobs(config, env_cls, name)
     encoder = msgspec.json.Encoder()
     warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
     timeline = Timeline()
@@ -105,7 +105,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
                 group.cancel_scope.cancel()
     if config.plot is not None:
         timeline.sample(stats.elapsed_s, scheduler, stats)  # the end state
-        title = f"libra rollout: {env_name}, {len(jobs)} trajectories, {config.scheduler}"
+        title = f"libra rollout: {name}, {len(jobs)} trajectories, {config.scheduler}"
         plot_timeline(timeline, config.plot, title, _labels(run.fleet.spec))
     return stats
 

@@ -1,7 +1,7 @@
 """Environments: tasks, the tools a model may call on them, and their rewards."""
 
 from libra.envs._env import Env
-from libra.envs._registry import UnknownEnvError, available_envs, load_env
+from libra.envs._registry import UnknownEnvError, available_envs, env_name, load_env
 from libra.envs._sandbox import (
     ExecResult,
     Sandbox,
@@ -38,6 +38,7 @@ __all__ = [
     "UnknownEnvError",
     "available_envs",
     "check_exec_args",
+    "env_name",
     "from_openai",
     "load_env",
     "tool",

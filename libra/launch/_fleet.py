@@ -21,13 +21,14 @@ import httpx
 import msgspec
 from rich.console import Console
 
+from libra.config import UsageError
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
 from libra.fleet import Endpoint, FleetSpec, InstanceSpec
 from libra.serving import EMBEDDED_MODEL_NAME
 
 
-class FleetError(RuntimeError):
+class FleetError(UsageError, RuntimeError):
     """The servers named by ``--server`` cannot be used; the message says why."""
 
 

@@ -75,6 +75,56 @@ def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+NAMED_ENV = """
+from libra.envs import Env
+
+class Echo(Env):
+    name = "echo-env"
+
+    def reset(self, seed: int) -> str:
+        return "say hi"
+
+    def reward(self, answer: str) -> float:
+        return 1.0
+"""
+
+
+def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``libra`` as its installed script runs: the current directory not on sys.path."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "libra", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("class Echo(Env)\n", "syntax error at {dir}/env_mod.py:1: expected ':'"),
+    ],
+)
+def test_an_env_that_cannot_load_gives_one_line_and_writes_nothing(
+    tmp_path: Path, source: str, message: str
+) -> None:
+    (tmp_path / "env_mod.py").write_text(source)
+    result = run_script(["rollout", "--env", "env_mod:Echo", "--out", "o.jsonl"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("libra: error: cannot load env 'env_mod:Echo': ")
+    assert message.format(dir=tmp_path) in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_an_env_in_the_current_directory_runs_under_its_own_name(tmp_path: Path) -> None:
+    (tmp_path / "env_mod.py").write_text(NAMED_ENV)
+    args = ["rollout", "--env", "env_mod:Echo", "-n", "2", "--no-progress", "--out", "o.jsonl"]
+    result = run_script(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    records = [
+        msgspec.json.decode(line) for line in (tmp_path / "o.jsonl").read_bytes().splitlines()
+    ]
+    assert [r["env"] for r in records] == ["echo-env"] * 2
+    assert all(r["task_id"].startswith("echo-env/") for r in records)
+
+
 def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
     out = tmp_path / "guess.jsonl"
     command = [sys.executable, "-m", "libra", "rollout", "--env", "guess", "-n", "5000"]
