@@ -100,6 +100,11 @@ def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     ("source", "message"),
     [
         ("class Echo(Env)\n", "syntax error at {dir}/env_mod.py:1: expected ':'"),
+        (
+            "import socket\nfrom libra.envs import Env, tool\n"
+            "class Echo(Env):\n    @tool\n    def send(self, to: socket.socket) -> str: ...\n",
+            "tool send: parameter 'to' has type socket.socket, which has no JSON schema",
+        ),
     ],
 )
 def test_an_env_that_cannot_load_gives_one_line_and_writes_nothing(
