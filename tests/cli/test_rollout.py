@@ -59,7 +59,10 @@ def test_rollout_writes_one_exact_record_per_trajectory(
         (["rollout", "--env", "calc", "-n", "0"], "libra: error: invalid config: n:"),
         (["rollout", "--env", "calc", "--server", "ftp://x"], "--server must be 'emulated'"),
         (["rollout", "--env", "calc", "--config", "missing.toml"], "config file not found"),
-        (["rollout", "--env", "calc", "--set", "engine.bogus=1"], "engine.bogus: Extra inputs"),
+        (
+            ["rollout", "--env", "calc", "--set", "engine.bogus=1"],
+            "unknown key engine.bogus (valid keys of [engine]: concurrency",
+        ),
         (["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"], "cannot list the models"),
     ],
 )
