@@ -11,6 +11,7 @@ import anyio
 import msgspec
 
 from libra.cli._config import add_config_arguments
+from libra.cli._output import check_output_file, make_parents
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.config import load_config
@@ -68,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         "sandbox": args.sandbox,
     }
     config = load_config(RolloutConfig, args.config, flags, args.set)
+    check_output_file(config.out, "--out")
+    if config.plot is not None:
+        check_output_file(config.plot, "--plot")
     stats = anyio.run(run_rollout, config, backend_options={"use_uvloop": True})
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")
@@ -93,7 +97,10 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
         scheduler, stats = run.engine.scheduler, session.stats
         session.submit(jobs)
         session.close()
-        with config.out.open("wb") as out, rollout_progress(stats, enabled=config.progress) as tick:
+        with (
+            make_parents(config.out).open("wb") as out,
+            rollout_progress(stats, enabled=config.progress) as tick,
+        ):
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signal, session)
                 if config.plot is not None:
