@@ -41,6 +41,9 @@ class RolloutConfig(BaseModel):
         "written after it, so what one step learnt guides the next",
     )
     model: str | None = None
+    probe_timeout_s: PositiveFloat = Field(
+        10.0, description="how long a server given by URL may take to list its models"
+    )
     n: PositiveInt | None = Field(
         None, description="trajectories: default 64 of seeded tasks; with tasks, all of them"
     )
@@ -93,6 +96,7 @@ async def open_engine(
             transport=config.transport,
             max_connections=config.max_connections,
             emulator=config.emulator,
+            probe_timeout_s=config.probe_timeout_s,
         )
         # Containers start (seconds each, cold) while vLLM does, not after it.
         fleet = await beside(

@@ -63,7 +63,10 @@ def test_rollout_writes_one_exact_record_per_trajectory(
             ["rollout", "--env", "calc", "--set", "engine.bogus=1"],
             "unknown key engine.bogus (valid keys of [engine]: concurrency",
         ),
-        (["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"], "cannot list the models"),
+        (
+            ["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"],
+            "cannot reach http://127.0.0.1:9",
+        ),
     ],
 )
 def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path) -> None:
