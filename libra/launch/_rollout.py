@@ -51,6 +51,13 @@ class RolloutConfig(BaseModel):
         None, description="JSONL file of tasks (key, seed, payload), each sampled in turn"
     )
     samples_per_prompt: PositiveInt = 1
+    max_failed_fraction: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="the run fails (exit status 1) when more of its trajectories than this "
+        "failed; one in which every trajectory failed always does",
+    )
     seed: int = 0
     out: Path = Path("rollout.jsonl")
     plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")

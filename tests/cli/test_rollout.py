@@ -136,6 +136,53 @@ def test_an_env_in_the_current_directory_runs_under_its_own_name(tmp_path: Path)
     assert all(r["task_id"].startswith("echo-env/") for r in records)
 
 
+class Flaky(Calc):
+    """Calc whose odd seeds break in ``reset`` (a bug in the env: ``env_error``)."""
+
+    def reset(self, seed: int) -> str:
+        if seed % 2:
+            raise RuntimeError(f"no task for seed {seed}")
+        return super().reset(seed)
+
+
+class Broken(Calc):
+    def reset(self, seed: int) -> str:
+        raise RuntimeError("no task")
+
+
+def test_a_run_whose_every_trajectory_failed_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.jsonl"
+    argv = ["rollout", "--env", f"{__name__}:Broken", "-n", "4", "--no-progress"]
+    assert main([*argv, "--out", str(out)]) == 1
+    assert len(out.read_bytes().splitlines()) == 4  # the records are still written
+    error = capsys.readouterr().err
+    assert error == (
+        "libra: error: all 4 trajectories failed (env_error: 4); the first: RuntimeError: no task\n"
+    )
+
+
+def test_max_failed_fraction_sets_how_many_failures_fail_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.jsonl"
+    argv = ["rollout", "--env", f"{__name__}:Flaky", "-n", "16", "--no-progress"]
+    assert main([*argv, "--out", str(out)]) == 0  # by default, only when every one failed
+    lines = out.read_bytes().splitlines()
+    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
+    failed = sum(r.status == "failed" for r in records)
+    assert 0 < failed < 16
+    capsys.readouterr()
+    fraction = (failed - 0.5) / 16
+    assert main([*argv, "--out", str(out), "--max-failed-fraction", str(fraction)]) == 1
+    assert f"libra: error: {failed} of 16 trajectories failed (env_error: {failed})" in (
+        capsys.readouterr().err
+    )
+    fraction = (failed + 0.5) / 16
+    assert main([*argv, "--out", str(out), "--max-failed-fraction", str(fraction)]) == 0
+
+
 def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:
     out = tmp_path / "guess.jsonl"
     command = [sys.executable, "-m", "libra", "rollout", "--env", "guess", "-n", "5000"]
