@@ -46,6 +46,7 @@ from libra.engine._records import (
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.envs import (
     Env,
+    EnvBugs,
     GroupId,
     HermesToolCallParser,
     SandboxError,
@@ -115,6 +116,8 @@ class Engine:
     on_record: Callable[[TrajectoryRecord], None] | None = None
     client: OpenAIClient = field(init=False)
     renderer: TemplateRenderer = field(init=False)
+    #: Exceptions raised by env code: each place and type's first traceback on stderr.
+    env_bugs: EnvBugs = field(init=False, default_factory=EnvBugs)
     #: The trajectories its sessions hold (queued or running): no two alike at once,
     #: whichever session holds them, since the scheduler keys its state by them.
     live_ids: set[TrajectoryId] = field(init=False, default_factory=set)
@@ -160,9 +163,10 @@ async def run_trajectory(
             on_cancelled(record)
         raise
     except Exception as exc:  # a bug in the env: report it, never crash the rollout
+        engine.env_bugs.report(f"env {type(env).__name__}", exc)
         t.fail("env_error", _describe(exc))
     if t.status != "failed":
-        await _score(env, t)
+        await _score(env, t, engine.env_bugs)
     return await _finish(env, t, engine, started)
 
 
@@ -189,7 +193,8 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
             t.add_messages([openai.Message(role="user", content=follow_up)])
             continue
         for call in calls:
-            result = await _run_tool(env, call, engine.config.tool_timeout_s or env.tool_timeout_s)
+            timeout_s = engine.config.tool_timeout_s or env.tool_timeout_s
+            result = await _run_tool(env, call, timeout_s, engine.env_bugs)
             t.add_tool_return(result)
             engine.scheduler.on_tool_return(t.key, env.signal(result))
         if env.done:
@@ -442,10 +447,17 @@ def _tool_calls(env: Env, generation: Generation) -> list[ToolCall]:
     return env.tool_call_parser.parse(generation.text)
 
 
-async def _run_tool(env: Env, call: ToolCall, timeout_s: float) -> ToolReturn:
-    """Run one call and reduce what came of it, once, to what is recorded and signalled."""
+async def _run_tool(env: Env, call: ToolCall, timeout_s: float, bugs: EnvBugs) -> ToolReturn:
+    """Run one call and reduce what came of it, once, to what is recorded and signalled.
+    A tool that raised other than ``ToolError`` has a bug: the model reads the error, the
+    record names the exception, its author sees the traceback (once)."""
     started = anyio.current_time()
-    outcome = await _outcome(env, call, timeout_s)
+    exception: str | None = None
+    try:
+        outcome = await _outcome(env, call, timeout_s)
+    except _ToolBug as bug:
+        bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
+        outcome, exception = ToolResult.failure(_describe(bug.error)), type(bug.error).__name__
     latency = anyio.current_time() - started
     reported: ToolStatus | None
     if isinstance(outcome, ToolResult):
@@ -453,7 +465,14 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float) -> ToolReturn:
     else:
         content, reported = outcome, None  # plain text: its status is read back from it
     signal = signal_of(call.name or "?", content, reported)
-    return ToolReturn(call.id, signal.tool, content, signal.status, latency)
+    return ToolReturn(call.id, signal.tool, content, signal.status, latency, exception)
+
+
+class _ToolBug(Exception):
+    """A tool raised ``error``, which is not a ``ToolError``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | str:
@@ -485,7 +504,7 @@ async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | s
     except SandboxError:
         raise  # the sandbox itself is broken: not the model's fault, not its problem to fix
     except Exception as exc:
-        return ToolResult.failure(_describe(exc))
+        raise _ToolBug(exc) from exc
     if isinstance(output, ToolResult | str):
         return output
     return json.dumps(output, default=str)
@@ -513,11 +532,12 @@ async def _sandbox(env: Env, engine: Engine) -> AsyncIterator[None]:
         yield
 
 
-async def _score(env: Env, t: _Trajectory) -> None:
+async def _score(env: Env, t: _Trajectory, bugs: EnvBugs) -> None:
     started = anyio.current_time()
     try:
         t.reward = float(await _maybe_await(env.reward(t.answer)))
     except Exception as exc:
+        bugs.report(f"reward of env {type(env).__name__}", exc)
         t.fail("reward_error", _describe(exc))
     t.timings.reward_s = anyio.current_time() - started
 
@@ -649,6 +669,7 @@ class _Trajectory:
                 size_class=result.size_class,
                 chars=len(result.content),
                 latency_s=round(result.latency_s, 6),
+                exception=result.exception,
             )
         )
         message = openai.Message(

@@ -1,5 +1,6 @@
 """Environments: tasks, the tools a model may call on them, and their rewards."""
 
+from libra.envs._bugs import EnvBugs
 from libra.envs._env import Env
 from libra.envs._registry import UnknownEnvError, available_envs, env_name, load_env
 from libra.envs._sandbox import (
@@ -18,6 +19,7 @@ from libra.envs._tools import ToolError, ToolSpec, ToolTimeout, tool
 
 __all__ = [
     "Env",
+    "EnvBugs",
     "ExecResult",
     "GroupId",
     "HermesToolCallParser",

@@ -149,6 +149,44 @@ async def test_bad_tool_calls_become_errors_the_model_reads(reply: str, error: s
     assert tool_message.content.startswith("Error:") and error in tool_message.content
 
 
+async def test_a_tool_s_bug_is_recorded_as_one_and_its_traceback_shown_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    replies = [call("boom", "{}") + call("refuse", "{}"), call("boom", "{}"), "I give up"]
+    async with emulated_engine(replies) as (engine, _):
+        records = [
+            await run_trajectory(TrajectoryJob.seeded(Toy, "toy", s), engine) for s in (1, 2)
+        ]
+    returns = [(r.tool, r.status, r.exception) for record in records for r in record.tool_returns]
+    bug, refusal = ("boom", "failure", "ValueError"), ("refuse", "failure", None)
+    assert returns == [bug, refusal, bug] * 2  # a deliberate ToolError is no exception
+    assert all(record.status == "completed" for record in records)
+    shown = capsys.readouterr().err
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert shown.startswith("libra: a bug in tool boom of env Toy: ValueError (its traceback")
+    assert 'raise ValueError("kaboom")' in shown
+
+
+async def test_a_bug_in_reset_or_reward_shows_its_traceback_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    class BadReward(Toy):
+        def reward(self, answer: str) -> float:
+            return float(answer.split()[99])
+
+    async with emulated_engine(["The answer is 7"]) as (engine, _):
+        for seed in (1, 2, 3):
+            record = await run_trajectory(TrajectoryJob.seeded(BadReward, "toy", seed), engine)
+            assert (record.stop_reason, record.error) == (
+                "reward_error",
+                "IndexError: list index out of range",
+            )
+    shown = capsys.readouterr().err
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert "libra: a bug in reward of env BadReward: IndexError" in shown
+    assert "answer.split()[99]" in shown
+
+
 @pytest.mark.parametrize("name", ["hang", "block"])
 async def test_a_tool_that_hangs_times_out(name: str) -> None:
     started = time.monotonic()
