@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import pydantic
 
 from libra import openai
@@ -60,7 +61,9 @@ from libra.envs import (
     ToolReturn,
     ToolTimeout,
     TrajectoryId,
+    cut_middle,
     from_openai,
+    valid_utf8,
 )
 from libra.fleet import Endpoint
 from libra.sched import CallOutcome, NoEndpointAvailable, Route, Router, RouteRequest, Scheduler
@@ -127,6 +130,10 @@ class Engine:
         self.renderer = TemplateRenderer(self.client)
 
 
+# How vLLM (and the emulator) refuse a request that does not fit the model's context.
+_CONTEXT_FULL = "maximum context length"
+
+
 class _End(Exception):
     """The episode is over (normally): carries the status and why."""
 
@@ -149,10 +156,19 @@ async def run_trajectory(
                 await _episode(env, t, engine)
     except _End as end:
         t.status, t.stop_reason = end.status, end.reason
+        if end.reason == "max_context_tokens" and t.turns == 0:
+            t.prompt_too_long(
+                f"{len(t.tokens)} tokens; max_context_tokens is {engine.config.max_context_tokens}"
+            )
     except TimeoutError:
         t.status, t.stop_reason = "truncated", "max_wall_s"
     except GenerationError as exc:
-        t.fail("server_error", str(exc))
+        if not (isinstance(exc, RequestRejected) and _CONTEXT_FULL in str(exc)):
+            t.fail("server_error", str(exc))
+        elif t.turns == 0:
+            t.prompt_too_long(f"the server said: {exc}")
+        else:  # the server's context is smaller than max_context_tokens: it ends here
+            t.status, t.stop_reason = "truncated", "max_context_tokens"
     except SandboxError as exc:
         t.fail("sandbox_error", str(exc))
     except anyio.get_cancelled_exc_class():
@@ -464,6 +480,7 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float, bugs: EnvBugs) -
         content, reported = outcome.content, outcome.status
     else:
         content, reported = outcome, None  # plain text: its status is read back from it
+    content = cut_middle(valid_utf8(content), env.max_tool_output_chars)
     signal = signal_of(call.name or "?", content, reported)
     return ToolReturn(call.id, signal.tool, content, signal.status, latency, exception)
 
@@ -507,6 +524,8 @@ async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | s
         raise _ToolBug(exc) from exc
     if isinstance(output, ToolResult | str):
         return output
+    if isinstance(output, bytes):  # what a program printed, say: text for the model
+        return output.decode("utf-8", "replace")
     return json.dumps(output, default=str)
 
 
@@ -615,7 +634,7 @@ class _Trajectory:
         )
         if env.system_prompt and not any(m.role == "system" for m in messages):
             messages = [openai.Message(role="system", content=env.system_prompt), *messages]
-        self.messages = list(messages)
+        self.messages = _valid(messages)
         env.messages = self.messages
 
     def describe_tools_in_system_message(self) -> None:
@@ -657,6 +676,7 @@ class _Trajectory:
                 self.tokens.add_sampled(ids, logprobs, piece.weight_version)
 
     def add_messages(self, messages: list[openai.Message]) -> None:
+        messages = _valid(messages)
         self.messages += messages
         self.pending += messages
 
@@ -679,6 +699,11 @@ class _Trajectory:
 
     def fail(self, reason: str, error: str) -> None:
         self.status, self.stop_reason, self.error = "failed", reason, error
+
+    def prompt_too_long(self, why: str) -> None:
+        """The task's prompt alone fills the context: the env's doing, not the model's
+        (which sampled nothing), so the trajectory fails unscored."""
+        self.fail("prompt_too_long", f"the prompt does not fit the context: {why}")
 
     def record(self) -> TrajectoryRecord:
         exact = self.tokens.source != "none"
@@ -710,3 +735,12 @@ class _Trajectory:
             error=self.error,
             weights_changed_turns=self.weights_changed_turns,
         )
+
+
+def _valid(messages: list[openai.Message]) -> list[openai.Message]:
+    """The messages, their text valid UTF-8 (env code may hand over undecodable bytes,
+    which neither a request nor the record could carry)."""
+    return [
+        m if m.content is None else msgspec.structs.replace(m, content=valid_utf8(m.content))
+        for m in messages
+    ]

@@ -12,6 +12,7 @@ from libra.envs._sandbox import (
     check_exec_args,
 )
 from libra.envs._task import GroupId, Task, TaskId, TrajectoryId
+from libra.envs._text import cut_middle, valid_utf8
 from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser, from_openai
 from libra.envs._tool_result import ToolResult
 from libra.envs._tool_return import ToolReturn
@@ -40,8 +41,10 @@ __all__ = [
     "UnknownEnvError",
     "available_envs",
     "check_exec_args",
+    "cut_middle",
     "env_name",
     "from_openai",
     "load_env",
     "tool",
+    "valid_utf8",
 ]
