@@ -741,6 +741,8 @@ def _valid(messages: list[openai.Message]) -> list[openai.Message]:
     """The messages, their text valid UTF-8 (env code may hand over undecodable bytes,
     which neither a request nor the record could carry)."""
     return [
-        m if m.content is None else msgspec.structs.replace(m, content=valid_utf8(m.content))
+        m
+        if m.content is None or (text := valid_utf8(m.content)) is m.content
+        else msgspec.structs.replace(m, content=text)
         for m in messages
     ]

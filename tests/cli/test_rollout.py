@@ -157,9 +157,11 @@ def test_a_run_whose_every_trajectory_failed_exits_1(
     argv = ["rollout", "--env", f"{__name__}:Broken", "-n", "4", "--no-progress"]
     assert main([*argv, "--out", str(out)]) == 1
     assert len(out.read_bytes().splitlines()) == 4  # the records are still written
-    error = capsys.readouterr().err
-    assert error == (
-        "libra: error: all 4 trajectories failed (env_error: 4); the first: RuntimeError: no task\n"
+    shown = capsys.readouterr().err.splitlines()
+    assert shown[0].startswith("libra: a bug in env Broken: RuntimeError")  # its traceback, once
+    assert shown.count("RuntimeError: no task") == 1
+    assert shown[-1] == (
+        "libra: error: all 4 trajectories failed (env_error: 4); the first: RuntimeError: no task"
     )
 
 
