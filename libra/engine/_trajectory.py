@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import traceback
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -561,19 +560,19 @@ async def _score(env: Env, t: _Trajectory, bugs: EnvBugs) -> None:
     t.timings.reward_s = anyio.current_time() - started
 
 
-async def _close(env: Env) -> None:
+async def _close(env: Env, bugs: EnvBugs) -> None:
     if type(env).close is Env.close:
         return  # nothing to release: skip the timeout scope on the hot path
     try:
         with anyio.fail_after(30):
             await env.close()
-    except Exception:  # a failing close must not turn a finished trajectory into a lost one
-        traceback.print_exc()
+    except Exception as exc:  # a failing close must not turn a finished trajectory into a lost one
+        bugs.report(f"close of env {type(env).__name__}", exc)
 
 
 async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> TrajectoryRecord:
     """Release the env, let the scheduler forget the trajectory, hand out its record."""
-    await _close(env)
+    await _close(env, engine.env_bugs)
     failed = t.status == "failed"
     engine.scheduler.on_finish(t.key, t.prompt_key, output_tokens=t.output_tokens, failed=failed)
     t.timings.total_s = anyio.current_time() - started

@@ -168,12 +168,15 @@ async def test_a_tool_s_bug_is_recorded_as_one_and_its_traceback_shown_once(
     assert 'raise ValueError("kaboom")' in shown
 
 
-async def test_a_bug_in_reset_or_reward_shows_its_traceback_once(
+async def test_a_bug_in_reward_or_close_shows_its_traceback_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     class BadReward(Toy):
         def reward(self, answer: str) -> float:
             return float(answer.split()[99])
+
+        async def close(self) -> None:
+            raise OSError("already closed")
 
     async with emulated_engine(["The answer is 7"]) as (engine, _):
         for seed in (1, 2, 3):
@@ -183,9 +186,10 @@ async def test_a_bug_in_reset_or_reward_shows_its_traceback_once(
                 "IndexError: list index out of range",
             )
     shown = capsys.readouterr().err
-    assert shown.count("Traceback (most recent call last)") == 1
+    assert shown.count("Traceback (most recent call last)") == 2  # one per place and type
     assert "libra: a bug in reward of env BadReward: IndexError" in shown
     assert "answer.split()[99]" in shown
+    assert "libra: a bug in close of env BadReward: OSError" in shown
 
 
 @pytest.mark.parametrize("name", ["hang", "block"])
