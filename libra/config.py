@@ -9,13 +9,15 @@ it says.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args, get_origin
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
+from pydantic_core import ErrorDetails
 
 C = TypeVar("C", bound=pydantic.BaseModel)
 
@@ -26,7 +28,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ConfigError(ValueError):
+class UsageError(Exception):
+    """Input the user can fix from the message alone (a flag, a file, an env, a server).
+
+    Every front end shows it as one line (``libra: error: ...``, exit status 2), never
+    as a traceback; the message says what is wrong and what would work instead.
+    """
+
+
+class ConfigError(UsageError, ValueError):
     """A config file or override is invalid; the message is one line for the user."""
 
 
@@ -53,10 +63,54 @@ def load_config(
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
-        )
+        problems = "; ".join(_problem(model, e) for e in exc.errors(include_url=False))
         raise ConfigError(f"invalid config: {problems}") from None
+
+
+def _problem(model: type[BaseModel], error: ErrorDetails) -> str:
+    """One validation error in words; an unknown key with the keys of its section and
+    the closest of them."""
+    where = ".".join(map(str, error["loc"]))
+    section = _section_at(model, error["loc"][:-1])
+    if error["type"] != "extra_forbidden" or section is None:
+        return f"{where}: {error['msg']}"
+    valid = list(section.model_fields)
+    key = str(error["loc"][-1])
+    parent = where.removesuffix(key).rstrip(".")
+    close = difflib.get_close_matches(key, valid, n=1)
+    guess = f"; did you mean {'.'.join(filter(None, [parent, close[0]]))}?" if close else ""
+    name = f"[{parent}]" if parent else "the top level"
+    return f"unknown key {where}{guess} (valid keys of {name}: {', '.join(valid)})"
+
+
+def _section_at(model: type[BaseModel], path: Sequence[int | str]) -> type[BaseModel] | None:
+    """The config model at ``path`` below ``model`` (through optional sections and lists
+    of sections), or None where the path leaves the models."""
+    current: Any = model
+    for part in path:
+        if isinstance(part, int):
+            current = _model_in(current, list_items=True)
+        else:
+            section = _model_in(current)
+            field = section.model_fields.get(part) if section is not None else None
+            current = field.annotation if field is not None else None
+        if current is None:
+            return None
+    return _model_in(current)
+
+
+def _model_in(annotation: Any, *, list_items: bool = False) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds: itself, the model of an optional or union,
+    or (``list_items``) the model of a list's items."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and not list_items:
+        return annotation
+    for arg in get_args(annotation):
+        if list_items and get_origin(annotation) in (list, tuple):
+            return _model_in(arg)
+        found = _model_in(arg, list_items=list_items)
+        if found is not None:
+            return found
+    return None
 
 
 def _read_toml(file: Path) -> dict[str, Any]:

@@ -60,10 +60,34 @@ def test_errors_are_one_line_and_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^invalid config: inner\.size: .*integer") as error:
         load_config(Outer, overrides=["inner.size=many"])
     assert "\n" not in str(error.value)
-    with pytest.raises(ConfigError, match=r"inner\.colour: Extra inputs are not permitted"):
-        load_config(Outer, overrides=["inner.colour=red"])
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(Outer, Path("missing.toml"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("inner.colour=red", "unknown key inner.colour (valid keys of [inner]: size, names)"),
+        (
+            "inner.sizes=2",
+            "unknown key inner.sizes; did you mean inner.size? (valid keys of [inner]",
+        ),
+        ("lable=x", "unknown key lable; did you mean label? (valid keys of the top level: label,"),
+    ],
+)
+def test_an_unknown_key_lists_its_section_s_keys_and_the_closest(
+    override: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(Outer, overrides=[override])
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_unknown_keys_are_found_through_optional_sections_and_lists(tmp_path: Path) -> None:
+    file = tmp_path / "run.toml"
+    file.write_text('env = "calc"\n[[fleet.instances]]\nname = "a"\nurll = "http://x"\n')
+    with pytest.raises(ConfigError, match=r"did you mean fleet\.instances\.0\.url\? \(valid keys"):
+        load_config(RolloutConfig, file)
 
 
 def test_a_section_is_immutable() -> None:

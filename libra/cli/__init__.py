@@ -8,18 +8,17 @@ import sys
 from collections.abc import Sequence
 
 from libra.cli import _bench, _images, _rollout, _serve, _train, _vllm
-from libra.config import ConfigError
-from libra.envs import SandboxError, UnknownEnvError, available_envs
+from libra.config import UsageError
+from libra.envs import SandboxError, available_envs
 from libra.gateway._auth import AuthError
-from libra.launch import FleetError
 from libra.serving import ModelError, VLLMServerError
 
-# Errors a user can fix from the message alone: print one line, not a traceback.
+# Errors a user can fix from the message alone: print one line, not a traceback. Front
+# ends raise ``UsageError`` (a bad flag, config key, env, output path or server); the
+# others are the library's own errors whose messages say what to do.
 _USER_ERRORS = (
-    ConfigError,
+    UsageError,
     AuthError,
-    FleetError,
-    UnknownEnvError,
     SandboxError,
     ModelError,
     VLLMServerError,

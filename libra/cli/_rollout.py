@@ -5,17 +5,28 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import anyio
 import msgspec
 
 from libra.cli._config import add_config_arguments
+from libra.cli._output import check_output_file, make_parents
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
 from libra.config import load_config
-from libra.engine import RolloutSession, RolloutStats, TrajectoryJob, jobs_for, jobs_of
-from libra.envs import Env, load_env
+from libra.engine import (
+    RolloutSession,
+    RolloutStats,
+    TrajectoryJob,
+    TrajectoryRecord,
+    jobs_for,
+    jobs_of,
+)
+from libra.envs import Env, env_name, load_env
 from libra.fleet import FleetSpec
 from libra.launch import RolloutConfig, open_engine, read_tasks
 
@@ -41,6 +52,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--samples-per-prompt", type=int, help="trajectories per task")
     parser.add_argument("--concurrency", type=int, help="trajectories in flight")
     parser.add_argument("--seed", type=int, help="seed of the task sampler")
+    parser.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        help="exit with status 1 if more trajectories than this failed (default 1.0: only "
+        "when all did)",
+    )
     parser.add_argument("--out", type=Path, help="output JSONL file (default rollout.jsonl)")
     parser.add_argument("--plot", type=Path, help="PNG of the rollout's progress over time")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -61,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "tasks": args.tasks,
         "samples_per_prompt": args.samples_per_prompt,
         "seed": args.seed,
+        "max_failed_fraction": args.max_failed_fraction,
         "out": args.out,
         "plot": args.plot,
         "engine.concurrency": args.concurrency,
@@ -68,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
         "sandbox": args.sandbox,
     }
     config = load_config(RolloutConfig, args.config, flags, args.set)
-    stats = anyio.run(run_rollout, config, backend_options={"use_uvloop": True})
+    check_output_file(config.out, "--out")
+    if config.plot is not None:
+        check_output_file(config.plot, "--plot")
+    failures = Failures()
+    stats = anyio.run(
+        partial(run_rollout, config, failures=failures), backend_options={"use_uvloop": True}
+    )
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")
     if config.plot is not None:
@@ -78,14 +102,43 @@ def run(args: argparse.Namespace) -> int:
             "libra: interrupted; trajectories in flight were recorded as cancelled", file=sys.stderr
         )
         return 130
+    if failures.too_many(stats.done, config.max_failed_fraction):
+        print(f"libra: error: {failures.describe(stats.done)}", file=sys.stderr)
+        return 1
     return 0
 
 
-async def run_rollout(config: RolloutConfig) -> RolloutStats:
-    """One session, its jobs all submitted at once, and its records written as JSONL."""
+@dataclass
+class Failures:
+    """The failed records of a run: how many, why, and the first one's error."""
+
+    reasons: Counter[str] = field(default_factory=Counter)
+    first_error: str | None = None
+
+    def observe(self, record: TrajectoryRecord) -> None:
+        if record.status == "failed":
+            self.reasons[record.stop_reason] += 1
+            if self.first_error is None:
+                self.first_error = record.error
+
+    def too_many(self, done: int, max_fraction: float) -> bool:
+        failed = self.reasons.total()
+        return done > 0 and (failed == done or failed > max_fraction * done)
+
+    def describe(self, done: int) -> str:
+        failed = self.reasons.total()
+        which = f"all {done}" if failed == done else f"{failed} of {done}"
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in self.reasons.most_common())
+        first = f"; the first: {self.first_error}" if self.first_error else ""
+        return f"{which} trajectories failed ({reasons}){first}"
+
+
+async def run_rollout(config: RolloutConfig, *, failures: Failures | None = None) -> RolloutStats:
+    """One session, its jobs all submitted at once, and its records written as JSONL
+    (and shown to ``failures``)."""
     env_cls = load_env(config.env)
-    env_name = config.env if ":" not in config.env else env_cls.__name__.lower()
-    jobs = _jobs(config, env_cls, env_name)
+    name = env_name(config.env, env_cls)
+    jobs = _jobs(config, env_cls, name)
     encoder = msgspec.json.Encoder()
     warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
     timeline = Timeline()
@@ -93,7 +146,10 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
         scheduler, stats = run.engine.scheduler, session.stats
         session.submit(jobs)
         session.close()
-        with config.out.open("wb") as out, rollout_progress(stats, enabled=config.progress) as tick:
+        with (
+            make_parents(config.out).open("wb") as out,
+            rollout_progress(stats, enabled=config.progress) as tick,
+        ):
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signal, session)
                 if config.plot is not None:
@@ -101,11 +157,13 @@ async def run_rollout(config: RolloutConfig) -> RolloutStats:
                 async for record in session:  # to the end, cancelled ones included
                     out.write(encoder.encode(record) + b"\n")
                     out.flush()
+                    if failures is not None:
+                        failures.observe(record)
                     tick()
                 group.cancel_scope.cancel()
     if config.plot is not None:
         timeline.sample(stats.elapsed_s, scheduler, stats)  # the end state
-        title = f"libra rollout: {env_name}, {len(jobs)} trajectories, {config.scheduler}"
+        title = f"libra rollout: {name}, {len(jobs)} trajectories, {config.scheduler}"
         plot_timeline(timeline, config.plot, title, _labels(run.fleet.spec))
     return stats
 

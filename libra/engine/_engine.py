@@ -11,7 +11,7 @@ from libra.engine._config import EngineConfig
 from libra.engine._http import HTTPTransport
 from libra.engine._records import TrajectoryRecord
 from libra.engine._tokens import TemplateRenderer
-from libra.envs import SandboxProvider, TrajectoryId
+from libra.envs import EnvBugs, SandboxProvider, TrajectoryId
 from libra.sched import Scheduler
 
 
@@ -33,6 +33,8 @@ class Engine:
     on_record: Callable[[TrajectoryRecord], None] | None = None
     client: OpenAIClient = field(init=False)
     renderer: TemplateRenderer = field(init=False)
+    #: Exceptions raised by env code: each place and type's first traceback on stderr.
+    env_bugs: EnvBugs = field(init=False, default_factory=EnvBugs)
     #: The trajectories its sessions hold (queued or running): no two alike at once,
     #: whichever session holds them, since the scheduler keys its state by them.
     live_ids: set[TrajectoryId] = field(init=False, default_factory=set)

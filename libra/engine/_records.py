@@ -13,11 +13,15 @@ TokenSource = Literal["exact", "drift", "none"]
 
 
 class ToolReturnRecord(msgspec.Struct):
+    """One tool call's outcome. ``exception`` is the type of an unexpected exception the
+    tool raised (a bug in the env); a deliberate ``ToolError`` leaves it None."""
+
     tool: str
     status: Literal["success", "failure", "timeout"]
     size_class: Literal["small", "medium", "large"]
     chars: int
     latency_s: float
+    exception: str | None = None
 
 
 class WeightSpan(msgspec.Struct, array_like=True):

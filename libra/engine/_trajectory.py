@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import pydantic
 
 from libra import openai
@@ -41,6 +41,7 @@ from libra.engine._tokens import TokenLog
 from libra.engine._turn import ContextFull, Turn, generate_turn, with_tools_described
 from libra.envs import (
     Env,
+    EnvBugs,
     GroupId,
     HermesToolCallParser,
     SandboxError,
@@ -53,7 +54,9 @@ from libra.envs import (
     ToolReturn,
     ToolTimeout,
     TrajectoryId,
+    cut_middle,
     from_openai,
+    valid_utf8,
 )
 from libra.fleet import Endpoint
 from libra.signals import ToolStatus, signal_of
@@ -90,6 +93,10 @@ class TrajectoryJob:
         return GroupId(self.step, self.task.id)
 
 
+# How vLLM (and the emulator) refuse a request that does not fit the model's context.
+_CONTEXT_FULL = "maximum context length"
+
+
 class _End(Exception):
     """The episode is over (normally): carries the status and why."""
 
@@ -112,12 +119,26 @@ async def run_trajectory(
                 await _episode(env, t, engine)
     except _End as end:
         t.status, t.stop_reason = end.status, end.reason
+        if end.reason == "max_context_tokens" and t.turns == 0:
+            t.prompt_too_long(
+                f"{len(t.tokens)} tokens; max_context_tokens is {engine.config.max_context_tokens}"
+            )
     except TimeoutError:
         t.status, t.stop_reason = "truncated", "max_wall_s"
     except ContextFull:
-        t.status, t.stop_reason = "truncated", "max_context_tokens"
+        if t.turns == 0:
+            t.prompt_too_long(
+                f"{len(t.tokens)} tokens; max_context_tokens is {engine.config.max_context_tokens}"
+            )
+        else:
+            t.status, t.stop_reason = "truncated", "max_context_tokens"
     except GenerationError as exc:
-        t.fail("server_error", str(exc))
+        if not (isinstance(exc, RequestRejected) and _CONTEXT_FULL in str(exc)):
+            t.fail("server_error", str(exc))
+        elif t.turns == 0:
+            t.prompt_too_long(f"the server said: {exc}")
+        else:  # the server's context is smaller than max_context_tokens: it ends here
+            t.status, t.stop_reason = "truncated", "max_context_tokens"
     except SandboxError as exc:
         t.fail("sandbox_error", str(exc))
     except anyio.get_cancelled_exc_class():
@@ -128,9 +149,10 @@ async def run_trajectory(
             on_cancelled(record)
         raise
     except Exception as exc:  # a bug in the env: report it, never crash the rollout
+        engine.env_bugs.report(f"env {type(env).__name__}", exc)
         t.fail("env_error", _describe(exc))
     if t.status != "failed":
-        await _score(env, t)
+        await _score(env, t, engine.env_bugs)
     return await _finish(env, t, engine, started)
 
 
@@ -157,7 +179,8 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
             t.add_messages([openai.Message(role="user", content=follow_up)])
             continue
         for call in calls:
-            result = await _run_tool(env, call, engine.config.tool_timeout_s or env.tool_timeout_s)
+            timeout_s = engine.config.tool_timeout_s or env.tool_timeout_s
+            result = await _run_tool(env, call, timeout_s, engine.env_bugs)
             t.add_tool_return(result)
             engine.scheduler.on_tool_return(t.key, env.signal(result))
         if env.done:
@@ -173,18 +196,33 @@ def _tool_calls(env: Env, generation: Generation) -> list[ToolCall]:
     return env.tool_call_parser.parse(generation.text)
 
 
-async def _run_tool(env: Env, call: ToolCall, timeout_s: float) -> ToolReturn:
-    """Run one call and reduce what came of it, once, to what is recorded and signalled."""
+async def _run_tool(env: Env, call: ToolCall, timeout_s: float, bugs: EnvBugs) -> ToolReturn:
+    """Run one call and reduce what came of it, once, to what is recorded and signalled.
+    A tool that raised other than ``ToolError`` has a bug: the model reads the error, the
+    record names the exception, its author sees the traceback (once)."""
     started = anyio.current_time()
-    outcome = await _outcome(env, call, timeout_s)
+    exception: str | None = None
+    try:
+        outcome = await _outcome(env, call, timeout_s)
+    except _ToolBug as bug:
+        bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
+        outcome, exception = ToolResult.failure(_describe(bug.error)), type(bug.error).__name__
     latency = anyio.current_time() - started
     reported: ToolStatus | None
     if isinstance(outcome, ToolResult):
         content, reported = outcome.content, outcome.status
     else:
         content, reported = outcome, None  # plain text: its status is read back from it
+    content = cut_middle(valid_utf8(content), env.max_tool_output_chars)
     signal = signal_of(call.name or "?", content, reported)
-    return ToolReturn(call.id, signal.tool, content, signal.status, latency)
+    return ToolReturn(call.id, signal.tool, content, signal.status, latency, exception)
+
+
+class _ToolBug(Exception):
+    """A tool raised ``error``, which is not a ``ToolError``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | str:
@@ -216,9 +254,11 @@ async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | s
     except SandboxError:
         raise  # the sandbox itself is broken: not the model's fault, not its problem to fix
     except Exception as exc:
-        return ToolResult.failure(_describe(exc))
+        raise _ToolBug(exc) from exc
     if isinstance(output, ToolResult | str):
         return output
+    if isinstance(output, bytes):  # what a program printed, say: text for the model
+        return output.decode("utf-8", "replace")
     return json.dumps(output, default=str)
 
 
@@ -244,28 +284,29 @@ async def _sandbox(env: Env, engine: Engine) -> AsyncIterator[None]:
         yield
 
 
-async def _score(env: Env, t: _Trajectory) -> None:
+async def _score(env: Env, t: _Trajectory, bugs: EnvBugs) -> None:
     started = anyio.current_time()
     try:
         t.reward = float(await _maybe_await(env.reward(t.answer)))
     except Exception as exc:
+        bugs.report(f"reward of env {type(env).__name__}", exc)
         t.fail("reward_error", _describe(exc))
     t.timings.reward_s = anyio.current_time() - started
 
 
-async def _close(env: Env) -> None:
+async def _close(env: Env, bugs: EnvBugs) -> None:
     if type(env).close is Env.close:
         return  # nothing to release: skip the timeout scope on the hot path
     try:
         with anyio.fail_after(30):
             await env.close()
-    except Exception:  # a failing close must not turn a finished trajectory into a lost one
-        traceback.print_exc()
+    except Exception as exc:  # a failing close must not turn a finished trajectory into a lost one
+        bugs.report(f"close of env {type(env).__name__}", exc)
 
 
 async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> TrajectoryRecord:
     """Release the env, let the scheduler forget the trajectory, hand out its record."""
-    await _close(env)
+    await _close(env, engine.env_bugs)
     failed = t.status == "failed"
     engine.scheduler.on_finish(t.key, t.prompt_key, output_tokens=t.output_tokens, failed=failed)
     t.timings.total_s = anyio.current_time() - started
@@ -326,7 +367,7 @@ class _Trajectory:
         )
         if env.system_prompt and not any(m.role == "system" for m in messages):
             messages = [openai.Message(role="system", content=env.system_prompt), *messages]
-        self.messages = list(messages)
+        self.messages = _valid(messages)
         env.messages = self.messages
 
     @property
@@ -359,6 +400,7 @@ class _Trajectory:
         turn.add_to(self.tokens)
 
     def add_messages(self, messages: list[openai.Message]) -> None:
+        messages = _valid(messages)
         self.messages += messages
         self.pending += messages
 
@@ -371,6 +413,7 @@ class _Trajectory:
                 size_class=result.size_class,
                 chars=len(result.content),
                 latency_s=round(result.latency_s, 6),
+                exception=result.exception,
             )
         )
         message = openai.Message(
@@ -380,6 +423,11 @@ class _Trajectory:
 
     def fail(self, reason: str, error: str) -> None:
         self.status, self.stop_reason, self.error = "failed", reason, error
+
+    def prompt_too_long(self, why: str) -> None:
+        """The task's prompt alone fills the context: the env's doing, not the model's
+        (which sampled nothing), so the trajectory fails unscored."""
+        self.fail("prompt_too_long", f"the prompt does not fit the context: {why}")
 
     def record(self) -> TrajectoryRecord:
         exact = self.tokens.source != "none"
@@ -411,3 +459,14 @@ class _Trajectory:
             error=self.error,
             weights_changed_turns=self.weights_changed_turns,
         )
+
+
+def _valid(messages: list[openai.Message]) -> list[openai.Message]:
+    """The messages, their text valid UTF-8 (env code may hand over undecodable bytes,
+    which neither a request nor the record could carry)."""
+    return [
+        m
+        if m.content is None or (text := valid_utf8(m.content)) is m.content
+        else msgspec.structs.replace(m, content=text)
+        for m in messages
+    ]

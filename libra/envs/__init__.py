@@ -1,7 +1,8 @@
 """Environments: tasks, the tools a model may call on them, and their rewards."""
 
+from libra.envs._bugs import EnvBugs
 from libra.envs._env import Env
-from libra.envs._registry import UnknownEnvError, available_envs, load_env
+from libra.envs._registry import UnknownEnvError, available_envs, env_name, load_env
 from libra.envs._sandbox import (
     ExecResult,
     Sandbox,
@@ -11,6 +12,7 @@ from libra.envs._sandbox import (
     check_exec_args,
 )
 from libra.envs._task import GroupId, Task, TaskId, TrajectoryId
+from libra.envs._text import cut_middle, valid_utf8
 from libra.envs._tool_calls import HermesToolCallParser, ToolCall, ToolCallParser, from_openai
 from libra.envs._tool_result import ToolResult
 from libra.envs._tool_return import ToolReturn
@@ -18,6 +20,7 @@ from libra.envs._tools import ToolError, ToolSpec, ToolTimeout, tool
 
 __all__ = [
     "Env",
+    "EnvBugs",
     "ExecResult",
     "GroupId",
     "HermesToolCallParser",
@@ -38,7 +41,10 @@ __all__ = [
     "UnknownEnvError",
     "available_envs",
     "check_exec_args",
+    "cut_middle",
+    "env_name",
     "from_openai",
     "load_env",
     "tool",
+    "valid_utf8",
 ]

@@ -63,6 +63,9 @@ class Env(ABC):
     #: Episode limits: the engine truncates a trajectory that reaches them.
     max_turns: ClassVar[int] = 8
     tool_timeout_s: ClassVar[float] = 30.0
+    #: A longer tool output reaches the model (and the record) as its start and end
+    #: around a note of what was cut.
+    max_tool_output_chars: ClassVar[int] = 100_000
     #: Set to get ``self.sandbox`` (a Docker container or bubblewrap jail) per trajectory.
     sandbox_spec: ClassVar[SandboxSpec | None] = None
     #: How inline tool calls are read from the model's text.

@@ -75,6 +75,8 @@ def decode_call(call_id: str, document: str, example: str) -> ToolCall:
             "",
             error=f"the tool call is not valid JSON ({exc.msg}). Write calls as {example}",
         )
+    except (RecursionError, ValueError) as exc:
+        return ToolCall(call_id, "", error=f"the tool call cannot be read: {_unreadable(exc)}")
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCall(call_id, "", error=f'the tool call has no "name". Write calls as {example}')
     return with_arguments(call_id, payload["name"], payload.get("arguments", {}))
@@ -87,9 +89,22 @@ def with_arguments(call_id: str, name: str, arguments: object) -> ToolCall:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             return ToolCall(call_id, name, error=f"the arguments are not valid JSON ({exc.msg})")
+        except (RecursionError, ValueError) as exc:
+            return ToolCall(
+                call_id, name, error=f"the arguments cannot be read: {_unreadable(exc)}"
+            )
     if not isinstance(arguments, dict):
         return ToolCall(call_id, name, error="the arguments must be a JSON object")
     return ToolCall(call_id, name, arguments)
+
+
+def _unreadable(exc: RecursionError | ValueError) -> str:
+    """Why valid-looking JSON could not be decoded: Python's own limits, which a model's
+    garbage can reach (nesting past the recursion limit, an integer of thousands of
+    digits); the model's doing, so it reads why instead of the trajectory failing."""
+    if isinstance(exc, RecursionError):
+        return "it is nested too deeply"
+    return str(exc).split(";")[0]
 
 
 def from_openai(calls: list[openai.ToolCall]) -> list[ToolCall]:

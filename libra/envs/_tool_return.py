@@ -20,6 +20,9 @@ class ToolReturn:
     content: str
     status: ToolStatus
     latency_s: float
+    #: The type of an exception the tool raised that is not a ``ToolError``: a bug in
+    #: the env, not the model's doing (None when it returned or raised ``ToolError``).
+    exception: str | None = None
 
     @property
     def size_class(self) -> SizeClass:

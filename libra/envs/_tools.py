@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, TypeVar, get_origin, get_type_hints
 
 import pydantic
 
@@ -22,6 +22,10 @@ from libra.openai import tool_schema
 F = TypeVar("F", bound=Callable[..., Any])
 
 _TOOL_MARK = "__libra_tool__"
+_SCHEMA_TYPES = (
+    "str, int, float, bool, None, a Literal, an Enum, a list, tuple or dict of these, "
+    "an Optional or union of them, a pydantic model, a dataclass or a TypedDict"
+)
 _ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters):\s*$")
 _ARG_LINE = re.compile(r"^\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
 
@@ -84,6 +88,7 @@ class ToolSpec:
                 raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described")
             if param.name not in hints:
                 raise TypeError(f"tool {fn.__name__}: parameter {param.name!r} needs a type hint")
+            _check_schema(fn.__name__, param.name, hints[param.name])
             default = ... if param.default is param.empty else param.default
             field = pydantic.Field(default, description=arg_docs.get(param.name))
             fields[param.name] = (hints[param.name], field)
@@ -98,6 +103,26 @@ class ToolSpec:
             arguments=model,
             is_async=inspect.iscoroutinefunction(fn),
         )
+
+
+def _check_schema(tool_name: str, parameter: str, hint: Any) -> None:
+    """Refuse, naming the tool and the parameter, a type the model cannot be shown: one
+    with no JSON schema (a socket, a callable, an arbitrary class)."""
+    try:
+        pydantic.TypeAdapter(hint).json_schema()
+    except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticInvalidForJsonSchema):
+        raise TypeError(
+            f"tool {tool_name}: parameter {parameter!r} has type {_type_name(hint)}, which "
+            f"has no JSON schema to show the model; use {_SCHEMA_TYPES}"
+        ) from None
+
+
+def _type_name(hint: Any) -> str:
+    """``socket.socket``, ``collections.abc.Callable[[int], int]``: as the user wrote it."""
+    if isinstance(hint, type) and get_origin(hint) is None:
+        module = "" if hint.__module__ == "builtins" else f"{hint.__module__}."
+        return f"{module}{hint.__qualname__}"
+    return repr(hint)
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

@@ -21,13 +21,14 @@ import httpx
 import msgspec
 from rich.console import Console
 
+from libra.config import UsageError
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
 from libra.fleet import Endpoint, FleetSpec, InstanceSpec
 from libra.serving import EMBEDDED_MODEL_NAME
 
 
-class FleetError(RuntimeError):
+class FleetError(UsageError, RuntimeError):
     """The servers named by ``--server`` cannot be used; the message says why."""
 
 
@@ -50,12 +51,17 @@ async def open_fleet(
     transport: TransportName,
     max_connections: int,
     emulator: EmulatorConfig | None = None,
+    probe_timeout_s: float = 10.0,
 ) -> AsyncIterator[Fleet]:
+    """The fleet ``server`` (or ``fleet``) names. Every server given by URL is asked for
+    its models first, all at once, each for at most ``probe_timeout_s``: one that is not
+    there, never answers or is no OpenAI server fails here, in one line, not every
+    trajectory later."""
     if fleet is not None:
         if server is not None:
             raise FleetError("give either --server or a [fleet], not both")
         async with http_transport(transport, max_connections=max_connections) as http:
-            yield Fleet(http, await _with_models(http, fleet))
+            yield Fleet(http, await _with_models(http, fleet, probe_timeout_s))
         return
     if server is None or server == "emulated":
         config = emulator or EmulatorConfig()
@@ -77,7 +83,8 @@ async def open_fleet(
     if not all(url.startswith(("http://", "https://")) for url in urls):
         raise FleetError(f"--server must be 'emulated', 'embedded' or http(s) URLs, got {server!r}")
     async with http_transport(transport, max_connections=max_connections) as http:
-        endpoints = [Endpoint(url, model=model or await _first_model(http, url)) for url in urls]
+        served = await _models_of(http, urls, probe_timeout_s)
+        endpoints = [Endpoint(url, model=model or served[url]) for url in urls]
         yield Fleet(http, _one_bucket(endpoints))
 
 
@@ -86,12 +93,13 @@ def _one_bucket(endpoints: list[Endpoint]) -> FleetSpec:
     return FleetSpec(instances=instances)
 
 
-async def _with_models(http: HTTPTransport, fleet: FleetSpec) -> FleetSpec:
+async def _with_models(http: HTTPTransport, fleet: FleetSpec, timeout_s: float) -> FleetSpec:
     """The fleet, with the model each instance serves where it does not name one."""
+    served = await _models_of(http, [instance.url for instance in fleet.instances], timeout_s)
     instances = [
         instance
         if instance.model != "default"
-        else instance.model_copy(update={"model": await _first_model(http, instance.url)})
+        else instance.model_copy(update={"model": served[instance.url]})
         for instance in fleet.instances
     ]
     return fleet.model_copy(update={"instances": instances})
@@ -123,15 +131,62 @@ async def _embedded_url() -> AsyncIterator[str]:
             await vllm.astop()
 
 
-async def _first_model(http: HTTPTransport, url: str) -> str:
-    """The model a server serves, for requests that must name one."""
+async def _models_of(http: HTTPTransport, urls: list[str], timeout_s: float) -> dict[str, str]:
+    """The first model each server serves, asked of all at once (what is wrong with each
+    that fails, in one message)."""
+    served: dict[str, str] = {}
+    problems: list[str] = []
+
+    async def ask(url: str) -> None:
+        try:
+            served[url] = await _first_model(http, url, timeout_s)
+        except FleetError as exc:
+            problems.append(str(exc))
+
+    async with anyio.create_task_group() as group:
+        for url in dict.fromkeys(urls):
+            group.start_soon(ask, url)
+    if problems:
+        raise FleetError("; ".join(problems))
+    return served
+
+
+async def _first_model(http: HTTPTransport, url: str, timeout_s: float) -> str:
+    """The model a server serves (for requests that must name one), and the proof that
+    it is an OpenAI-compatible server that answers."""
+    models_url = url.rstrip("/") + "/v1/models"
+    with anyio.move_on_after(timeout_s):
+        try:  # the transport's own limit is a backstop: this scope's is the one meant
+            status, content = await http.get(models_url, timeout_s=timeout_s + 5)
+        except TransportError as exc:
+            raise FleetError(f"cannot reach {url}: {exc}") from None
+        return _model_in_listing(url, status, content)
+    raise FleetError(
+        f"{url} never answered: no reply to GET /v1/models in {timeout_s:g} s "
+        "(is it still starting, or not an HTTP server?)"
+    )
+
+
+def _model_in_listing(url: str, status: int, content: bytes) -> str:
+    """The first model of a ``/v1/models`` answer, or why it is not an OpenAI server's."""
+    if status != 200:
+        raise FleetError(
+            f"{url} is not an OpenAI-compatible server: GET /v1/models answered HTTP {status}"
+            f" ({_glimpse(content)})"
+        )
     try:
-        status, content = await http.get(url.rstrip("/") + "/v1/models", timeout_s=10)
-        if status != 200:
-            raise FleetError(f"{url}/v1/models answered HTTP {status}")
         models = msgspec.json.decode(content, type=_Models).data
-    except (TransportError, msgspec.DecodeError) as exc:
-        raise FleetError(f"cannot list the models of {url}: {exc}") from None
+    except msgspec.DecodeError:
+        raise FleetError(
+            f"{url} is not an OpenAI-compatible server: GET /v1/models answered "
+            f"{_glimpse(content)}, not a model list"
+        ) from None
     if not models or not isinstance(models[0].get("id"), str):
         raise FleetError(f"{url}/v1/models lists no model; pass --model")
     return str(models[0]["id"])
+
+
+def _glimpse(content: bytes) -> str:
+    """The start of an answer, on one line."""
+    text = " ".join(content[:200].decode("utf-8", "replace").split())
+    return repr(text[:80] + ("..." if len(text) > 80 else "")) if text else "an empty body"

@@ -41,6 +41,9 @@ class RolloutConfig(BaseModel):
         "written after it, so what one step learnt guides the next",
     )
     model: str | None = None
+    probe_timeout_s: PositiveFloat = Field(
+        10.0, description="how long a server given by URL may take to list its models"
+    )
     n: PositiveInt | None = Field(
         None, description="trajectories: default 64 of seeded tasks; with tasks, all of them"
     )
@@ -48,6 +51,13 @@ class RolloutConfig(BaseModel):
         None, description="JSONL file of tasks (key, seed, payload), each sampled in turn"
     )
     samples_per_prompt: PositiveInt = 1
+    max_failed_fraction: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="the run fails (exit status 1) when more of its trajectories than this "
+        "failed; one in which every trajectory failed always does",
+    )
     seed: int = 0
     out: Path = Path("rollout.jsonl")
     plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")
@@ -93,6 +103,7 @@ async def open_engine(
             transport=config.transport,
             max_connections=config.max_connections,
             emulator=config.emulator,
+            probe_timeout_s=config.probe_timeout_s,
         )
         # Containers start (seconds each, cold) while vLLM does, not after it.
         fleet = await beside(

@@ -50,6 +50,7 @@ from rich.console import Console
 
 from libra.engine import Group, RolloutSession, RolloutStats, TrajectoryRecord, jobs_for
 from libra.envs import Env, load_env
+from libra.envs import env_name as registered_name
 from libra.fleet import Endpoint
 from libra.launch import open_engine, scheduler_forest
 from libra.sched import Scheduler
@@ -425,7 +426,7 @@ async def open_run(
         assembled = await stack.enter_async_context(open_engine(rollout, env_cls, warm))
         session = await stack.enter_async_context(RolloutSession(assembled.engine))
         await trainer.ready()
-        env_name = rollout.env if ":" not in rollout.env else env_cls.__name__.lower()
+        env_name = registered_name(rollout.env, env_cls)
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
         scheduler = assembled.engine.scheduler
         run = TrainRun(config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler)

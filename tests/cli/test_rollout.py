@@ -59,8 +59,14 @@ def test_rollout_writes_one_exact_record_per_trajectory(
         (["rollout", "--env", "calc", "-n", "0"], "libra: error: invalid config: n:"),
         (["rollout", "--env", "calc", "--server", "ftp://x"], "--server must be 'emulated'"),
         (["rollout", "--env", "calc", "--config", "missing.toml"], "config file not found"),
-        (["rollout", "--env", "calc", "--set", "engine.bogus=1"], "engine.bogus: Extra inputs"),
-        (["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"], "cannot list the models"),
+        (
+            ["rollout", "--env", "calc", "--set", "engine.bogus=1"],
+            "unknown key engine.bogus (valid keys of [engine]: concurrency",
+        ),
+        (
+            ["rollout", "--env", "calc", "--server", "http://127.0.0.1:9"],
+            "cannot reach http://127.0.0.1:9",
+        ),
     ],
 )
 def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path) -> None:
@@ -73,6 +79,110 @@ def test_bad_input_gives_one_line(args: list[str], message: str, tmp_path: Path)
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+NAMED_ENV = """
+from libra.envs import Env
+
+class Echo(Env):
+    name = "echo-env"
+
+    def reset(self, seed: int) -> str:
+        return "say hi"
+
+    def reward(self, answer: str) -> float:
+        return 1.0
+"""
+
+
+def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``libra`` as its installed script runs: the current directory not on sys.path."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "libra", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("class Echo(Env)\n", "syntax error at {dir}/env_mod.py:1: expected ':'"),
+        (
+            "import socket\nfrom libra.envs import Env, tool\n"
+            "class Echo(Env):\n    @tool\n    def send(self, to: socket.socket) -> str: ...\n",
+            "tool send: parameter 'to' has type socket.socket, which has no JSON schema",
+        ),
+    ],
+)
+def test_an_env_that_cannot_load_gives_one_line_and_writes_nothing(
+    tmp_path: Path, source: str, message: str
+) -> None:
+    (tmp_path / "env_mod.py").write_text(source)
+    result = run_script(["rollout", "--env", "env_mod:Echo", "--out", "o.jsonl"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("libra: error: cannot load env 'env_mod:Echo': ")
+    assert message.format(dir=tmp_path) in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_an_env_in_the_current_directory_runs_under_its_own_name(tmp_path: Path) -> None:
+    (tmp_path / "env_mod.py").write_text(NAMED_ENV)
+    args = ["rollout", "--env", "env_mod:Echo", "-n", "2", "--no-progress", "--out", "o.jsonl"]
+    result = run_script(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    records = [
+        msgspec.json.decode(line) for line in (tmp_path / "o.jsonl").read_bytes().splitlines()
+    ]
+    assert [r["env"] for r in records] == ["echo-env"] * 2
+    assert all(r["task_id"].startswith("echo-env/") for r in records)
+
+
+class Flaky(Calc):
+    """Calc whose odd seeds break in ``reset`` (a bug in the env: ``env_error``)."""
+
+    def reset(self, seed: int) -> str:
+        if seed % 2:
+            raise RuntimeError(f"no task for seed {seed}")
+        return super().reset(seed)
+
+
+class Broken(Calc):
+    def reset(self, seed: int) -> str:
+        raise RuntimeError("no task")
+
+
+def test_a_run_whose_every_trajectory_failed_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.jsonl"
+    argv = ["rollout", "--env", f"{__name__}:Broken", "-n", "4", "--no-progress"]
+    assert main([*argv, "--out", str(out)]) == 1
+    assert len(out.read_bytes().splitlines()) == 4  # the records are still written
+    shown = capsys.readouterr().err.splitlines()
+    assert shown[0].startswith("libra: a bug in env Broken: RuntimeError")  # its traceback, once
+    assert shown.count("RuntimeError: no task") == 1
+    assert shown[-1] == (
+        "libra: error: all 4 trajectories failed (env_error: 4); the first: RuntimeError: no task"
+    )
+
+
+def test_max_failed_fraction_sets_how_many_failures_fail_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.jsonl"
+    argv = ["rollout", "--env", f"{__name__}:Flaky", "-n", "16", "--no-progress"]
+    assert main([*argv, "--out", str(out)]) == 0  # by default, only when every one failed
+    lines = out.read_bytes().splitlines()
+    records = [msgspec.json.decode(line, type=TrajectoryRecord) for line in lines]
+    failed = sum(r.status == "failed" for r in records)
+    assert 0 < failed < 16
+    capsys.readouterr()
+    fraction = (failed - 0.5) / 16
+    assert main([*argv, "--out", str(out), "--max-failed-fraction", str(fraction)]) == 1
+    assert f"libra: error: {failed} of 16 trajectories failed (env_error: {failed})" in (
+        capsys.readouterr().err
+    )
+    fraction = (failed + 0.5) / 16
+    assert main([*argv, "--out", str(out), "--max-failed-fraction", str(fraction)]) == 0
 
 
 def test_sigterm_records_the_trajectories_in_flight(tmp_path: Path) -> None:

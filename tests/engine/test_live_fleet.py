@@ -180,6 +180,7 @@ async def test_a_weight_sync_mid_call_keeps_the_routed_version_and_is_counted() 
 async def test_a_rejected_request_fails_its_trajectory_but_not_the_server() -> None:
     async with emulated_engine(max_model_len=64) as (engine, records):  # prompts do not fit
         await rollout(jobs_for(Calc, "calc", 3), engine)
-    assert [(r.status, r.stop_reason) for r in records] == [("failed", "server_error")] * 3
+    # Refused as too long for the model: the prompt's fault, neither the server's nor the model's.
+    assert [(r.status, r.stop_reason) for r in records] == [("failed", "prompt_too_long")] * 3
     (instance,) = engine.scheduler.router.instances
     assert instance.failures == 0 and not instance.is_down(engine.scheduler.router.clock())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import msgspec
 import pytest
 
 from libra.engine import (
@@ -149,6 +150,48 @@ async def test_bad_tool_calls_become_errors_the_model_reads(reply: str, error: s
     assert tool_message.content.startswith("Error:") and error in tool_message.content
 
 
+async def test_a_tool_s_bug_is_recorded_as_one_and_its_traceback_shown_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    replies = [call("boom", "{}") + call("refuse", "{}"), call("boom", "{}"), "I give up"]
+    async with emulated_engine(replies) as (engine, _):
+        records = [
+            await run_trajectory(TrajectoryJob.seeded(Toy, "toy", s), engine) for s in (1, 2)
+        ]
+    returns = [(r.tool, r.status, r.exception) for record in records for r in record.tool_returns]
+    bug, refusal = ("boom", "failure", "ValueError"), ("refuse", "failure", None)
+    assert returns == [bug, refusal, bug] * 2  # a deliberate ToolError is no exception
+    assert all(record.status == "completed" for record in records)
+    shown = capsys.readouterr().err
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert shown.startswith("libra: a bug in tool boom of env Toy: ValueError (its traceback")
+    assert 'raise ValueError("kaboom")' in shown
+
+
+async def test_a_bug_in_reward_or_close_shows_its_traceback_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    class BadReward(Toy):
+        def reward(self, answer: str) -> float:
+            return float(answer.split()[99])
+
+        async def close(self) -> None:
+            raise OSError("already closed")
+
+    async with emulated_engine(["The answer is 7"]) as (engine, _):
+        for seed in (1, 2, 3):
+            record = await run_trajectory(TrajectoryJob.seeded(BadReward, "toy", seed), engine)
+            assert (record.stop_reason, record.error) == (
+                "reward_error",
+                "IndexError: list index out of range",
+            )
+    shown = capsys.readouterr().err
+    assert shown.count("Traceback (most recent call last)") == 2  # one per place and type
+    assert "libra: a bug in reward of env BadReward: IndexError" in shown
+    assert "answer.split()[99]" in shown
+    assert "libra: a bug in close of env BadReward: OSError" in shown
+
+
 @pytest.mark.parametrize("name", ["hang", "block"])
 async def test_a_tool_that_hangs_times_out(name: str) -> None:
     started = time.monotonic()
@@ -273,3 +316,109 @@ async def test_a_stop_string_ends_the_turn_and_its_call_runs(api: Api) -> None:
         # No end-of-turn token was sampled: the template's one follows, not learnt from.
         end = record.weight_versions[0].end
         assert (record.token_ids[end], record.loss_mask[end]) == (258, 0)
+
+
+# ------------------------------------------------ bad input from the model and the env
+
+
+class Rough(Toy):
+    """Tools and prompts with rough edges: long, huge, undecodable."""
+
+    max_tool_output_chars = 1000
+
+    @tool
+    def echo(self, text: str) -> str:
+        """Say it back."""
+        return f"{len(text)} characters"
+
+    @tool
+    def dump(self) -> str:
+        """Print a whole file."""
+        return "start " + "x" * 100_000 + " end"
+
+    @tool
+    def undecodable(self) -> str:
+        """What a program printed, decoded as Python does for subprocess output."""
+        return b"ok \xff\xfe bad".decode("utf-8", "surrogateescape")
+
+    @tool
+    def raw(self) -> bytes:
+        """Bytes, as a program printed them."""
+        return b"ok \xff bytes"
+
+
+async def run_rough(env: type[Env], replies: list[str], **config: object) -> TrajectoryRecord:
+    room: dict[str, object] = {"sampling": SamplingConfig(max_tokens_per_turn=12_000)}
+    engine_config = EngineConfig.model_validate({"max_context_tokens": 20_000, **room, **config})
+    async with emulated_engine(replies, config=engine_config) as (engine, out):
+        record = await run_trajectory(TrajectoryJob.seeded(env, "rough", 5), engine)
+    assert out == [record]
+    msgspec.json.encode(record)  # whatever came in, the record can be written
+    return record
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ('{"text": ' + "[" * 3000 + "]" * 3000 + "}", "cannot be read: it is nested too deeply"),
+        ('{"text": ' + "9" * 5000 + "}", "cannot be read: Exceeds the limit (4300 digits)"),
+    ],
+)
+async def test_oversized_arguments_are_an_error_the_model_reads(arguments: str, error: str) -> None:
+    record = await run_rough(Rough, [call("echo", arguments), "I give up"])
+    assert (record.status, record.stop_reason) == ("completed", "model_stop")
+    assert [r.status for r in record.tool_returns] == ["failure"]
+    assert error in (record.messages[3].content or "")
+
+
+async def test_a_long_argument_reaches_the_tool_whole() -> None:
+    record = await run_rough(Rough, [call("echo", '{"text": "' + "y" * 8000 + '"}'), "done"])
+    assert record.messages[3].content == "8000 characters"
+
+
+async def test_a_huge_tool_output_is_cut_to_its_start_and_end() -> None:
+    record = await run_rough(Rough, [call("dump", "{}"), "done"])
+    shown = record.messages[3].content or ""
+    assert len(shown) == 1000 == record.tool_returns[0].chars
+    assert shown.startswith("start xx") and shown.endswith("xx end")
+    assert "[... 99,010 characters cut ...]" in shown
+    assert record.status == "completed"
+
+
+@pytest.mark.parametrize("name", ["undecodable", "raw"])
+async def test_undecodable_tool_output_reaches_the_model_as_replacement_characters(
+    name: str,
+) -> None:
+    record = await run_rough(Rough, [call(name, "{}"), "done"])
+    assert record.status == "completed" and record.tool_returns[0].status == "success"
+    assert (record.messages[3].content or "").startswith("ok \ufffd")
+
+
+async def test_an_undecodable_prompt_is_sent_with_replacement_characters() -> None:
+    class Undecodable(Rough):
+        def reset(self, seed: int) -> str:
+            self.seed = seed
+            return b"Add \xff 5 and 2.".decode("utf-8", "surrogateescape")
+
+    record = await run_rough(Undecodable, ["The answer is 7"])
+    assert record.status == "completed" and record.messages[1].content == "Add \ufffd 5 and 2."
+
+
+class Verbose(Rough):
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return "word " * 8_000  # 40,000 tokens of the emulator's byte tokenizer
+
+
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [
+        (20_000, "tokens; max_context_tokens is 20000"),
+        (100_000, "the server said: "),  # the server's context (32768) is smaller
+    ],
+)
+async def test_a_prompt_longer_than_the_context_fails_unscored(limit: int, error: str) -> None:
+    record = await run_rough(Verbose, ["The answer is 7"], max_context_tokens=limit)
+    assert (record.status, record.stop_reason, record.reward) == ("failed", "prompt_too_long", None)
+    assert record.error is not None and error in record.error
+    assert record.turns == 0

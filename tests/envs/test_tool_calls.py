@@ -39,3 +39,24 @@ def test_openai_tool_calls() -> None:
     good, bad = from_openai(calls)
     assert good == ToolCall("c1", "f", {"y": 3})
     assert bad.name == "g" and bad.error is not None
+
+
+DEEP = "[" * 5000 + "]" * 5000
+LONG_NUMBER = "9" * 5000
+
+
+def test_json_past_python_s_limits_is_an_error_the_model_reads() -> None:
+    # Nesting past the recursion limit and a 5000-digit number are valid JSON that
+    # Python's decoder refuses with other exceptions than JSONDecodeError.
+    [nested] = parse(f'<tool_call>{{"name": "a", "arguments": {{"x": {DEEP}}}}}</tool_call>')
+    assert nested.error == "the tool call cannot be read: it is nested too deeply"
+    [number] = parse(f'<tool_call>{{"name": "a", "arguments": {{"x": {LONG_NUMBER}}}}}</tool_call>')
+    assert number.error is not None
+    assert number.error.startswith("the tool call cannot be read: Exceeds the limit (4300 digits)")
+    calls = [
+        openai.ToolCall(id="c1", function=openai.FunctionCall(name="f", arguments=DEEP)),
+        openai.ToolCall(id="c2", function=openai.FunctionCall(name="f", arguments=LONG_NUMBER)),
+    ]
+    deep, long = from_openai(calls)
+    assert deep.error == "the arguments cannot be read: it is nested too deeply"
+    assert long.error is not None and long.error.startswith("the arguments cannot be read: ")
