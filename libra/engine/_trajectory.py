@@ -27,7 +27,7 @@ import msgspec
 import pydantic
 
 from libra import openai
-from libra.engine._client import Generation, GenerationError
+from libra.engine._client import Generation, GenerationError, RequestRejected
 from libra.engine._config import SamplingConfig
 from libra.engine._engine import Engine
 from libra.engine._records import (
