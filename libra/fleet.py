@@ -40,6 +40,9 @@ class Endpoint:
     name: str = ""
     weight_version: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    #: What a generation call waits for its answer here before its per-token allowance;
+    #: None: the engine's ``call_timeout_s``.
+    call_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -164,13 +167,22 @@ class InstanceSpec(Section):
     max_num_seqs: PositiveInt = Field(256, description="vLLM's --max-num-seqs")
     kv_capacity_tokens: PositiveInt = Field(200_000, description="tokens its KV cache holds")
     cost: StepCost | None = Field(None, description="default: StepCost.for_tp(tp)")
+    call_timeout_s: PositiveFloat | None = Field(
+        None, description="a generation call's wait here (default: the engine's call_timeout_s)"
+    )
 
     @property
     def step_cost(self) -> StepCost:
         return self.cost if self.cost is not None else StepCost.for_tp(self.tp)
 
     def endpoint(self) -> Endpoint:
-        return Endpoint(self.url, model=self.model, api=self.api, name=self.name)
+        return Endpoint(
+            self.url,
+            model=self.model,
+            api=self.api,
+            name=self.name,
+            call_timeout_s=self.call_timeout_s,
+        )
 
 
 class BucketSpec(Section):

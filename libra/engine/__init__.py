@@ -35,10 +35,12 @@ from libra.engine._stats import RolloutStats
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
 from libra.engine._turn import (
+    CallTimedOut,
     ContextFull,
     Dialogue,
     NoCapacity,
     Piece,
+    ServerTrouble,
     Turn,
     generate_turn,
     with_tools_described,
@@ -48,6 +50,7 @@ __all__ = [
     "ASGITransport",
     "AiohttpTransport",
     "BaseTransport",
+    "CallTimedOut",
     "ContextFull",
     "Dialogue",
     "Engine",
@@ -65,6 +68,7 @@ __all__ = [
     "RolloutStats",
     "SamplingConfig",
     "SamplingRecord",
+    "ServerTrouble",
     "ServerUnavailable",
     "TemplateRenderer",
     "Timings",

@@ -34,7 +34,12 @@ class EngineConfig(Section):
     max_context_tokens: PositiveInt = Field(
         8192, description="prompt + generated + tool tokens in one trajectory"
     )
-    max_wall_s: PositiveFloat = Field(900.0, description="wall-clock limit per trajectory")
+    max_wall_s: PositiveFloat = Field(
+        900.0,
+        description="wall-clock limit per trajectory: reached while its server is healthy "
+        "it is truncated (max_wall_s); reached while a call of the turn in progress has "
+        "failed or waits for an endpoint it is failed (server_error), unscored",
+    )
     on_max_tokens: Literal["truncate", "continue"] = Field(
         "truncate",
         description="a turn cut by sampling.max_tokens_per_turn: 'truncate' ends the "
@@ -42,7 +47,25 @@ class EngineConfig(Section):
         "model) and goes on, ending only if it made none",
     )
     tool_timeout_s: PositiveFloat | None = Field(None, description="default: the env's")
-    request_timeout_s: PositiveFloat = Field(600.0, description="one generation call")
+    request_timeout_s: PositiveFloat = Field(
+        600.0, description="one HTTP request: the cap above every per-call timeout"
+    )
+    call_timeout_s: PositiveFloat = Field(
+        30.0,
+        description="a generation call's wait for its answer (probes and rendering "
+        "included), plus call_timeout_per_token_s for each token it may sample; an "
+        "endpoint's own call_timeout_s replaces this. A call past it is taken as hung: "
+        "cancelled, its instance put in cooldown, and retried elsewhere with the same "
+        "context. It is what tells a hung server from a slow one (see max_wall_s)",
+    )
+    call_timeout_per_token_s: float = Field(
+        0.05, ge=0, description="what a long generation adds to call_timeout_s, per token"
+    )
+    stall_warning_s: PositiveFloat = Field(
+        60.0,
+        description="a rollout warns on stderr, at most once per this interval, while "
+        "generation calls are in flight and none has returned for this long",
+    )
     max_attempts: PositiveInt = Field(
         4, description="tries per generation call (server failures; planned removals are free)"
     )

@@ -11,6 +11,7 @@ from libra.engine._config import EngineConfig
 from libra.engine._http import HTTPTransport
 from libra.engine._records import TrajectoryRecord
 from libra.engine._tokens import TemplateRenderer
+from libra.engine._watch import GenerationWatch
 from libra.envs import EnvBugs, SandboxProvider, TrajectoryId
 from libra.sched import Scheduler
 
@@ -38,6 +39,8 @@ class Engine:
     #: The trajectories its sessions hold (queued or running): no two alike at once,
     #: whichever session holds them, since the scheduler keys its state by them.
     live_ids: set[TrajectoryId] = field(init=False, default_factory=set)
+    #: Every generation call in flight, and when one last returned (a stall's warning).
+    generations: GenerationWatch = field(init=False, default_factory=GenerationWatch)
 
     def __post_init__(self) -> None:
         self.client = OpenAIClient(self.http, timeout_s=self.config.request_timeout_s)

@@ -51,6 +51,7 @@ from libra.engine._engine import Engine
 from libra.engine._records import TrajectoryRecord
 from libra.engine._stats import RolloutStats
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
+from libra.engine._watch import warn_while_stalled
 from libra.envs import GroupId, TrajectoryId
 
 
@@ -146,6 +147,7 @@ class RolloutSession:
         self._outbox = _Outbox(engine.config.buffer)
         self._changes = _Changes()
         self._admission = anyio.CancelScope()
+        self._watch = anyio.CancelScope()  # the stall warning's, ended with the session
         self._stack = AsyncExitStack()
         self._group: anyio.abc.TaskGroup | None = None
 
@@ -155,6 +157,7 @@ class RolloutSession:
         self._group = await self._stack.enter_async_context(anyio.create_task_group())
         self.stats.started_at = anyio.current_time()
         self._group.start_soon(self._admit)
+        self._group.start_soon(self._warn_while_stalled)
         return self
 
     async def __aexit__(
@@ -165,6 +168,7 @@ class RolloutSession:
     ) -> bool | None:
         self.cancel()
         self._admission.cancel()
+        self._watch.cancel()
         try:
             return await self._stack.__aexit__(exc_type, exc, traceback)
         finally:
@@ -306,6 +310,10 @@ class RolloutSession:
                         continue
                 self._queue.popleft()
                 self._start(job)
+
+    async def _warn_while_stalled(self) -> None:
+        with self._watch:
+            await warn_while_stalled(self.engine.generations, self.engine.config.stall_warning_s)
 
     def _start(self, job: TrajectoryJob) -> None:
         assert self._group is not None

@@ -38,7 +38,13 @@ from libra.engine._records import (
     TrajectoryRecord,
 )
 from libra.engine._tokens import TokenLog
-from libra.engine._turn import ContextFull, Turn, generate_turn, with_tools_described
+from libra.engine._turn import (
+    ContextFull,
+    ServerTrouble,
+    Turn,
+    generate_turn,
+    with_tools_described,
+)
 from libra.envs import (
     Env,
     EnvBugs,
@@ -124,7 +130,7 @@ async def run_trajectory(
                 f"{len(t.tokens)} tokens; max_context_tokens is {engine.config.max_context_tokens}"
             )
     except TimeoutError:
-        t.status, t.stop_reason = "truncated", "max_wall_s"
+        t.out_of_time(engine.config.max_wall_s)
     except ContextFull:
         if t.turns == 0:
             t.prompt_too_long(
@@ -163,7 +169,7 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
     while True:
         if t.turns >= max_turns:
             raise _End("truncated", "max_turns")
-        turn = await generate_turn(t, engine)
+        turn = await generate_turn(t, engine, t.trouble)
         t.add_model_turn(turn)
         generation = turn.generation
         calls = _tool_calls(env, generation)
@@ -357,6 +363,7 @@ class _Trajectory:
         self.stop_reason = "unfinished"
         self.error: str | None = None
         self.reward: float | None = None
+        self.trouble = ServerTrouble()  # the servers' failures in the turn in progress
 
     def start(self, env: Env, prompt: str | list[openai.Message]) -> None:
         self.tools = env.tool_schemas()
@@ -423,6 +430,17 @@ class _Trajectory:
 
     def fail(self, reason: str, error: str) -> None:
         self.status, self.stop_reason, self.error = "failed", reason, error
+
+    def out_of_time(self, max_wall_s: float) -> None:
+        """``max_wall_s`` reached. The model's doing (``truncated``) only if its servers
+        were serving it: a turn whose call had failed, or that waited for an endpoint,
+        was stopped by the fleet, so it fails unscored. A call still in flight within
+        its own timeout is a server at work (past it, the call would have failed)."""
+        if self.trouble.unresolved is None:
+            self.status, self.stop_reason = "truncated", "max_wall_s"
+        else:
+            why = f"max_wall_s ({max_wall_s:g} s) reached after {self.trouble.unresolved}"
+            self.fail("server_error", why)
 
     def prompt_too_long(self, why: str) -> None:
         """The task's prompt alone fills the context: the env's doing, not the model's

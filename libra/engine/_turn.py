@@ -70,7 +70,21 @@ class NoCapacity(ServerUnavailable):
     """No endpoint became usable within ``capacity_wait_s``."""
 
 
-async def generate_turn(d: Dialogue, engine: Engine) -> Turn:
+class CallTimedOut(ServerUnavailable):
+    """A generation call had no answer within its per-call timeout: its server is hung."""
+
+
+@dataclass(slots=True)
+class ServerTrouble:
+    """What went wrong with the servers in the turn in progress, and is not over yet: a
+    failed attempt, or a wait for a usable endpoint (None once a generation returns).
+    A caller that is stopped mid-turn (its wall-clock limit) reads here whether the
+    servers were failing it, rather than the model being slow."""
+
+    unresolved: str | None = None
+
+
+async def generate_turn(d: Dialogue, engine: Engine, trouble: ServerTrouble | None = None) -> Turn:
     """One model turn, in as many generations as it takes.
 
     A generation that ends with ``finish_reason: "abort"`` (a paused or drained server)
@@ -79,14 +93,16 @@ async def generate_turn(d: Dialogue, engine: Engine) -> Turn:
     continuation of the token list with what is left of the turn's token budget; the
     pieces make one turn. The chat path cannot continue a partial reply, so there the
     turn starts over (what it had sampled is dropped). After ``max_continuations`` such
-    restarts a further abort raises ``ServerUnavailable``.
+    restarts a further abort raises ``ServerUnavailable``. ``trouble``, if given, follows
+    the servers' failures while the turn runs.
     """
     config = engine.config
+    trouble = trouble or ServerTrouble()
     turn = Turn()
     for _ in range(config.max_continuations + 1):
         if turn.pieces and _turn_budget(d, config, turn) <= 0:
             return turn.ended("length")  # the abort came on the turn's last token
-        piece = await _attempt(d, engine, turn)
+        piece = await _attempt(d, engine, turn, trouble)
         if piece.generation.path == "chat":
             turn.pieces.clear()  # a chat reply is always the whole turn
         turn.pieces.append(piece)
@@ -95,17 +111,18 @@ async def generate_turn(d: Dialogue, engine: Engine) -> Turn:
     raise ServerUnavailable(f"a turn was aborted {config.max_continuations + 1} times")
 
 
-async def _attempt(d: Dialogue, engine: Engine, turn: Turn) -> Piece:
+async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTrouble) -> Piece:
     """One generation call: route, call, release with what happened; on a server failure
-    retry (elsewhere if possible). A failure on an instance the fleet has retired since
-    (drained, removed) costs no attempt; with no usable endpoint the call waits for
-    capacity. An aborted generation came from a healthy server (paused or drained): it
-    is released as ``migrated``, and the turn goes on in the next piece."""
+    (a hung server's call timing out too) retry, elsewhere if possible, with the same
+    context. A failure on an instance the fleet has retired since (drained, removed)
+    costs no attempt; with no usable endpoint the call waits for capacity. An aborted
+    generation came from a healthy server (paused or drained): it is released as
+    ``migrated``, and the turn goes on in the next piece."""
     config, scheduler = engine.config, engine.scheduler
     failed: set[str] = set()
     backoff = config.retry_backoff_s
     attempts = 0
-    capacity = _CapacityWait(config.capacity_wait_s)
+    capacity = _CapacityWait(config.capacity_wait_s, trouble)
     while True:
         route = await _route(d, turn, scheduler, failed, capacity)
         generation: Generation | None = None
@@ -114,6 +131,7 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn) -> Piece:
             generation = await _call(d, engine, route, turn)
             outcome = "migrated" if generation.finish_reason == "abort" else "ok"
             d.weights_changed_turns += route.weights_changed
+            trouble.unresolved = None
             return Piece(generation, route.endpoint, route.weight_version, route.bucket)
         except ServerUnavailable as exc:
             capacity.last_error = str(exc)
@@ -123,8 +141,10 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn) -> Piece:
             outcome = "failed"
             failed.add(route.endpoint.name)
             attempts += 1
+            trouble.unresolved = f"{attempts} failed attempts, the last: {exc}"
+            engine.generations.failed(str(exc))
             if attempts >= config.max_attempts:
-                raise
+                raise ServerUnavailable(trouble.unresolved) from exc
         except RequestRejected:
             outcome = "rejected"
             raise
@@ -138,15 +158,18 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn) -> Piece:
 class _CapacityWait:
     """What one call may still wait for an endpoint, and the failure to report if none."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, trouble: ServerTrouble) -> None:
         self.budget_s = budget_s
         self.last_error = ""
+        self.trouble = trouble
 
     async def wait(self, router: Router, why: str) -> None:
         """Until the router gains a usable endpoint (or the budget is spent: fail)."""
         if self.budget_s <= 0:
             after = f" (last failure: {self.last_error})" if self.last_error else ""
             raise NoCapacity(f"no endpoint for {why}{after}")
+        if self.trouble.unresolved is None:
+            self.trouble.unresolved = f"waiting for a usable endpoint ({why})"
         started = anyio.current_time()
         with anyio.move_on_after(self.budget_s):
             await router.membership.wait()
@@ -180,6 +203,23 @@ async def _route(
 
 
 async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
+    """The generation, within the call's timeout (past it the server is taken as hung)."""
+    timeout_s = _call_timeout(engine.config, route.endpoint, _turn_budget(d, engine.config, turn))
+    with engine.generations.call(), anyio.move_on_after(timeout_s):
+        generation = await _generate(d, engine, route, turn)
+        engine.generations.returned()
+        return generation
+    raise CallTimedOut(f"{route.endpoint.name}: no answer in {timeout_s:.1f} s (taken as hung)")
+
+
+def _call_timeout(config: EngineConfig, endpoint: Endpoint, max_tokens: int) -> float:
+    """What a healthy server needs at most for a call that may sample ``max_tokens``:
+    a long generation is not a hang."""
+    base = endpoint.call_timeout_s or config.call_timeout_s
+    return base + config.call_timeout_per_token_s * max(max_tokens, 0)
+
+
+async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
     endpoint, client = route.endpoint, engine.client
     if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
         d.describe_tools_in_system_message()
