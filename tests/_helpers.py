@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+import anyio
+import anyio.abc
 import httpx
 import msgspec
 import pytest
@@ -45,6 +47,31 @@ MODEL = "libra-emulated"
 EMULATED_URL = "http://emulated"
 tokenizer = ByteTokenizer()
 DEMO = Path(__file__).parents[1] / "examples" / "rollout.toml"
+
+
+@asynccontextmanager
+async def hung_server() -> AsyncIterator[str]:
+    """A server on loopback that lists its model at ``/v1/models`` and then never answers
+    anything else (a vLLM whose engine hung): its base URL."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    models = msgspec.json.encode({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    listing = head + b"content-length: %d\r\n\r\n" % len(models) + models
+
+    async def serve(stream: anyio.abc.ByteStream) -> None:
+        async with stream:
+            if (await stream.receive()).startswith(b"GET /v1/models"):
+                await stream.send(listing)
+                return
+            await anyio.sleep_forever()
+
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            group.cancel_scope.cancel()
 
 
 @asynccontextmanager
