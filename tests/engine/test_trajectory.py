@@ -1,4 +1,5 @@
-"""The trajectory coroutine against the in-process emulated server."""
+"""The trajectory coroutine against the in-process emulated server (and a hung one on
+loopback)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,27 @@ import anyio
 import msgspec
 import pytest
 
+from libra.emulation import LatencyModel
 from libra.engine import (
+    Engine,
     EngineConfig,
     SamplingConfig,
     TrajectoryJob,
     TrajectoryRecord,
+    http_transport,
     run_trajectory,
 )
 from libra.envs import Env, ToolError, tool
-from libra.fleet import Api
-from tests._helpers import assert_tokens_consistent, emulated_engine, sampled_spans, tokenizer
+from libra.fleet import Api, Endpoint
+from libra.sched.policies import LeastLoadedScheduler
+from tests._helpers import (
+    MODEL,
+    assert_tokens_consistent,
+    emulated_engine,
+    hung_server,
+    sampled_spans,
+    tokenizer,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -247,6 +259,50 @@ async def test_context_budget_truncates() -> None:
 async def test_wall_clock_limit_truncates() -> None:
     record = await run([call("hang", "{}")] * 4, max_wall_s=0.2)
     assert (record.status, record.stop_reason) == ("truncated", "max_wall_s")
+
+
+async def on_a_hung_server(**config: object) -> TrajectoryRecord:
+    """A trajectory whose only server lists its model, then never answers."""
+    settings = {"call_timeout_s": 0.3, "call_timeout_per_token_s": 0.0, **config}
+    async with hung_server() as url, http_transport("httpx") as http:
+        engine_config = EngineConfig.model_validate(settings)
+        records: list[TrajectoryRecord] = []
+        scheduler = LeastLoadedScheduler([Endpoint(url, model=MODEL)])
+        engine = Engine(http, scheduler, config=engine_config, on_record=records.append)
+        record = await run_trajectory(TrajectoryJob.seeded(Toy, "toy", 5), engine)
+        assert not any(scheduler.calls_in_flight().values())
+    assert records == [record]  # one record, and only one
+    return record
+
+
+async def test_a_hung_server_at_the_wall_clock_limit_is_a_server_error_not_truncation() -> None:
+    """The wall falls while the turn retries calls that hung: the fleet's doing."""
+    record = await on_a_hung_server(max_wall_s=1.0, max_attempts=100, retry_backoff_s=0.05)
+    assert (record.status, record.stop_reason, record.reward) == ("failed", "server_error", None)
+    assert record.error is not None
+    assert record.error.startswith("max_wall_s (1 s) reached after ")
+    assert "failed attempts, the last: " in record.error and "(taken as hung)" in record.error
+
+
+async def test_a_hung_server_that_fails_every_attempt_is_a_server_error() -> None:
+    record = await on_a_hung_server(max_attempts=2, retry_backoff_s=0.0)
+    assert (record.status, record.stop_reason, record.reward) == ("failed", "server_error", None)
+    assert record.error is not None and record.error.startswith("2 failed attempts, the last: ")
+    assert record.timings.total_s < 5  # two short timeouts, not the 600 s request cap
+
+
+async def test_the_wall_clock_limit_during_a_slow_healthy_generation_truncates() -> None:
+    """A call in flight within its own timeout is a server at work: the model's long
+    reply ran out of time, so it is truncated and scored."""
+    slow = LatencyModel(
+        prefill_s_per_token=0.0, step_base_s=0.02, step_per_seq_s=0.0, step_per_ctx_token_s=0.0
+    )
+    config = EngineConfig(max_wall_s=0.5)
+    async with emulated_engine(["x" * 200], config=config, latency=slow) as (engine, out):
+        record = await run_trajectory(TrajectoryJob.seeded(Toy, "toy", 5), engine)
+    assert out == [record]
+    assert (record.status, record.stop_reason, record.error) == ("truncated", "max_wall_s", None)
+    assert record.reward == 0.0  # scored: the model had not answered
 
 
 async def test_chat_mode_without_token_ids_records_text_only() -> None:
