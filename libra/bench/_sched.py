@@ -69,7 +69,7 @@ from libra.sched.policies import (
 from libra.signals import ToolSignal
 
 MODEL = "libra-emulated"
-_FOREVER_S = 1e7  # request and trajectory limits: a benchmark step never hits them
+_FOREVER_S = 1e7  # request, call and trajectory limits: a benchmark step never hits them
 _CONTEXT_MARGIN = 4096  # template tokens beyond the workload's own context limit
 
 Timeline = list[tuple[float, int]]  # (time, sequences running) at every change
@@ -222,6 +222,8 @@ def _engine_config(workload: Workload, concurrency: int, seed: int) -> EngineCon
         max_wall_s=_FOREVER_S,
         tool_timeout_s=limits.tool_timeout_s,
         request_timeout_s=_FOREVER_S,
+        call_timeout_s=_FOREVER_S,  # a call queued behind a long batch is not a hang here
+        stall_warning_s=_FOREVER_S,
         sampling=SamplingConfig(max_tokens_per_turn=limits.max_context_tokens, seed=seed),
     )
 
