@@ -97,7 +97,7 @@ async def generate_turn(d: Dialogue, engine: Engine, trouble: ServerTrouble | No
     the servers' failures while the turn runs.
     """
     config = engine.config
-    trouble = trouble or ServerTrouble()
+    trouble = trouble if trouble is not None else ServerTrouble()
     turn = Turn()
     for _ in range(config.max_continuations + 1):
         if turn.pieces and _turn_budget(d, config, turn) <= 0:

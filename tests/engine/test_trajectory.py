@@ -291,6 +291,19 @@ async def test_a_hung_server_that_fails_every_attempt_is_a_server_error() -> Non
     assert record.timings.total_s < 5  # two short timeouts, not the 600 s request cap
 
 
+async def test_the_wall_clock_limit_while_waiting_for_an_endpoint_is_a_server_error() -> None:
+    config = EngineConfig(max_wall_s=0.3, capacity_wait_s=60)
+    async with emulated_engine(["The answer is 7"], config=config) as (engine, out):
+        router = engine.scheduler.router
+        (only,) = router.instances
+        await router.retire(only.name)  # the fleet is empty: no server to serve the call
+        record = await run_trajectory(TrajectoryJob.seeded(Toy, "toy", 5), engine)
+    assert out == [record]
+    assert (record.status, record.stop_reason, record.reward) == ("failed", "server_error", None)
+    assert record.error is not None
+    assert record.error.startswith("max_wall_s (0.3 s) reached after waiting for a usable endpoint")
+
+
 async def test_the_wall_clock_limit_during_a_slow_healthy_generation_truncates() -> None:
     """A call in flight within its own timeout is a server at work: the model's long
     reply ran out of time, so it is truncated and scored."""
