@@ -47,6 +47,8 @@ def test_an_endpoint_is_named_by_its_url_unless_named() -> None:
         "m",
         "chat",
     )
+    assert endpoint.call_timeout_s is None  # the engine's call_timeout_s applies
+    assert InstanceSpec(name="s", url="http://s", call_timeout_s=5).endpoint().call_timeout_s == 5
 
 
 def shipped_roofline() -> Roofline:

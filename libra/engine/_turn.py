@@ -141,7 +141,7 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             outcome = "failed"
             failed.add(route.endpoint.name)
             attempts += 1
-            trouble.unresolved = f"{attempts} failed attempts, the last: {exc}"
+            trouble.unresolved = _failed_attempts(attempts, exc)
             engine.generations.failed(str(exc))
             if attempts >= config.max_attempts:
                 raise ServerUnavailable(trouble.unresolved) from exc
@@ -153,6 +153,12 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             scheduler.release(route, outcome=outcome, new_tokens=sampled)
         await anyio.sleep(backoff)
         backoff *= 2
+
+
+def _failed_attempts(attempts: int, last: Exception) -> str:
+    if attempts == 1:
+        return f"1 failed attempt: {last}"
+    return f"{attempts} failed attempts, the last: {last}"
 
 
 class _CapacityWait:
