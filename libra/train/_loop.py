@@ -196,8 +196,16 @@ class TrainRun:
         if state is None:  # checked before the run opened: only a concurrent delete
             raise NothingToResume(f"{self.run_dir} holds no checkpoint to resume from")
         self.version = state.weight_version
+        self._forget_lost_weights(state.weight_version)
         await self._serve_restored(state.weight_version)
         return state.step
+
+    def _forget_lost_weights(self, version: int) -> None:
+        """Remove the exports of versions after ``version``: steps the killed run took
+        after its checkpoint, lost with it, which the resumed run exports anew."""
+        for folder in (self.run_dir / "weights").glob("v*"):
+            if folder.name[1:].isdigit() and int(folder.name[1:]) > version:
+                shutil.rmtree(folder)
 
     async def _serve_restored(self, version: int) -> None:
         """Serve ``version`` again: its exported folder where it was kept (an export

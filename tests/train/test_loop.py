@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -311,6 +312,20 @@ async def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_tasks(
     await train(whole)
     for step in range(3):
         assert _task_keys(config.run_dir, step) == _task_keys(whole.run_dir, step)
+
+
+async def test_a_run_killed_between_an_export_and_its_checkpoint_resumes(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Step 1 exported v2, then the run died before step 1's checkpoint: the resumed run
+    redoes step 1 from the step-1 checkpoint and exports v2 again."""
+    config = run_config(tmp_path / "run", tiny_model)
+    await train(config)
+    shutil.rmtree(config.run_dir / "checkpoints" / "step-00000002")  # never written
+    assert (config.run_dir / "weights" / "v2").is_dir()  # but the export was
+    lines = await train(config, resume=True)
+    assert [line.step for line in lines] == [1]
+    assert [line["weight_version"] for line in iter_metrics(config.run_dir)] == [1, 2]
 
 
 def test_resume_without_a_checkpoint_is_one_line(
