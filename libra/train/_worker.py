@@ -6,7 +6,7 @@ GPU per rank, so a GPU run is the same code with ``world_size`` = the GPUs given
 training) and sends them commands through a pipe. Rank 0 reads each command, broadcasts
 it to the other ranks, every rank runs it (the commands are collective), and rank 0
 answers. Commands and answers are small picklable objects: a :class:`Batch` to train on,
-a version to export, records to compare logprobs on.
+a version to export, token ids to score (the logprob probe), a checkpoint to write.
 
 **Loss scaling.** ``MicroBatch.loss`` is a weighted sum whose sum over *all* of a batch's
 micro-batches is the batch's loss; :meth:`FSDPTrainer.accumulate` divides each
