@@ -20,7 +20,7 @@ from pathlib import Path
 
 import anyio
 import uvicorn
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 from rich.console import Console
 from rich.live import Live
 
@@ -33,7 +33,13 @@ from libra.gateway import GatewayConfig, Sessions
 from libra.gateway._app import DEFAULT_MAX_BODY_BYTES, create_gateway
 from libra.gateway._auth import Keys, gateway_keys
 from libra.gateway._metrics import GatewayMetrics, Totals
-from libra.launch import SCHEDULERS, build_scheduler, open_fleet, save_scheduler_state
+from libra.launch import (
+    SCHEDULERS,
+    SchedulerName,
+    build_scheduler,
+    open_fleet,
+    save_scheduler_state,
+)
 from libra.sched import Scheduler
 from libra.sched.policies import CMLFQConfig, RoutedPolicy
 
@@ -46,7 +52,7 @@ class ServeConfig(BaseModel):
     server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
     fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
     model: str | None = Field(None, description="model name upstream (default: the server's)")
-    policy: str = Field("cmlfq", description=f"one of {', '.join(SCHEDULERS)}")
+    policy: SchedulerName = Field("cmlfq", description=f"one of {', '.join(SCHEDULERS)}")
     cmlfq: CMLFQConfig = CMLFQConfig()
     scheduler_state: Path | None = Field(
         None, description="C-MLFQ's prefix forest: read at start if it exists, written at exit"
@@ -65,13 +71,6 @@ class ServeConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
     gateway: GatewayConfig = GatewayConfig()
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, name: str) -> str:
-        if name not in SCHEDULERS:
-            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(SCHEDULERS)}")
-        return name
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

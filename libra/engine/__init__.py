@@ -40,9 +40,11 @@ from libra.engine._turn import (
     Dialogue,
     NoCapacity,
     Piece,
+    Recorded,
     ServerTrouble,
     Turn,
     generate_turn,
+    record_of,
     with_tools_described,
 )
 
@@ -63,6 +65,7 @@ __all__ = [
     "NoCapacity",
     "OpenAIClient",
     "Piece",
+    "Recorded",
     "RequestRejected",
     "RolloutSession",
     "RolloutStats",
@@ -84,6 +87,7 @@ __all__ = [
     "http_transport",
     "jobs_for",
     "jobs_of",
+    "record_of",
     "rollout",
     "run_trajectory",
     "with_tools_described",

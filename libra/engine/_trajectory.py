@@ -31,7 +31,6 @@ from libra.engine._client import Generation, GenerationError, RequestRejected
 from libra.engine._config import SamplingConfig
 from libra.engine._engine import Engine
 from libra.engine._records import (
-    SamplingRecord,
     Status,
     Timings,
     ToolReturnRecord,
@@ -43,6 +42,7 @@ from libra.engine._turn import (
     ServerTrouble,
     Turn,
     generate_turn,
+    record_of,
     with_tools_described,
 )
 from libra.envs import (
@@ -448,10 +448,9 @@ class _Trajectory:
         self.fail("prompt_too_long", f"the prompt does not fit the context: {why}")
 
     def record(self) -> TrajectoryRecord:
-        exact = self.tokens.source != "none"
-        job, sampling = self.job, self.sampling
-        return TrajectoryRecord(
-            id=self.key,
+        job = self.job
+        return record_of(
+            self,
             env=job.task.id.env,
             task_id=self.prompt_key,
             group_id=str(job.group_id),
@@ -460,22 +459,7 @@ class _Trajectory:
             status=self.status,
             stop_reason=self.stop_reason,
             reward=self.reward,
-            turns=self.turns,
-            messages=self.messages,
-            token_ids=self.tokens.ids if exact else [],
-            loss_mask=self.tokens.mask if exact else [],
-            logprobs=self.tokens.logprobs if exact else [],
-            tokens=self.tokens.source,
-            weight_versions=self.tokens.spans if exact else [],
-            tool_returns=self.tool_returns,
-            endpoints=self.endpoints,
-            sampling=SamplingRecord(
-                sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
-            ),
-            weight_version=self.weight_version,
-            timings=self.timings,
             error=self.error,
-            weights_changed_turns=self.weights_changed_turns,
         )
 
 

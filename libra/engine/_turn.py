@@ -20,7 +20,13 @@ from libra import openai
 from libra.engine._client import Generation, RequestRejected, ServerUnavailable
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
 from libra.engine._engine import Engine
-from libra.engine._records import Timings
+from libra.engine._records import (
+    SamplingRecord,
+    Status,
+    Timings,
+    ToolReturnRecord,
+    TrajectoryRecord,
+)
 from libra.engine._tokens import TemplateRenderer, TokenLog
 from libra.fleet import Endpoint
 from libra.sched import CallOutcome, NoEndpointAvailable, Route, Router, RouteRequest, Scheduler
@@ -50,6 +56,60 @@ class Dialogue(Protocol):
     def describe_tools_in_system_message(self) -> None:
         """For servers whose chat template drops ``tools``: put them in the prompt."""
         ...
+
+
+class Recorded(Dialogue, Protocol):
+    """A conversation that ends as a trajectory record (a rollout's, a gateway's)."""
+
+    messages: list[openai.Message]
+    tool_returns: list[ToolReturnRecord]
+    endpoints: list[str]
+
+
+def record_of(
+    d: Recorded,
+    *,
+    env: str,
+    task_id: str,
+    group_id: str,
+    step: int,
+    sample: int,
+    status: Status,
+    stop_reason: str,
+    reward: float | None,
+    error: str | None,
+) -> TrajectoryRecord:
+    """``d`` as a record: its tokens (when exact or drifted), turns, tools, timings and
+    sampling, under the identity and outcome given."""
+    exact = d.tokens.source != "none"
+    sampling = d.sampling
+    return TrajectoryRecord(
+        id=d.key,
+        env=env,
+        task_id=task_id,
+        group_id=group_id,
+        step=step,
+        sample=sample,
+        status=status,
+        stop_reason=stop_reason,
+        reward=reward,
+        turns=d.turns,
+        messages=d.messages,
+        token_ids=d.tokens.ids if exact else [],
+        loss_mask=d.tokens.mask if exact else [],
+        logprobs=d.tokens.logprobs if exact else [],
+        tokens=d.tokens.source,
+        weight_versions=d.tokens.spans if exact else [],
+        tool_returns=d.tool_returns,
+        endpoints=d.endpoints,
+        sampling=SamplingRecord(
+            sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
+        ),
+        weight_version=d.weight_version,
+        timings=d.timings,
+        error=error,
+        weights_changed_turns=d.weights_changed_turns,
+    )
 
 
 def with_tools_described(messages: list[openai.Message], guide: str) -> list[openai.Message]:

@@ -24,12 +24,12 @@ import anyio
 from libra import openai
 from libra.engine import (
     SamplingConfig,
-    SamplingRecord,
     Timings,
     TokenLog,
     ToolReturnRecord,
     TrajectoryRecord,
     Turn,
+    record_of,
     with_tools_described,
 )
 from libra.envs import GroupId, HermesToolCallParser, TaskId, ToolCallParser
@@ -260,11 +260,9 @@ class Session:
         start alike share a ``task_id`` and a ``group_id`` (at step 0: the gateway knows
         no RL steps; ``weight_versions`` say which weights sampled what)."""
         self.timings.total_s = anyio.current_time() - self.started_at
-        exact = self.tokens.source != "none"
         task = TaskId(self.env, self.prompt_key)
-        sampling = self.sampling
-        return TrajectoryRecord(
-            id=self.key,
+        return record_of(
+            self,
             env=self.env,
             task_id=str(task),
             group_id=str(GroupId(0, task)),
@@ -273,22 +271,7 @@ class Session:
             status=status,
             stop_reason=stop_reason,
             reward=None if status == "failed" else self.reward,
-            turns=self.turns,
-            messages=self.messages,
-            token_ids=self.tokens.ids if exact else [],
-            loss_mask=self.tokens.mask if exact else [],
-            logprobs=self.tokens.logprobs if exact else [],
-            tokens=self.tokens.source,
-            weight_versions=self.tokens.spans if exact else [],
-            tool_returns=self.tool_returns,
-            endpoints=self.endpoints,
-            sampling=SamplingRecord(
-                sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
-            ),
-            weight_version=self.weight_version,
-            timings=self.timings,
             error=error,
-            weights_changed_turns=self.weights_changed_turns,
         )
 
 

@@ -11,6 +11,7 @@ from libra.launch._rollout import Assembled, RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import (
     SCHEDULERS,
+    SchedulerName,
     build_scheduler,
     save_scheduler_state,
     scheduler_forest,
@@ -24,6 +25,7 @@ __all__ = [
     "FleetError",
     "RolloutConfig",
     "SandboxKind",
+    "SchedulerName",
     "beside",
     "build_scheduler",
     "open_engine",

@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from libra.emulation import EmulatorConfig
 from libra.engine import Engine, EngineConfig, TransportName
@@ -17,7 +17,12 @@ from libra.envs import Env
 from libra.fleet import FleetSpec
 from libra.launch._fleet import Fleet, open_fleet
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
-from libra.launch._scheduler import SCHEDULERS, build_scheduler, save_scheduler_state
+from libra.launch._scheduler import (
+    SCHEDULERS,
+    SchedulerName,
+    build_scheduler,
+    save_scheduler_state,
+)
 from libra.sched import poll_metrics
 from libra.sched.policies import CMLFQConfig
 
@@ -28,7 +33,7 @@ class RolloutConfig(BaseModel):
     env: str
     server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
     fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
-    scheduler: str = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
+    scheduler: SchedulerName = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
     cmlfq: CMLFQConfig = CMLFQConfig()
     metrics_interval_s: PositiveFloat | None = Field(
         None,
@@ -68,13 +73,6 @@ class RolloutConfig(BaseModel):
     sandbox_pool: PositiveInt = 16
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
-
-    @field_validator("scheduler")
-    @classmethod
-    def _known_scheduler(cls, name: str) -> str:
-        if name not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
-        return name
 
 
 @dataclass

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
+from pydantic import AfterValidator, ValidationInfo
 
 from libra.config import ConfigError
 from libra.fleet import FleetSpec
@@ -21,6 +23,17 @@ from libra.sched.policies import (
 
 # Every policy but the oracles, which need the true lengths: only the benchmark has them.
 SCHEDULERS = [p for p in POLICIES if p not in ORACLES]
+
+
+def _known(name: str, info: ValidationInfo) -> str:
+    if name not in SCHEDULERS:
+        field = info.field_name or "scheduler"
+        raise ValueError(f"unknown {field} {name!r}; choose from {', '.join(SCHEDULERS)}")
+    return name
+
+
+#: A config field naming a scheduling policy, checked when the config loads.
+SchedulerName = Annotated[str, AfterValidator(_known)]
 
 
 def build_scheduler(
