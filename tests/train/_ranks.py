@@ -38,24 +38,6 @@ def fixed_batch(vocab: int, sequences: int, length: int, seed: int = 0) -> Micro
     return MicroBatch(ids, mask)
 
 
-def save_tiny_llama(folder: Path, vocab: int = 64) -> Path:
-    """A two-layer Llama with tied embeddings, saved as a Hugging Face folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def save_llama(folder: Path, hidden: int, layers: int, vocab: int = 64) -> Path:
     """A Llama of the given size with tied embeddings, saved as a Hugging Face folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,6 +54,11 @@ def save_llama(folder: Path, hidden: int, layers: int, vocab: int = 64) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def save_tiny_llama(folder: Path, vocab: int = 64) -> Path:
+    """A two-layer Llama with tied embeddings, saved as a Hugging Face folder."""
+    return save_llama(folder, hidden=32, layers=2, vocab=vocab)
 
 
 def write_pid_and_sleep(pid_file: Path) -> None:
