@@ -1,0 +1,103 @@
+"""What the allocation loop, the planner and the worker pool say to each other.
+
+The loop observes rollout and training (:class:`CallTiming` for every generation call,
+:class:`StepTiming` for every RL step), hands what it saw to a :class:`Planner`, and when
+the planner's :class:`Plan` beats the current one by enough, drives the worker pool to it.
+The planner sees only these observations and the :class:`Workload` summary: never an
+emulator, never a benchmark (an import-linter contract), so a benchmark that grades it
+with a richer emulated truth is a fair one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Stage = Literal["rollout", "training"]
+"""Where a worker's accelerators are in use."""
+
+Role = Literal["core-rollout", "core-training", "hybrid"]
+"""A core worker stays in its stage; a hybrid worker moves between the two."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallTiming:
+    """One generation call as the engine saw it: what it cost on which instance."""
+
+    instance: str
+    tp: int
+    prompt_tokens: int
+    cached_tokens: int
+    new_tokens: int
+    seconds: float
+    #: Calls in flight on the instance when this one was sent (its own included).
+    concurrent: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One RL step as the run measured it."""
+
+    step: int
+    rollout_s: float
+    train_s: float
+    train_tokens: int
+    train_workers: int
+    rollout_workers: int
+    #: Fraction of worker-seconds of the step in which a worker had nothing to do.
+    idle_frac: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What the next step will ask of rollout and training, from the recent steps."""
+
+    trajectories: int
+    #: Sampled (output) tokens per trajectory, recent steps pooled: the length distribution.
+    output_tokens: tuple[int, ...]
+    #: Context tokens per trajectory at its end (prompt, tool outputs and output).
+    context_tokens: tuple[int, ...]
+    #: Turns per trajectory (each is one generation call, one prefill of the new part).
+    turns: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    rollout_s: float
+    train_s: float
+    step_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How the workers are split: ``train_workers`` train, the rest serve as instances of
+    the tensor-parallel sizes in ``rollout_tps`` (one entry per instance, largest first),
+    grouped into buckets under ``bucket_ceilings`` (tokens, shortest first; empty: one
+    bucket)."""
+
+    train_workers: int
+    rollout_tps: tuple[int, ...]
+    bucket_ceilings: tuple[int, ...] = ()
+    predicted: Prediction | None = None
+    reason: str = ""
+    notes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rollout_workers(self) -> int:
+        return sum(self.rollout_tps)
+
+    @property
+    def workers(self) -> int:
+        return self.train_workers + self.rollout_workers
+
+
+class Planner(Protocol):
+    """Chooses a split of ``workers`` for a workload, from what it has observed."""
+
+    def observe_call(self, timing: CallTiming) -> None: ...
+
+    def observe_step(self, timing: StepTiming) -> None: ...
+
+    def plan(self, workers: int, workload: Workload) -> Plan: ...
+
+    def predict(self, plan: Plan, workload: Workload) -> Prediction: ...
