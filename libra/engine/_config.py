@@ -47,6 +47,14 @@ class EngineConfig(Section):
         "model) and goes on, ending only if it made none",
     )
     tool_timeout_s: PositiveFloat | None = Field(None, description="default: the env's")
+    tool_threads: PositiveInt = Field(
+        32,
+        description="threads for blocking (sync) tools at once, the engine's own (not "
+        "anyio's shared pool). A call waits for one before its tool_timeout_s starts; a "
+        "tool that times out is abandoned but its thread keeps its place until it really "
+        "returns, so hung tools cannot pile up threads: with every thread hung, new calls "
+        "wait (the engine warns once when abandoned threads pass half of this)",
+    )
     request_timeout_s: PositiveFloat = Field(
         600.0, description="one HTTP request: the cap above every per-call timeout"
     )

@@ -29,7 +29,7 @@ import pydantic
 from libra import openai
 from libra.engine._client import Generation, GenerationError, RequestRejected
 from libra.engine._config import SamplingConfig
-from libra.engine._engine import Engine
+from libra.engine._engine import Engine, ToolThreads
 from libra.engine._records import (
     Status,
     Timings,
@@ -186,7 +186,7 @@ async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
             continue
         for call in calls:
             timeout_s = engine.config.tool_timeout_s or env.tool_timeout_s
-            result = await _run_tool(env, call, timeout_s, engine.env_bugs)
+            result = await _run_tool(env, call, timeout_s, engine)
             t.add_tool_return(result)
             engine.scheduler.on_tool_return(t.key, env.signal(result))
         if env.done:
@@ -202,16 +202,16 @@ def _tool_calls(env: Env, generation: Generation) -> list[ToolCall]:
     return env.tool_call_parser.parse(generation.text)
 
 
-async def _run_tool(env: Env, call: ToolCall, timeout_s: float, bugs: EnvBugs) -> ToolReturn:
+async def _run_tool(env: Env, call: ToolCall, timeout_s: float, engine: Engine) -> ToolReturn:
     """Run one call and reduce what came of it, once, to what is recorded and signalled.
     A tool that raised other than ``ToolError`` has a bug: the model reads the error, the
     record names the exception, its author sees the traceback (once)."""
     started = anyio.current_time()
     exception: str | None = None
     try:
-        outcome = await _outcome(env, call, timeout_s)
+        outcome = await _outcome(env, call, timeout_s, engine.tool_threads)
     except _ToolBug as bug:
-        bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
+        engine.env_bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
         outcome, exception = ToolResult.failure(_describe(bug.error)), type(bug.error).__name__
     latency = anyio.current_time() - started
     reported: ToolStatus | None
@@ -231,9 +231,12 @@ class _ToolBug(Exception):
         self.error = error
 
 
-async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | str:
+async def _outcome(
+    env: Env, call: ToolCall, timeout_s: float, threads: ToolThreads
+) -> ToolResult | str:
     """What the call produced: a result whose status is known, or plain text. Every
-    failure becomes an error message the model can read."""
+    failure becomes an error message the model can read. A blocking tool's timeout starts
+    once it has a thread (waiting for one is not its time)."""
     spec = env.tool_specs().get(call.name)
     if call.error is not None:
         return ToolResult.failure(call.error)
@@ -246,13 +249,11 @@ async def _outcome(env: Env, call: ToolCall, timeout_s: float) -> ToolResult | s
         return ToolResult.failure(f"invalid arguments for {call.name}: {_brief(exc)}")
     method = getattr(env, call.name)
     try:
-        with anyio.fail_after(timeout_s):
-            if spec.is_async:
+        if spec.is_async:
+            with anyio.fail_after(timeout_s):
                 output = await method(**arguments)
-            else:  # a thread, so a blocking tool cannot stall the event loop
-                output = await anyio.to_thread.run_sync(
-                    partial(method, **arguments), abandon_on_cancel=True
-                )
+        else:  # a thread, so a blocking tool cannot stall the event loop
+            output = await threads.run(partial(method, **arguments), timeout_s)
     except TimeoutError:
         return ToolResult.of_error(ToolTimeout.after(call.name, timeout_s))
     except ToolError as exc:  # a ToolTimeout too: the tool ran out of its own time
