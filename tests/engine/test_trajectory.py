@@ -3,6 +3,7 @@ loopback)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import anyio
@@ -491,3 +492,60 @@ async def test_a_prompt_longer_than_the_context_fails_unscored(limit: int, error
     assert (record.status, record.stop_reason, record.reward) == ("failed", "prompt_too_long", None)
     assert record.error is not None and error in record.error
     assert record.turns == 0
+
+
+class Gated(Env):
+    """A blocking tool that hangs (on a gate the test opens) for seed 1 only."""
+
+    max_turns = 3
+    tool_timeout_s = 0.3
+    gate = threading.Event()
+
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return "Open the gate."
+
+    @tool
+    def open_gate(self) -> str:
+        """Open the gate."""
+        if self.seed == 1:
+            self.gate.wait(10)
+        return "opened"
+
+    def reward(self, answer: str) -> float:
+        return 1.0
+
+
+async def test_a_hung_blocking_tool_times_out_and_holds_its_thread_until_it_returns() -> None:
+    """With one tool thread, a hung tool times out for the model; the next trajectory's
+    call waits for the thread (longer than its timeout, which has not started) and runs
+    once the hung tool returns. Each trajectory ends in one record."""
+    Gated.gate = threading.Event()
+    config = EngineConfig(tool_threads=1)
+    replies = [call("open_gate", "{}"), "done"]
+    async with emulated_engine(replies, config=config) as (engine, out):
+        records: dict[int, TrajectoryRecord] = {}
+
+        async def run_seed(seed: int) -> None:
+            records[seed] = await run_trajectory(TrajectoryJob.seeded(Gated, "gated", seed), engine)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_seed, 1)
+            with anyio.fail_after(5):
+                while 1 not in records:  # noqa: ASYNC110 (a test watching its records)
+                    await anyio.sleep(0.01)
+            assert (engine.tool_threads.busy, engine.tool_threads.abandoned) == (1, 1)
+            tg.start_soon(run_seed, 2)
+            with anyio.fail_after(5):
+                while engine.tool_threads.waiting < 1:  # noqa: ASYNC110 (counters)
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.5)  # past its timeout, waiting for the thread
+            assert 2 not in records
+            Gated.gate.set()
+    assert sorted(out, key=lambda r: r.task_id) == [records[1], records[2]]
+    assert records[1].tool_returns[0].status == "timeout"
+    assert records[1].messages[-2].content == "Error: open_gate timed out after 0.3 s"
+    assert records[2].tool_returns[0].status == "success"
+    assert records[2].messages[-2].content == "opened"
+    assert all(r.status == "completed" for r in out)
+    assert (engine.tool_threads.busy, engine.tool_threads.abandoned) == (0, 0)
