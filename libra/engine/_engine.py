@@ -103,7 +103,8 @@ class ToolThreads:
                 self._back_from_abandoned(slot)
 
     def _back_from_abandoned(self, slot: _Slot) -> None:
-        """In an abandoned thread that returned: give its place back on the event loop."""
+        """In an abandoned thread that returned: give its place back on the event loop
+        (this thread waits for the loop to run it, a moment: the tool is done)."""
         try:
             anyio.from_thread.run_sync(self._release_abandoned, slot)
         except Exception:  # the event loop is gone: so is everyone who counted the place
