@@ -29,7 +29,7 @@ import pydantic
 from libra import openai
 from libra.engine._client import Generation, GenerationError, RequestRejected
 from libra.engine._config import SamplingConfig
-from libra.engine._engine import Engine, ToolThreads
+from libra.engine._engine import Engine
 from libra.engine._records import (
     Status,
     Timings,
@@ -37,6 +37,7 @@ from libra.engine._records import (
     TrajectoryRecord,
 )
 from libra.engine._tokens import TokenLog
+from libra.engine._tool_threads import ToolThreads
 from libra.engine._turn import (
     ContextFull,
     ServerTrouble,

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from libra.engine import EngineConfig
-from libra.engine._engine import ToolThreads
+from libra.engine._tool_threads import ToolThreads
 from tests._helpers import emulated_engine
 
 pytestmark = pytest.mark.anyio
