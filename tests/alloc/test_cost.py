@@ -4,6 +4,7 @@ converging to a hidden truth from a prior off by tens of percent."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from libra.alloc import A100, A800, H100, H200, PRESETS, RolloutCost, TrainCost
 from libra.alloc._protocol import CallTiming, StepTiming, Workload
@@ -63,21 +64,17 @@ def test_the_rollout_fit_converges_from_a_prior_off_by_tens_of_percent() -> None
     assert max(_relative_errors(model, truth, held_out)) > 0.2  # the prior is well off
     for call in _calls(rng, 1, 8) + _calls(rng, 2, 8):
         seconds = _true_call_seconds(truth, call)
-        model.observe(CallTiming(**{**_fields(call), "seconds": seconds}))
+        model.observe(replace(call, seconds=seconds))
     errors = _relative_errors(model, truth, held_out)
     assert sum(errors) / len(errors) < 0.03
     assert max(errors) < 0.1  # a structural gap (overhead and all-reduce ride the bytes term)
-
-
-def _fields(call: CallTiming) -> dict[str, object]:
-    return {name: getattr(call, name) for name in call.__slots__}  # type: ignore[attr-defined]
 
 
 def test_a_tp_without_observations_borrows_the_pooled_fit() -> None:
     truth, rng = _hidden_truth(), random.Random(1)
     model = RolloutCost(Roofline(A100, QWEN3_14B))
     for call in _calls(rng, 1, 8):
-        model.observe(CallTiming(**{**_fields(call), "seconds": _true_call_seconds(truth, call)}))
+        model.observe(replace(call, seconds=_true_call_seconds(truth, call)))
     assert model.corrections(4) is model.corrections(4)
     assert model.corrections(4).observations == 8
     assert model.corrections(1).values != (1.0, 1.0, 1.0)
