@@ -102,17 +102,26 @@ class Request:
     prefill_tokens: int
     output_tokens: int
     context_tokens: int
+    #: Trajectories this one stands for (placement places them together).
+    copies: float = 1.0
 
 
-def requests_of(workload: Workload) -> list[Request]:
-    """The workload's trajectories, its length samples repeated to its count."""
+def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
+    """The workload's trajectories, its length samples repeated to its count; past
+    ``limit``, that many evenly spaced quantiles of it, each standing for its share."""
     samples = [
         Request(max(0, ctx - out), out, max(ctx, out))
         for out, ctx in zip(workload.output_tokens, workload.context_tokens, strict=True)
     ]
     if not samples:
         return []
-    return [samples[i % len(samples)] for i in range(workload.trajectories)]
+    every = [samples[i % len(samples)] for i in range(workload.trajectories)]
+    if limit is None or len(every) <= limit:
+        return every
+    every.sort(key=_size)
+    copies = len(every) / limit
+    picks = (every[int((i + 0.5) * copies)] for i in range(limit))
+    return [Request(r.prefill_tokens, r.output_tokens, r.context_tokens, copies) for r in picks]
 
 
 @dataclass(slots=True)
@@ -121,9 +130,9 @@ class _Instance:
 
     tp: int
     batch_cap: int
-    count: int = 0
-    prefill_tokens: int = 0
-    output_tokens: int = 0
+    count: float = 0
+    prefill_tokens: float = 0
+    output_tokens: float = 0
     longest_output: int = 0
     ctx_weighted: float = 0.0
 
@@ -131,11 +140,12 @@ class _Instance:
         return _Instance(
             self.tp,
             self.batch_cap,
-            self.count + 1,
-            self.prefill_tokens + request.prefill_tokens,
-            self.output_tokens + request.output_tokens,
+            self.count + request.copies,
+            self.prefill_tokens + request.prefill_tokens * request.copies,
+            self.output_tokens + request.output_tokens * request.copies,
             max(self.longest_output, request.output_tokens),
-            self.ctx_weighted + _mid_decode_context(request) * request.output_tokens,
+            self.ctx_weighted
+            + _mid_decode_context(request) * request.output_tokens * request.copies,
         )
 
 
@@ -152,13 +162,24 @@ class RolloutCost:
     corrected separately, since bandwidth and MFU are off by different amounts.
     """
 
-    def __init__(self, roofline: Roofline, *, max_num_seqs: int = 256, window: int = 64) -> None:
+    def __init__(
+        self,
+        roofline: Roofline,
+        *,
+        max_num_seqs: int = 256,
+        window: int = 64,
+        placement_samples: int | None = 128,
+    ) -> None:
         self.roofline = roofline
         self.max_num_seqs = max_num_seqs
+        self.placement_samples = placement_samples
         self._window = window
         self._fits: dict[int, Corrections] = {}
         self._pooled = Corrections(3, window=window)
         self._step_costs: dict[int, StepCost] = {}
+
+    def _requests(self, workload: Workload) -> list[Request]:
+        return requests_of(workload, self.placement_samples)
 
     def step_cost(self, tp: int) -> StepCost:
         cost = self._step_costs.get(tp)
@@ -217,7 +238,7 @@ class RolloutCost:
         instances = [_Instance(tp, self.batch_cap(tp, workload)) for tp in tps]
         if not instances:
             return math.inf
-        for request in sorted(requests_of(workload), key=_size, reverse=True):
+        for request in sorted(self._requests(workload), key=_size, reverse=True):
             candidates = [instance.with_request(request) for instance in instances]
             finish = [self.instance_seconds(candidate) for candidate in candidates]
             best = finish.index(min(finish))

@@ -31,6 +31,9 @@ class PlannerConfig(Section):
     margin: float = Field(0.05, ge=0, description="relative gain a new plan must bring")
     max_num_seqs: PositiveInt = 256
     max_instances: PositiveInt = Field(32, description="rollout instances a layout may have")
+    placement_samples: PositiveInt = Field(
+        64, description="length quantiles placed when pricing a layout (each stands for its share)"
+    )
     train: TrainSpec = Field(default_factory=TrainSpec)
 
 
@@ -74,7 +77,11 @@ class RooflinePlanner:
 
     def __init__(self, roofline: Roofline, config: PlannerConfig | None = None) -> None:
         self.config = config or PlannerConfig()
-        self.rollout = RolloutCost(roofline, max_num_seqs=self.config.max_num_seqs)
+        self.rollout = RolloutCost(
+            roofline,
+            max_num_seqs=self.config.max_num_seqs,
+            placement_samples=self.config.placement_samples,
+        )
         self.train = TrainCost(roofline.gpu, roofline.model.parameters, self.config.train)
 
     def observe_call(self, timing: CallTiming) -> None:
