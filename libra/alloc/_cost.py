@@ -232,6 +232,16 @@ class RolloutCost:
         terms = _terms(cost, instance.prefill_tokens, steps, batch, context)
         return self.corrections(instance.tp).apply(terms)
 
+    def longest_alone(self, tp: int, workload: Workload) -> float:
+        """The longest request alone on an instance of ``tp``: no layout beats it."""
+        requests = requests_of(workload)
+        if not requests:
+            return 0.0
+        longest = max(requests, key=_size)
+        return self.instance_seconds(
+            _Instance(tp, self.batch_cap(tp, workload)).with_request(longest)
+        )
+
     def makespan(self, tps: Sequence[int], workload: Workload) -> float:
         """Requests placed longest-first, each on the instance it finishes earliest on;
         the makespan is the slowest instance's time."""

@@ -105,37 +105,43 @@ class RooflinePlanner:
         )
 
     def plan(self, workers: int, workload: Workload) -> Plan:
+        tokens = train_tokens(workload)
         best: Plan | None = None
-        rollout_cache: dict[tuple[int, ...], float] = {}
-        for train_workers in range(self.config.min_train_workers, workers):
+        # Most training workers first: small rollout searches set the bound early, and
+        # every split whose training alone exceeds it is skipped unpriced.
+        for train_workers in reversed(range(self.config.min_train_workers, workers)):
             if not self.train.fits(train_workers):
                 continue
-            train_s = self.train.seconds(train_tokens(workload), train_workers)
-            if best is not None and best.predicted and train_s >= best.predicted.step_s:
-                continue
-            for tps in self._layouts(workers - train_workers):
-                if tps not in rollout_cache:
-                    rollout_cache[tps] = self.rollout.makespan(tps, workload)
-                rollout_s = rollout_cache[tps]
+            train_s = self.train.seconds(tokens, train_workers)
+            bound = best.predicted.step_s if best and best.predicted else math.inf
+            if train_s >= bound:
+                continue  # the step can be no shorter than its training
+            found = self._best_layout(workers - train_workers, workload, bound)
+            if found is not None:
+                tps, rollout_s = found
                 predicted = Prediction(rollout_s, train_s, max(rollout_s, train_s))
-                if (
-                    best is None
-                    or best.predicted is None
-                    or predicted.step_s < best.predicted.step_s
-                ):
+                if predicted.step_s < bound:
                     best = Plan(train_workers, tps, predicted=predicted)
-        if best is None:
+        if best is None or best.predicted is None:
             raise ValueError(f"no plan of {workers} workers fits this model in memory")
-        reason = (
-            "rollout-bound" if best.predicted and _rollout_bound(best.predicted) else "train-bound"
-        )
-        return Plan(
-            best.train_workers,
-            best.rollout_tps,
-            bucket_ceilings(best.rollout_tps, workload),
-            best.predicted,
-            reason,
-        )
+        reason = "rollout-bound" if _rollout_bound(best.predicted) else "train-bound"
+        ceilings = bucket_ceilings(best.rollout_tps, workload)
+        return Plan(best.train_workers, best.rollout_tps, ceilings, best.predicted, reason)
+
+    def _best_layout(
+        self, workers: int, workload: Workload, bound: float
+    ) -> tuple[tuple[int, ...], float] | None:
+        """The fastest layout of ``workers`` whose makespan is under ``bound``; layouts
+        whose largest instance cannot run the longest request under it are not priced."""
+        longest = {tp: self.rollout.longest_alone(tp, workload) for tp in self.config.allowed_tps}
+        best: tuple[tuple[int, ...], float] | None = None
+        for tps in self._layouts(workers):
+            if longest[tps[0]] >= bound:
+                continue
+            seconds = self.rollout.makespan(tps, workload)
+            if seconds < bound:
+                best, bound = (tps, seconds), seconds
+        return best
 
     def _layouts(self, workers: int) -> Iterator[tuple[int, ...]]:
         sizes = tuple(tp for tp in self.config.allowed_tps if self.rollout.weights_fit(tp))
