@@ -17,6 +17,7 @@ from libra.alloc._planner import (
     ReplanTrigger,
     RooflinePlanner,
     bucket_ceilings,
+    mean_output,
     tp_partitions,
 )
 from libra.alloc._protocol import (
@@ -53,5 +54,6 @@ __all__ = [
     "TrainSpec",
     "Workload",
     "bucket_ceilings",
+    "mean_output",
     "tp_partitions",
 ]
