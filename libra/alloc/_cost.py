@@ -1,0 +1,336 @@
+"""Cost models the planner prices plans with: rollout by the roofline, training by FLOPs.
+
+Both start from a datasheet prior and are fitted from what the run measures. The fit keeps
+one multiplicative correction per term of the prior (rollout: prefill, decode bytes, decode
+compute; training: compute, FSDP communication, per-step overhead) and solves for them by
+least squares on relative error (each observation's row divided by its measured seconds,
+so a long call weighs no more than a short one), with a weak ridge pull towards 1 (the
+prior) so a term the observations do not yet separate stays at its prior. Observations are
+kept in a sliding window, so the fit follows drift.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from libra.alloc._protocol import CallTiming, StepTiming, Workload
+from libra.config import Section
+from libra.fleet import Gpu, Roofline, StepCost
+
+# Datasheet figures (dense bf16, HBM bandwidth, 80 GB SXM parts; H200 carries 141 GB).
+A100 = Gpu(name="A100", memory_bytes=80e9, hbm_bytes_per_s=2.0e12, dense_bf16_flops=312e12)
+#: The A800 is an A100 with a slower NVLink (400 GB/s instead of 600): the same roofline.
+A800 = Gpu(name="A800", memory_bytes=80e9, hbm_bytes_per_s=2.0e12, dense_bf16_flops=312e12)
+H100 = Gpu(name="H100", memory_bytes=80e9, hbm_bytes_per_s=3.35e12, dense_bf16_flops=990e12)
+H200 = Gpu(name="H200", memory_bytes=141e9, hbm_bytes_per_s=4.8e12, dense_bf16_flops=990e12)
+PRESETS: dict[str, Gpu] = {gpu.name: gpu for gpu in (A100, A800, H100, H200)}
+#: NVLink bytes per second per GPU, where the leads give it.
+NVLINK_BYTES_PER_S: dict[str, float] = {"A100": 600e9, "A800": 400e9}
+
+
+class Corrections:
+    """Multiplicative corrections to the terms of a prior, fitted by ridge least squares."""
+
+    def __init__(self, terms: int, *, window: int = 64, prior_weight: float = 0.01) -> None:
+        self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._prior_weight = prior_weight
+        self.values: tuple[float, ...] = (1.0,) * terms
+
+    def add(self, prior_terms: Sequence[float], measured_s: float) -> None:
+        if measured_s <= 0 or not all(math.isfinite(term) for term in prior_terms):
+            return
+        self._rows.append((tuple(prior_terms), measured_s))
+        self.values = self._solve()
+
+    @property
+    def observations(self) -> int:
+        return len(self._rows)
+
+    def _solve(self) -> tuple[float, ...]:
+        n = len(self.values)
+        gram = [[0.0] * n for _ in range(n)]
+        rhs = [0.0] * n
+        for terms, measured in self._rows:
+            row = [term / measured for term in terms]
+            for i in range(n):
+                rhs[i] += row[i]
+                for j in range(n):
+                    gram[i][j] += row[i] * row[j]
+        for i in range(n):
+            # The pull to the prior is relative to what the data say of the term, so a term
+            # worth 0.1% of every measurement is pulled as hard as one worth 90%.
+            pull = self._prior_weight * gram[i][i] + 1e-12
+            gram[i][i] += pull
+            rhs[i] += pull
+        solution = _solve_linear(gram, rhs)
+        # A negative correction means a term is not separable yet: floor it, keep it positive.
+        return tuple(max(value, 0.05) for value in solution)
+
+    def apply(self, prior_terms: Sequence[float]) -> float:
+        return sum(c * term for c, term in zip(self.values, prior_terms, strict=True))
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the systems here are 3 x 3)."""
+    n = len(rhs)
+    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            for c in range(col, n + 1):
+                a[r][c] -= factor * a[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
+    return x
+
+
+# ------------------------------------------------------------------------------ rollout
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One trajectory as rollout sees it: tokens to prefill (uncached) and to decode."""
+
+    prefill_tokens: int
+    output_tokens: int
+    context_tokens: int
+    #: Trajectories this one stands for (placement places them together).
+    copies: float = 1.0
+
+
+def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
+    """The workload's trajectories, its length samples repeated to its count; past
+    ``limit``, that many evenly spaced quantiles of it, each standing for its share."""
+    samples = [
+        Request(max(0, ctx - out), out, max(ctx, out))
+        for out, ctx in zip(workload.output_tokens, workload.context_tokens, strict=True)
+    ]
+    if not samples:
+        return []
+    every = [samples[i % len(samples)] for i in range(workload.trajectories)]
+    if limit is None or len(every) <= limit:
+        return every
+    every.sort(key=_size)
+    copies = len(every) / limit
+    picks = (every[int((i + 0.5) * copies)] for i in range(limit))
+    return [Request(r.prefill_tokens, r.output_tokens, r.context_tokens, copies) for r in picks]
+
+
+@dataclass(slots=True)
+class _Instance:
+    """What has been placed on one instance, in the aggregates its time depends on."""
+
+    tp: int
+    batch_cap: int
+    count: float = 0
+    prefill_tokens: float = 0
+    output_tokens: float = 0
+    longest_output: int = 0
+    ctx_weighted: float = 0.0
+
+    def with_request(self, request: Request) -> _Instance:
+        return _Instance(
+            self.tp,
+            self.batch_cap,
+            self.count + request.copies,
+            self.prefill_tokens + request.prefill_tokens * request.copies,
+            self.output_tokens + request.output_tokens * request.copies,
+            max(self.longest_output, request.output_tokens),
+            self.ctx_weighted
+            + _mid_decode_context(request) * request.output_tokens * request.copies,
+        )
+
+
+def _mid_decode_context(request: Request) -> float:
+    return request.context_tokens - request.output_tokens / 2
+
+
+class RolloutCost:
+    """Seconds rollout takes on a layout of instances, from the roofline plus fitted
+    corrections per TP size (terms: prefill, decode bytes, decode compute).
+
+    A decode step of ``B`` sequences is priced as the roofline's ``StepCost``: the bytes
+    term (weights, KV, overhead, all-reduce) and the compute term (per sequence) are
+    corrected separately, since bandwidth and MFU are off by different amounts.
+    """
+
+    def __init__(
+        self,
+        roofline: Roofline,
+        *,
+        max_num_seqs: int = 256,
+        window: int = 64,
+        placement_samples: int | None = 128,
+    ) -> None:
+        self.roofline = roofline
+        self.max_num_seqs = max_num_seqs
+        self.placement_samples = placement_samples
+        self._window = window
+        self._fits: dict[int, Corrections] = {}
+        self._pooled = Corrections(3, window=window)
+        self._step_costs: dict[int, StepCost] = {}
+
+    def _requests(self, workload: Workload) -> list[Request]:
+        return requests_of(workload, self.placement_samples)
+
+    def step_cost(self, tp: int) -> StepCost:
+        cost = self._step_costs.get(tp)
+        if cost is None:
+            cost = self._step_costs[tp] = self.roofline.step_cost(tp)
+        return cost
+
+    def weights_fit(self, tp: int) -> bool:
+        """The weights and room for at least one long context fit on ``tp`` GPUs."""
+        return self.roofline.kv_capacity_tokens(tp) > 0
+
+    def corrections(self, tp: int) -> Corrections:
+        """The fit for ``tp``; one pooled over every TP until ``tp`` has observations."""
+        fit = self._fits.get(tp)
+        return fit if fit is not None and fit.observations else self._pooled
+
+    def call_terms(self, tp: int, timing: CallTiming) -> tuple[float, float, float]:
+        """The prior's terms of one call: its prefill, and its decode steps shared with
+        ``concurrent`` sequences of about its context."""
+        cost = self.step_cost(tp)
+        batch = max(1, timing.concurrent)
+        context = batch * (timing.prompt_tokens + timing.new_tokens / 2)
+        steps = timing.new_tokens
+        return _terms(cost, timing.prompt_tokens - timing.cached_tokens, steps, batch, context)
+
+    def observe(self, timing: CallTiming) -> None:
+        terms = self.call_terms(timing.tp, timing)
+        fit = self._fits.setdefault(timing.tp, Corrections(3, window=self._window))
+        fit.add(terms, timing.seconds)
+        self._pooled.add(terms, timing.seconds)
+
+    def predict_call(self, timing: CallTiming) -> float:
+        return self.corrections(timing.tp).apply(self.call_terms(timing.tp, timing))
+
+    def batch_cap(self, tp: int, workload: Workload) -> int:
+        """Sequences an instance runs at once: ``max_num_seqs``, or fewer when the KV
+        cache cannot hold that many of the workload's mean context."""
+        contexts = workload.context_tokens or (1,)
+        mean_context = max(1.0, sum(contexts) / len(contexts))
+        by_kv = int(self.roofline.kv_capacity_tokens(tp) / mean_context)
+        return max(1, min(self.max_num_seqs, by_kv))
+
+    def instance_seconds(self, instance: _Instance) -> float:
+        if instance.count == 0:
+            return 0.0
+        steps = max(instance.longest_output, math.ceil(instance.output_tokens / instance.batch_cap))
+        batch = instance.output_tokens / max(1, steps)
+        context = batch * instance.ctx_weighted / max(1, instance.output_tokens)
+        cost = self.step_cost(instance.tp)
+        terms = _terms(cost, instance.prefill_tokens, steps, batch, context)
+        return self.corrections(instance.tp).apply(terms)
+
+    def longest_alone(self, tp: int, workload: Workload) -> float:
+        """The longest request alone on an instance of ``tp``: no layout beats it."""
+        requests = requests_of(workload)
+        if not requests:
+            return 0.0
+        longest = max(requests, key=_size)
+        return self.instance_seconds(
+            _Instance(tp, self.batch_cap(tp, workload)).with_request(longest)
+        )
+
+    def makespan(self, tps: Sequence[int], workload: Workload) -> float:
+        """Requests placed longest-first, each on the instance it finishes earliest on;
+        the makespan is the slowest instance's time."""
+        instances = [_Instance(tp, self.batch_cap(tp, workload)) for tp in tps]
+        if not instances:
+            return math.inf
+        for request in sorted(self._requests(workload), key=_size, reverse=True):
+            candidates = [instance.with_request(request) for instance in instances]
+            finish = [self.instance_seconds(candidate) for candidate in candidates]
+            best = finish.index(min(finish))
+            instances[best] = candidates[best]
+        return max(self.instance_seconds(instance) for instance in instances)
+
+
+def _size(request: Request) -> tuple[int, int]:
+    return (request.output_tokens, request.prefill_tokens)
+
+
+def _terms(
+    cost: StepCost, prefill_tokens: float, steps: float, batch: float, context: float
+) -> tuple[float, float, float]:
+    decode_bytes = steps * (cost.step_base_s + cost.step_per_ctx_token_s * context)
+    decode_compute = steps * cost.step_per_seq_s * batch
+    return (cost.prefill_time(max(0.0, prefill_tokens)), decode_bytes, decode_compute)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class TrainSpec(Section):
+    """What a training step costs, before any measurement."""
+
+    mfu: float = Field(0.4, gt=0, le=1, description="fraction of peak FLOPs training reaches")
+    link_bytes_per_s: PositiveFloat = Field(
+        400e9, description="interconnect bytes/s per GPU for FSDP's collectives"
+    )
+    overhead_s: float = Field(2.0, ge=0, description="per step: optimizer, sync, launch")
+    state_bytes_per_param: PositiveFloat = Field(
+        16.0, description="bf16 weights and grads, fp32 master and two Adam moments"
+    )
+    activation_bytes_per_token: float = Field(
+        4e5, ge=0, description="per token of a micro-batch, with activation checkpointing"
+    )
+    micro_batch_tokens: PositiveInt = 16384
+
+
+@dataclass(slots=True)
+class TrainCost:
+    """Seconds a training step takes on ``workers`` GPUs under FSDP, and whether it fits.
+
+    compute = tokens x 6 x params / (workers x peak x mfu); communication = an all-gather
+    in forward and in backward plus a reduce-scatter of the gradients, each moving the
+    bf16 weights' ``(workers - 1) / workers`` over the link; plus a per-step overhead.
+    """
+
+    gpu: Gpu
+    parameters: float
+    spec: TrainSpec = field(default_factory=TrainSpec)
+    fit: Corrections = field(default_factory=lambda: Corrections(3))
+
+    def terms(self, tokens: int, workers: int) -> tuple[float, float, float]:
+        compute = (
+            tokens * 6 * self.parameters / (workers * self.gpu.dense_bf16_flops * self.spec.mfu)
+        )
+        moved = 3 * 2 * self.parameters * (workers - 1) / workers
+        return (compute, moved / self.spec.link_bytes_per_s, self.spec.overhead_s)
+
+    def seconds(self, tokens: int, workers: int) -> float:
+        return self.fit.apply(self.terms(tokens, workers))
+
+    def observe(self, timing: StepTiming) -> None:
+        if timing.train_workers > 0:
+            terms = self.terms(timing.train_tokens, timing.train_workers)
+            self.fit.add(terms, timing.train_s)
+
+    def memory_per_worker(self, workers: int) -> float:
+        states = self.parameters * self.spec.state_bytes_per_param / workers
+        return states + self.spec.activation_bytes_per_token * self.spec.micro_batch_tokens
+
+    def fits(self, workers: int) -> bool:
+        usable = self.gpu.memory_bytes * self.gpu.gpu_memory_utilization
+        return workers > 0 and self.memory_per_worker(workers) <= usable
+
+
+def train_tokens(workload: Workload) -> int:
+    """Tokens a step trains on: every trajectory's full context."""
+    return sum(request.context_tokens for request in requests_of(workload))
+
+
+def mean(values: Iterable[int]) -> float:
+    items = list(values)
+    return sum(items) / len(items) if items else 0.0
