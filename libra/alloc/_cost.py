@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from libra.alloc._protocol import CallTiming, StepTiming, Workload
@@ -52,44 +53,19 @@ class Corrections:
         return len(self._rows)
 
     def _solve(self) -> tuple[float, ...]:
-        n = len(self.values)
-        gram = [[0.0] * n for _ in range(n)]
-        rhs = [0.0] * n
-        for terms, measured in self._rows:
-            row = [term / measured for term in terms]
-            for i in range(n):
-                rhs[i] += row[i]
-                for j in range(n):
-                    gram[i][j] += row[i] * row[j]
-        for i in range(n):
-            # The pull to the prior is relative to what the data say of the term, so a term
-            # worth 0.1% of every measurement is pulled as hard as one worth 90%.
-            pull = self._prior_weight * gram[i][i] + 1e-12
-            gram[i][i] += pull
-            rhs[i] += pull
-        solution = _solve_linear(gram, rhs)
+        # Each row is the prior's terms over the measured seconds: a perfect fit makes
+        # every row sum to 1 (relative error, so a long call weighs no more than a short one).
+        rows = numpy.array([[term / measured for term in terms] for terms, measured in self._rows])
+        gram = rows.T @ rows
+        # The pull to the prior is relative to what the data say of the term, so a term
+        # worth 0.1% of every measurement is pulled as hard as one worth 90%.
+        pull = self._prior_weight * numpy.diag(gram) + 1e-12
+        solution = numpy.linalg.solve(gram + numpy.diag(pull), rows.sum(axis=0) + pull)
         # A negative correction means a term is not separable yet: floor it, keep it positive.
-        return tuple(max(value, 0.05) for value in solution)
+        return tuple(max(float(value), 0.05) for value in solution)
 
     def apply(self, prior_terms: Sequence[float]) -> float:
         return sum(c * term for c, term in zip(self.values, prior_terms, strict=True))
-
-
-def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the systems here are 3 x 3)."""
-    n = len(rhs)
-    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            factor = a[r][col] / a[col][col]
-            for c in range(col, n + 1):
-                a[r][c] -= factor * a[col][c]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
-    return x
 
 
 # ------------------------------------------------------------------------------ rollout
