@@ -49,6 +49,7 @@ def serve(
     """Serve an emulated vLLM server until SIGINT/SIGTERM; on ``sock`` if given."""
     _raise_open_file_limit()
     app = create_app(config, script)
+    app.on_death = _exit_at_once  # an injected death ends the process, as a crash does
     server_config = uvicorn.Config(
         app,
         host=host,
@@ -62,6 +63,11 @@ def serve(
         timeout_graceful_shutdown=5,
     )
     uvicorn.Server(server_config).run(sockets=None if sock is None else [sock])
+
+
+def _exit_at_once() -> None:
+    """Die without cleanup: open connections are cut, the port closes."""
+    os._exit(1)
 
 
 def _raise_open_file_limit() -> None:
