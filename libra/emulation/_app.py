@@ -119,8 +119,7 @@ class EmulatorConfig(BaseModel):
         default=0.0,
         ge=0,
         le=1,
-        description="Fraction of generation requests never answered (until the client "
-        "gives up).",
+        description="Fraction of generation requests never answered (until the client gives up).",
     )
     abort_rate: float = Field(
         default=0.0,
@@ -167,7 +166,6 @@ class EmulatorConfig(BaseModel):
         description="False: the chat template drops the request's tools, as SmolLM2's does "
         "(clients must describe them in the conversation).",
     )
-
 
     @model_validator(mode="after")
     def _check_fault_rates(self) -> EmulatorConfig:
