@@ -3,7 +3,8 @@
 A :class:`Script` is any callable from a :class:`Conversation` to a :class:`Reply`. The
 server builds the conversation from the request (chat messages, or a ChatML token prompt
 parsed back into messages and tools), with a ``random.Random`` seeded from the server
-seed and the prompt's token ids, so the same prompt always gets the same reply.
+seed, the request's seed (drawn per request when it has none) and the prompt's token
+ids: a seeded request always gets the same reply, seedless samples of a prompt differ.
 
 Built-ins: :class:`AgentScript` (``"agent"``) acts like a small tool-using model, with
 optional malformed output for robustness tests; :class:`EchoScript` (``"echo"``) repeats
@@ -54,7 +55,8 @@ class Conversation:
     ``messages`` are the request's chat messages, or those parsed back from a ChatML
     token prompt (empty for a prompt that is not ChatML); ``tools`` are the request's
     tools or those listed in the prompt's ``<tools>`` block; ``turn`` is the number of
-    assistant turns so far; ``rng`` is seeded from the server seed and the prompt ids.
+    assistant turns so far; ``rng`` is seeded from the server seed, the request seed
+    and the prompt ids.
     A token prompt is parsed only if a script asks for its messages or tools. A prompt
     that ends inside an assistant turn (one a pause cut short) is shown up to that turn's
     start: the script writes the whole turn, and the server sends what is still missing.
