@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from libra._asgi import (
     ClientDisconnected,
@@ -82,6 +82,9 @@ _MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)
 
 _Request = TypeVar("_Request")
+_Fault = Literal["stall", "abort", "garbage"]
+# Continuations of aborted seedless requests whose seed keys are remembered (oldest dropped).
+_MAX_ABORTED_KEYS = 65536
 
 
 class EmulatorConfig(BaseModel):
@@ -112,6 +115,38 @@ class EmulatorConfig(BaseModel):
         le=1,
         description="Fraction of generation requests answered with HTTP 500 (injected).",
     )
+    stall_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Fraction of generation requests never answered (until the client gives up).",
+    )
+    abort_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Fraction of generation requests ended early with a partial output and "
+        "finish_reason 'abort', as vLLM ends them when paused in abort mode.",
+    )
+    garbage_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Fraction of generation requests answered 200 with a body that is not "
+        "an OpenAI response (truncated or foreign JSON).",
+    )
+    die_rate: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Probability per generation request that the server dies on it.",
+    )
+    die_after: int | None = Field(
+        default=None,
+        ge=0,
+        description="The server dies on the generation request after this many (None: never). "
+        "Run as a process it exits; in-process every later request fails to connect.",
+    )
     prefix_caching: bool = Field(
         default=False,
         description="Reuse the KV of prompt prefixes seen before (vLLM's automatic prefix "
@@ -131,6 +166,21 @@ class EmulatorConfig(BaseModel):
         description="False: the chat template drops the request's tools, as SmolLM2's does "
         "(clients must describe them in the conversation).",
     )
+
+    @model_validator(mode="after")
+    def _check_fault_rates(self) -> EmulatorConfig:
+        # One draw per request picks at most one fault, so the rates must fit in [0, 1].
+        total = (
+            self.error_rate + self.stall_rate + self.abort_rate + self.garbage_rate + self.die_rate
+        )
+        if total > 1:
+            raise ValueError(f"the fault rates add up to {total:g}, more than 1")
+        return self
+
+
+class EmulatedServerDied(ConnectionError):
+    """The in-process emulated server died (``die_rate``/``die_after``): every request
+    fails as a connection to a server that is not there."""
 
 
 class _HTTPError(Exception):
@@ -163,10 +213,21 @@ _Handler = Callable[[bytes, Receive, bytes], Awaitable[_Response]]
 
 
 class EmulatorApp:
-    """The ASGI app; ``engine`` is None when the latency model is zero."""
+    """The ASGI app; ``engine`` is None when the latency model is zero.
 
-    def __init__(self, config: EmulatorConfig, script: Script | None = None) -> None:
+    ``on_death`` runs when an injected death strikes (a served process exits there);
+    after it the app fails every request with :class:`EmulatedServerDied`.
+    """
+
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        script: Script | None = None,
+        on_death: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
+        self.on_death = on_death
+        self.dead = False
         self.tokenizer = ByteTokenizer()
         self.script: Script = script or builtin_script(config.script, config.agent)
         self.engine = None if config.latency.is_zero else BatchingEngine(config.latency)
@@ -178,6 +239,10 @@ class EmulatorApp:
             capacity = config.latency.kv_capacity_tokens
             self.prefix_cache = PrefixCache(capacity, config.prefix_block_tokens)
         self._failures = random.Random(f"failures:{config.seed}")
+        self._generation_requests = 0
+        # Seedless requests draw their seed keys from here: samples of one prompt differ.
+        self._unseeded = random.Random(f"unseeded:{config.seed}")
+        self._aborted_keys: dict[bytes, int] = {}
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
         self._encoder = msgspec.json.Encoder()
@@ -213,6 +278,8 @@ class EmulatorApp:
         # Other scopes (websocket) are not served: returning closes them.
 
     async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.dead:
+            raise EmulatedServerDied("the emulated server died (injected)")
         try:
             handler = self._route(scope["method"], scope["path"])
             body = await read_body(receive)
@@ -374,7 +441,7 @@ class EmulatorApp:
             request.messages, self._rendered_tools(request.tools), True
         )
         max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
-        self._maybe_fail()
+        fault = await self._draw_fault(receive)
         key = self._seed_key(prompt, request.seed)
         rng = random.Random(key)
         conversation = Conversation(
@@ -382,7 +449,9 @@ class EmulatorApp:
         )
         reply = self._run_script(conversation)
         generation = self._reply_tokens(reply.text, request.stop, max_new_tokens)
+        generation = self._cut_if_aborted(generation, fault)
         generation = await self._generate(prompt, generation, request.priority, receive)
+        self._remember_if_aborted(prompt, generation, key, request.seed)
         generated = generation.tokens
         finish_reason: str = generation.finish_reason
 
@@ -415,7 +484,7 @@ class EmulatorApp:
             usage=self._usage(len(prompt), len(generated)),
             prompt_token_ids=prompt if with_ids else None,
         )
-        return 200, self._encoder.encode(response), _JSON
+        return 200, self._answer_body(self._encoder.encode(response), fault), _JSON
 
     async def _completions(self, body: bytes, receive: Receive, query: bytes) -> _Response:
         request = _decode(self._completion_decoder, body)
@@ -432,19 +501,25 @@ class EmulatorApp:
         if request.logprobs is not None and not 0 <= request.logprobs <= _MAX_LOGPROBS:
             raise _HTTPError(400, f"logprobs must be between 0 and {_MAX_LOGPROBS}.")
         max_new_tokens = self._max_new_tokens(len(prompt), request.max_tokens)
-        self._maybe_fail()
+        fault = await self._draw_fault(receive)
         # A prompt that ends inside an assistant turn (a turn a pause cut short) goes on
         # with that turn's reply: the script sees the conversation up to the turn's start,
         # and the reply, its seed and its logprobs are the uninterrupted turn's.
         partial = self._partial_turn(prompt)
         turn_prompt = prompt[: len(prompt) - len(partial)] if partial else prompt
         turn_packed = pack_ids(turn_prompt) if partial else packed
-        key = self._seed_key(turn_prompt, request.seed, turn_packed)
+        key = None
+        if partial and request.seed is None and packed is not None:
+            key = self._aborted_keys.pop(packed, None)
+        if key is None:
+            key = self._seed_key(turn_prompt, request.seed, turn_packed)
         rng = random.Random(key)
         conversation = Conversation.from_prompt(turn_prompt, rng, self.tokenizer, turn_packed)
         reply = self._run_script(conversation)
         generation = self._reply_tokens(reply.text, request.stop, max_new_tokens, partial)
+        generation = self._cut_if_aborted(generation, fault)
         generation = await self._generate(prompt, generation, request.priority, receive, packed)
+        self._remember_if_aborted(prompt, generation, key, request.seed)
         generated = generation.tokens
 
         skip_special = request.skip_special_tokens is not False
@@ -471,7 +546,7 @@ class EmulatorApp:
             created=int(time.time()),
             usage=self._usage(len(prompt), len(generated)),
         )
-        return 200, self._encoder.encode(response), _JSON
+        return 200, self._answer_body(self._encoder.encode(response), fault), _JSON
 
     async def _generate(
         self,
@@ -565,15 +640,88 @@ class EmulatorApp:
             )
         return max_tokens
 
-    def _maybe_fail(self) -> None:
-        rate = self.config.error_rate
-        if rate and self._failures.random() < rate:
+    # ---------------------------------------------------------------------- faults
+
+    async def _draw_fault(self, receive: Receive) -> _Fault | None:
+        """The fault injected into this generation request, if any.
+
+        One draw of the seeded failure RNG per request picks at most one fault. An HTTP
+        500, a stall (an answer never comes) and a death happen here; an abort and
+        garbage are applied to the reply later.
+        """
+        config = self.config
+        self._generation_requests += 1
+        if config.die_after is not None and self._generation_requests > config.die_after:
+            self._die()
+        draw = self._failures.random()
+        for fault, rate in (
+            ("error", config.error_rate),
+            ("stall", config.stall_rate),
+            ("abort", config.abort_rate),
+            ("garbage", config.garbage_rate),
+            ("die", config.die_rate),
+        ):
+            if draw < rate:
+                return await self._strike(fault, receive)
+            draw -= rate
+        return None
+
+    async def _strike(self, fault: str, receive: Receive) -> _Fault:
+        if fault == "error":
+            rate = self.config.error_rate
             raise _HTTPError(500, f"Injected failure (error_rate={rate}).", "InternalServerError")
+        if fault == "stall":
+            await _wait_for_disconnect(receive)
+        if fault == "die":
+            self._die()
+        return "abort" if fault == "abort" else "garbage"
+
+    def _die(self) -> None:
+        self.dead = True
+        if self.on_death is not None:
+            self.on_death()
+        raise EmulatedServerDied("the emulated server died (injected)")
+
+    def _cut_if_aborted(self, reply: _Reply, fault: _Fault | None) -> _Reply:
+        """An injected abort: the reply ends after a random part of it."""
+        if fault != "abort":
+            return reply
+        produced = self._failures.randrange(max(1, len(reply.tokens)))
+        return _Reply(reply.tokens[:produced], "abort")
+
+    def _answer_body(self, body: bytes, fault: _Fault | None) -> bytes:
+        """The body sent: injected garbage is the answer cut short (invalid JSON) or
+        JSON that is no OpenAI response."""
+        if fault != "garbage":
+            return body
+        if self._failures.random() < 0.5:
+            return body[: self._failures.randrange(1, len(body))]
+        return b'{"object": "garbage", "choices": "none"}'
+
+    def _remember_if_aborted(
+        self, prompt: list[int], reply: _Reply, key: int, request_seed: int | None
+    ) -> None:
+        """Keep the seed key of a seedless request that ended early, so that its
+        continuation (the prompt plus what it produced) goes on with the same reply."""
+        if request_seed is not None or reply.finish_reason != "abort":
+            return
+        continuation = pack_ids([*prompt, *reply.tokens])
+        if continuation is None:
+            return
+        if len(self._aborted_keys) >= _MAX_ABORTED_KEYS:
+            del self._aborted_keys[next(iter(self._aborted_keys))]
+        self._aborted_keys[continuation] = key
 
     def _seed_key(
         self, prompt: list[int], request_seed: int | None, packed: bytes | None = None
     ) -> int:
-        """The reply's random seed: server seed, request seed and the prompt's ids."""
+        """The reply's random seed: server seed, request seed and the prompt's ids.
+
+        Without a request seed the request seed is drawn, so that samples of one prompt
+        differ (as a GRPO group needs); the draws repeat from one server run to the next.
+        """
+        if request_seed is None:
+            request_seed = self._unseeded.getrandbits(63)
         digest = hashlib.blake2b(f"{self.config.seed}:{request_seed}:".encode(), digest_size=8)
         digest.update(packed if packed is not None else array("H", prompt).tobytes())
         return int.from_bytes(digest.digest(), "little")
@@ -662,6 +810,13 @@ def _parse_hermes_tool_calls(text: str, rng: random.Random) -> Message | None:
         call_id = f"call_{rng.getrandbits(96):024x}"
         calls.append(ToolCall(id=call_id, function=FunctionCall(payload["name"], arguments)))
     return Message(role="assistant", content=text[:start] or None, tool_calls=calls)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """A stalled request: nothing is answered; it ends when the client gives up."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    raise ClientDisconnected
 
 
 def _invalid_mode(mode: str) -> dict[str, Any]:

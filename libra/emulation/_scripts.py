@@ -3,7 +3,8 @@
 A :class:`Script` is any callable from a :class:`Conversation` to a :class:`Reply`. The
 server builds the conversation from the request (chat messages, or a ChatML token prompt
 parsed back into messages and tools), with a ``random.Random`` seeded from the server
-seed and the prompt's token ids, so the same prompt always gets the same reply.
+seed, the request's seed (drawn per request when it has none) and the prompt's token
+ids: a seeded request always gets the same reply, seedless samples of a prompt differ.
 
 Built-ins: :class:`AgentScript` (``"agent"``) acts like a small tool-using model, with
 optional malformed output for robustness tests; :class:`EchoScript` (``"echo"``) repeats
@@ -31,6 +32,7 @@ _CHATML_BLOCK = re.compile(r"<\|im_start\|>(system|user|assistant|tool)\n(.*?)<\
 _TOOLS_BLOCK = re.compile(r"\n\n# Tools\n.*?<tools>\n(.*?)\n</tools>.*", re.S)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_'-]*")
+_MAX_DEPTH = 8  # nesting of schemas followed (a recursive model ends there)
 _EXPRESSION_WORDS = ("expression", "expr", "formula", "equation")
 _FILLER_WORDS = (
     "let", "me", "think", "about", "this", "step", "by", "the", "question", "asks", "for",
@@ -53,7 +55,8 @@ class Conversation:
     ``messages`` are the request's chat messages, or those parsed back from a ChatML
     token prompt (empty for a prompt that is not ChatML); ``tools`` are the request's
     tools or those listed in the prompt's ``<tools>`` block; ``turn`` is the number of
-    assistant turns so far; ``rng`` is seeded from the server seed and the prompt ids.
+    assistant turns so far; ``rng`` is seeded from the server seed, the request seed
+    and the prompt ids.
     A token prompt is parsed only if a script asks for its messages or tools. A prompt
     that ends inside an assistant turn (one a pause cut short) is shown up to that turn's
     start: the script writes the whole turn, and the server sends what is still missing.
@@ -290,15 +293,62 @@ def _answer_number(conversation: Conversation) -> str:
 def _arguments(function: dict[str, Any], conversation: Conversation) -> dict[str, Any]:
     """Arguments for ``function`` following its JSON schema (required ones always)."""
     parameters = function.get("parameters") or {}
-    properties: dict[str, Any] = parameters.get("properties") or {}
-    required = set(parameters.get("required") or ())
-    rng = conversation.rng
-    source = _source_text(conversation)
-    return {
-        name: _value(name, schema if isinstance(schema, dict) else {}, source, rng)
-        for name, schema in properties.items()
-        if name in required or rng.random() < 0.5
-    }
+    filler = _Filler(_source_text(conversation), conversation.rng, parameters.get("$defs") or {})
+    return filler.object(parameters)
+
+
+@dataclass(frozen=True, slots=True)
+class _Filler:
+    """Fills values valid for a JSON schema: ``$ref`` to ``$defs`` resolved, ``anyOf`` /
+    ``oneOf`` (an optional is ``anyOf [X, null]``) filled with one non-null option."""
+
+    source: str
+    rng: random.Random
+    defs: dict[str, Any]
+
+    def object(self, schema: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+        """Required properties always, optional ones half the time."""
+        properties: dict[str, Any] = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        return {
+            key: self.value(key, sub if isinstance(sub, dict) else {}, depth + 1)
+            for key, sub in properties.items()
+            if key in required or self.rng.random() < 0.5
+        }
+
+    def value(self, name: str, schema: dict[str, Any], depth: int = 0) -> Any:
+        schema = self.resolve(schema)
+        if "const" in schema:
+            return schema["const"]
+        kind = schema.get("type", "string")
+        if kind == "object" and depth < _MAX_DEPTH:
+            return self.object(schema, depth)
+        if kind == "array" and depth < _MAX_DEPTH:
+            items = schema.get("items")
+            items = items if isinstance(items, dict) else {}
+            least = max(1, int(schema.get("minItems", 1)))
+            count = self.rng.randint(least, max(least, 3))
+            return [self.value(name, items, depth + 1) for _ in range(count)]
+        return _value(name, schema, self.source, self.rng)
+
+    def resolve(self, schema: dict[str, Any]) -> dict[str, Any]:
+        """The schema with references followed and one union option chosen."""
+        for _ in range(_MAX_DEPTH):
+            reference = schema.get("$ref")
+            options = schema.get("anyOf") or schema.get("oneOf") or schema.get("allOf")
+            if isinstance(reference, str):
+                target = self.defs.get(reference.rsplit("/", 1)[-1])
+                schema = target if isinstance(target, dict) else {}
+            elif isinstance(options, list) and options:
+                concrete = [o for o in options if isinstance(o, dict) and not _is_null(o)]
+                schema = self.rng.choice(concrete) if concrete else {"const": None}
+            else:
+                return schema
+        return schema
+
+
+def _is_null(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "null" or ("const" in schema and schema["const"] is None)
 
 
 def _value(name: str, schema: dict[str, Any], source: str, rng: random.Random) -> Any:

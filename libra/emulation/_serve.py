@@ -49,6 +49,7 @@ def serve(
     """Serve an emulated vLLM server until SIGINT/SIGTERM; on ``sock`` if given."""
     _raise_open_file_limit()
     app = create_app(config, script)
+    app.on_death = _exit_at_once  # an injected death ends the process, as a crash does
     server_config = uvicorn.Config(
         app,
         host=host,
@@ -62,6 +63,11 @@ def serve(
         timeout_graceful_shutdown=5,
     )
     uvicorn.Server(server_config).run(sockets=None if sock is None else [sock])
+
+
+def _exit_at_once() -> None:
+    """Die without cleanup: open connections are cut, the port closes."""
+    os._exit(1)
 
 
 def _raise_open_file_limit() -> None:
@@ -98,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--garbage-rate", type=float, default=0.0, help="Fraction of malformed agent replies."
     )
     parser.add_argument(
+        "--stall-rate", type=float, default=0.0, help="Fraction of requests never answered."
+    )
+    parser.add_argument(
+        "--abort-rate", type=float, default=0.0, help="Fraction of requests aborted midway."
+    )
+    parser.add_argument(
+        "--http-garbage-rate",
+        type=float,
+        default=0.0,
+        help="Fraction of 200 answers whose body is not an OpenAI response.",
+    )
+    parser.add_argument("--die-rate", type=float, default=0.0, help="Chance per request to die.")
+    parser.add_argument(
+        "--die-after", type=int, help="Exit on the generation request after this many."
+    )
+    parser.add_argument(
         "--think-tokens",
         type=int,
         nargs=2,
@@ -128,6 +150,11 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         seed=args.seed,
         max_model_len=args.max_model_len,
         error_rate=args.error_rate,
+        stall_rate=args.stall_rate,
+        abort_rate=args.abort_rate,
+        garbage_rate=args.http_garbage_rate,
+        die_rate=args.die_rate,
+        die_after=args.die_after,
     )
 
 

@@ -6,16 +6,25 @@ import json
 import re
 from collections.abc import Mapping
 
+import anyio
 import httpx
 import msgspec
 import pytest
 
 from libra.emulation import (
     EOS_ID,
+    EmulatedServerDied,
+    EmulatorConfig,
+    LatencyModel,
     ScriptedReplies,
+    create_app,
+    emulator_process,
     render_chat,
 )
+from libra.engine import ASGITransport, TransportError
 from libra.openai import (
+    ChatCompletion,
+    Completion,
     DetokenizeResponse,
     ErrorResponse,
     TokenizeResponse,
@@ -324,3 +333,94 @@ async def test_a_weight_sync_s_dev_mode_routes_answer_like_vllm() -> None:
         assert reset.status_code == 200 and reset.json() == {"success": True}
         other = await client.post("/collective_rpc", json={"method": "sleep"})
         assert "sleep" in await error(other, 400)
+
+
+# ---------------------------------------------------------------------- injected faults
+
+COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 20}
+
+
+async def test_no_fault_at_rate_zero() -> None:
+    async with emulator(stall_rate=0.0, abort_rate=0.0, garbage_rate=0.0, die_rate=0.0) as client:
+        for _ in range(20):
+            completion = await chat(client, tools=[CALCULATOR])
+            assert completion.choices[0].finish_reason in ("stop", "tool_calls")
+
+
+async def test_stall_rate_never_answers_until_the_client_gives_up() -> None:
+    async with emulator(stall_rate=1.0) as client:
+        with anyio.move_on_after(0.3) as waited:
+            await client.post("/v1/completions", json=COMPLETION)
+        assert waited.cancelled_caught
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_abort_rate_ends_requests_early_with_a_partial_output() -> None:
+    reply = "a reply long enough to be cut somewhere in its middle"
+    async with emulator(ScriptedReplies([reply]), abort_rate=1.0) as client:
+        for request_seed in range(5):
+            completion = await chat(client, tools=[CALCULATOR], seed=request_seed)
+            (choice,) = completion.choices
+            assert choice.finish_reason == "abort" and not choice.message.tool_calls
+            assert reply.startswith(choice.message.content or "")
+            assert len(choice.message.content or "") < len(reply)
+
+
+async def test_garbage_rate_answers_200_with_no_openai_response() -> None:
+    async with emulator(garbage_rate=1.0) as client:
+        for _ in range(6):
+            body = {"model": MODEL, "messages": QUESTION}
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200
+            with pytest.raises(msgspec.DecodeError):  # invalid JSON, or not a completion
+                msgspec.json.decode(response.content, type=ChatCompletion)
+
+
+async def test_fault_rates_are_reproducible_for_a_seed() -> None:
+    runs = []
+    for _ in range(2):
+        async with emulator(abort_rate=0.3, garbage_rate=0.3, seed=5) as client:
+            responses = [await client.post("/v1/completions", json=COMPLETION) for _ in range(30)]
+            runs.append([outcome(response) for response in responses])
+    assert runs[0] == runs[1]
+    assert {"stop", "length", "abort", "garbage"} >= set(runs[0]) >= {"abort", "garbage"}
+
+
+def outcome(response: httpx.Response) -> str:
+    """The finish reason of a completion, or "garbage" for a body that is none."""
+    try:
+        completion = msgspec.json.decode(response.content, type=Completion)
+    except msgspec.DecodeError:
+        return "garbage"
+    return completion.choices[0].finish_reason or "none"
+
+
+def test_fault_rates_must_fit_in_one_draw() -> None:
+    with pytest.raises(ValueError, match="add up"):
+        EmulatorConfig(error_rate=0.6, abort_rate=0.6)
+
+
+async def test_an_in_process_server_that_died_fails_every_call_like_a_lost_connection() -> None:
+    app = create_app(EmulatorConfig(die_after=1, latency=LatencyModel.zero()))
+    body = msgspec.json.encode(COMPLETION)
+    url = "http://emulated/v1/completions"
+    async with ASGITransport(app) as transport:
+        status, _ = await transport.post(url, body, {}, 5.0)
+        assert status == 200
+        for _ in range(2):
+            with pytest.raises(TransportError, match="died"):
+                await transport.post(url, body, {}, 5.0)
+        with pytest.raises(TransportError):
+            await transport.get("http://emulated/health", 5.0)
+    async with emulator(die_rate=1.0) as client:
+        with pytest.raises(EmulatedServerDied):
+            await client.post("/v1/completions", json=COMPLETION)
+
+
+def test_a_served_emulator_exits_when_it_dies() -> None:
+    config = EmulatorConfig(die_after=1, latency=LatencyModel.zero())
+    with emulator_process(config) as server, httpx.Client(base_url=server.url) as client:
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+        with pytest.raises(httpx.TransportError):
+            client.post("/v1/completions", json=COMPLETION)
+        assert server.process.wait(timeout=10) == 1

@@ -55,7 +55,9 @@ def first_turn_prompt() -> list[int]:
 
 
 async def complete(client: httpx.AsyncClient, prompt: list[int], **extra: Any) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": prompt, "logprobs": 0, "return_token_ids": True, **extra}
+    # Seeded: a seedless request draws its own reply, and these compare replies.
+    body = {"model": MODEL, "prompt": prompt, "logprobs": 0, "return_token_ids": True}
+    body |= {"seed": 0, **extra}
     response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     choice: dict[str, Any] = response.json()["choices"][0]

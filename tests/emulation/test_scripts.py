@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 
 import pytest
+from pydantic import BaseModel
 
 from libra.emulation import AgentScript, parse_chatml, render_chat, render_chat_text
 from tests._helpers import CALCULATOR, LOOKUP, QUESTION, chat, complete, conversation, emulator
@@ -105,3 +107,41 @@ def test_parse_chatml_recovers_messages_and_tools() -> None:
     assert [m.role for m in messages] == [m.role for m in conversation()]
     assert messages[0].content == "You are careful."
     assert messages[3].content == "42"
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Point(BaseModel):
+    x: int
+    y: int | None = None
+
+
+class PaintArguments(BaseModel):
+    colour: Colour
+    size: int | None
+    at: Point
+    label: str | None = None
+
+
+async def test_agent_fills_refs_optionals_enums_and_nested_models_validly() -> None:
+    schema = PaintArguments.model_json_schema()
+    assert "$defs" in schema  # the enum and the nested model are references
+    paint = {"type": "function", "function": {"name": "paint", "parameters": schema}}
+    async with emulator(agent=AgentScript(tool_call_probability=1.0)) as client:
+        for request_seed in range(20):
+            completion = await chat(client, tools=[paint], seed=request_seed)
+            (call,) = completion.choices[0].message.tool_calls or []
+            arguments = PaintArguments.model_validate_json(call.function.arguments)
+            assert isinstance(arguments.at, Point)
+
+
+async def test_samples_of_one_prompt_differ_without_a_seed() -> None:
+    agent = AgentScript(think_tokens=(0, 40))
+    async with emulator(agent=agent) as client:
+        seedless = [(await chat(client, tools=[CALCULATOR])).choices[0] for _ in range(8)]
+        seeded = [(await chat(client, tools=[CALCULATOR], seed=3)).choices[0] for _ in range(3)]
+    assert len({choice.message.content for choice in seedless}) > 1
+    assert seeded[0] == seeded[1] == seeded[2]

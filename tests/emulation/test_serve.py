@@ -39,6 +39,10 @@ def test_command_line_options_make_a_config() -> None:
     config = config_from_args(args)
     assert config.latency.is_zero and config.script == "echo" and config.seed == 3
     assert config.agent.think_tokens == (2, 9)
+    faults = ["--stall-rate", "0.1", "--abort-rate", "0.2", "--http-garbage-rate", "0.3"]
+    faulty = config_from_args(build_parser().parse_args([*faults, "--die-after", "7"]))
+    assert (faulty.stall_rate, faulty.abort_rate, faulty.garbage_rate) == (0.1, 0.2, 0.3)
+    assert faulty.die_after == 7 and faulty.die_rate == 0.0
     whole = EmulatorConfig(seed=11, error_rate=0.5)
     assert (
         config_from_args(build_parser().parse_args(["--config-json", whole.model_dump_json()]))

@@ -14,6 +14,7 @@ from libra.engine import (
     Engine,
     EngineConfig,
     HTTPTransport,
+    SamplingConfig,
     TrajectoryJob,
     TrajectoryRecord,
     http_transport,
@@ -88,7 +89,8 @@ async def abort_mid_turn(url: str) -> None:
 
 
 def engine_on(http: HTTPTransport, *endpoints: Endpoint, max_continuations: int = 8) -> Engine:
-    config = EngineConfig(max_continuations=max_continuations)
+    # Seeded: a seedless request draws its own reply, and these compare two runs' replies.
+    config = EngineConfig(max_continuations=max_continuations, sampling=SamplingConfig(seed=0))
     return Engine(http, LeastLoadedScheduler(list(endpoints)), config=config)
 
 
