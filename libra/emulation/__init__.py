@@ -10,7 +10,8 @@ never imports it: a fleet, emulated or real, is handed to the engine as endpoint
 HTTP transport.
 """
 
-from libra.emulation._app import EmulatedServerDied, EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._faults import EmulatedServerDied
 from libra.emulation._latency import BatchingEngine, LatencyModel
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import (

@@ -41,6 +41,7 @@ from libra._asgi import (
     read_body,
     serve_lifespan,
 )
+from libra.emulation._faults import Fault, Faults
 from libra.emulation._latency import BatchingEngine, LatencyModel, PauseMode
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import AgentScript, Conversation, Reply, Script, builtin_script
@@ -82,7 +83,6 @@ _MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)
 
 _Request = TypeVar("_Request")
-_Fault = Literal["stall", "abort", "garbage"]
 # Continuations of aborted seedless requests whose seed keys are remembered (oldest dropped).
 _MAX_ABORTED_KEYS = 65536
 
@@ -178,11 +178,6 @@ class EmulatorConfig(BaseModel):
         return self
 
 
-class EmulatedServerDied(ConnectionError):
-    """The in-process emulated server died (``die_rate``/``die_after``): every request
-    fails as a connection to a server that is not there."""
-
-
 class _HTTPError(Exception):
     """An error answer, in OpenAI's shape."""
 
@@ -226,8 +221,6 @@ class EmulatorApp:
         on_death: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
-        self.on_death = on_death
-        self.dead = False
         self.tokenizer = ByteTokenizer()
         self.script: Script = script or builtin_script(config.script, config.agent)
         self.engine = None if config.latency.is_zero else BatchingEngine(config.latency)
@@ -238,8 +231,18 @@ class EmulatorApp:
         if config.prefix_caching:
             capacity = config.latency.kv_capacity_tokens
             self.prefix_cache = PrefixCache(capacity, config.prefix_block_tokens)
-        self._failures = random.Random(f"failures:{config.seed}")
-        self._generation_requests = 0
+        self.faults = Faults(
+            {
+                "error": config.error_rate,
+                "stall": config.stall_rate,
+                "abort": config.abort_rate,
+                "garbage": config.garbage_rate,
+                "die": config.die_rate,
+            },
+            config.seed,
+            config.die_after,
+            on_death,
+        )
         # Seedless requests draw their seed keys from here: samples of one prompt differ.
         self._unseeded = random.Random(f"unseeded:{config.seed}")
         self._aborted_keys: dict[bytes, int] = {}
@@ -278,8 +281,7 @@ class EmulatorApp:
         # Other scopes (websocket) are not served: returning closes them.
 
     async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.dead:
-            raise EmulatedServerDied("the emulated server died (injected)")
+        self.faults.check_alive()
         try:
             handler = self._route(scope["method"], scope["path"])
             body = await read_body(receive)
@@ -642,61 +644,25 @@ class EmulatorApp:
 
     # ---------------------------------------------------------------------- faults
 
-    async def _draw_fault(self, receive: Receive) -> _Fault | None:
-        """The fault injected into this generation request, if any.
-
-        One draw of the seeded failure RNG per request picks at most one fault. An HTTP
-        500, a stall (an answer never comes) and a death happen here; an abort and
-        garbage are applied to the reply later.
-        """
-        config = self.config
-        self._generation_requests += 1
-        if config.die_after is not None and self._generation_requests > config.die_after:
-            self._die()
-        draw = self._failures.random()
-        for fault, rate in (
-            ("error", config.error_rate),
-            ("stall", config.stall_rate),
-            ("abort", config.abort_rate),
-            ("garbage", config.garbage_rate),
-            ("die", config.die_rate),
-        ):
-            if draw < rate:
-                return await self._strike(fault, receive)
-            draw -= rate
-        return None
-
-    async def _strike(self, fault: str, receive: Receive) -> _Fault:
+    async def _draw_fault(self, receive: Receive) -> Fault | None:
+        """The fault injected into this generation request, if any. An HTTP 500, a stall
+        (an answer never comes) and a death happen here; an abort and garbage are applied
+        to the reply later."""
+        fault = self.faults.draw()
         if fault == "error":
             rate = self.config.error_rate
             raise _HTTPError(500, f"Injected failure (error_rate={rate}).", "InternalServerError")
         if fault == "stall":
             await _wait_for_disconnect(receive)
-        if fault == "die":
-            self._die()
-        return "abort" if fault == "abort" else "garbage"
+        return fault
 
-    def _die(self) -> None:
-        self.dead = True
-        if self.on_death is not None:
-            self.on_death()
-        raise EmulatedServerDied("the emulated server died (injected)")
-
-    def _cut_if_aborted(self, reply: _Reply, fault: _Fault | None) -> _Reply:
-        """An injected abort: the reply ends after a random part of it."""
+    def _cut_if_aborted(self, reply: _Reply, fault: Fault | None) -> _Reply:
         if fault != "abort":
             return reply
-        produced = self._failures.randrange(max(1, len(reply.tokens)))
-        return _Reply(reply.tokens[:produced], "abort")
+        return _Reply(reply.tokens[: self.faults.cut(len(reply.tokens))], "abort")
 
-    def _answer_body(self, body: bytes, fault: _Fault | None) -> bytes:
-        """The body sent: injected garbage is the answer cut short (invalid JSON) or
-        JSON that is no OpenAI response."""
-        if fault != "garbage":
-            return body
-        if self._failures.random() < 0.5:
-            return body[: self._failures.randrange(1, len(body))]
-        return b'{"object": "garbage", "choices": "none"}'
+    def _answer_body(self, body: bytes, fault: Fault | None) -> bytes:
+        return self.faults.garble(body) if fault == "garbage" else body
 
     def _remember_if_aborted(
         self, prompt: list[int], reply: _Reply, key: int, request_seed: int | None

@@ -49,7 +49,7 @@ def serve(
     """Serve an emulated vLLM server until SIGINT/SIGTERM; on ``sock`` if given."""
     _raise_open_file_limit()
     app = create_app(config, script)
-    app.on_death = _exit_at_once  # an injected death ends the process, as a crash does
+    app.faults.on_death = _exit_at_once  # an injected death ends the process, as a crash does
     server_config = uvicorn.Config(
         app,
         host=host,
