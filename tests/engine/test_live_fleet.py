@@ -82,6 +82,13 @@ def assert_forgotten(policy: RoutedPolicy, gone: set[str]) -> None:
     assert not gone & set(policy.calls_in_flight())
 
 
+def between_turns_on(router: Router, name: str) -> bool:
+    """Some trajectory's last turn returned on ``name`` and it is in a tool call now: its
+    next turn must run elsewhere once ``name`` is gone."""
+    instance = router.by_name[name]
+    return len(instance.residents) > instance.in_flight
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # three server processes: one backend
 async def test_drain_remove_and_a_killed_server_mid_rollout_lose_nothing() -> None:
     jobs = jobs_for(Calc, "calc", 48)
@@ -95,7 +102,9 @@ async def test_drain_remove_and_a_killed_server_mid_rollout_lose_nothing() -> No
             async with anyio.create_task_group() as group:
                 group.start_soon(rollout, jobs, engine)
                 await until(
-                    lambda: len(records) >= 4 and all(router.by_name[n].in_flight for n in "ab")
+                    lambda: len(records) >= 4
+                    and all(router.by_name[n].in_flight for n in "ab")
+                    and between_turns_on(router, "b")
                 )
                 draining = router.by_name["a"].in_flight
                 killed = router.by_name["b"].in_flight
