@@ -22,6 +22,8 @@ from libra.alloc._planner import (
 )
 from libra.alloc._protocol import (
     CallTiming,
+    Cluster,
+    JoinState,
     Plan,
     Planner,
     Prediction,
@@ -38,7 +40,9 @@ __all__ = [
     "H200",
     "PRESETS",
     "CallTiming",
+    "Cluster",
     "Corrections",
+    "JoinState",
     "Plan",
     "PlanLog",
     "Planner",

@@ -101,3 +101,43 @@ class Planner(Protocol):
     def plan(self, workers: int, workload: Workload) -> Plan: ...
 
     def predict(self, plan: Plan, workload: Workload) -> Prediction: ...
+
+
+JoinState = Literal["requested", "fetching_state", "zero_sync", "activating", "active"]
+"""A hybrid worker joining training passes through these in order. While it fetches the
+training state it contributes zero gradients, so the step never waits for it."""
+
+
+class Cluster(Protocol):
+    """The workers' processes as the pool drives them: local processes, Ray actors or the
+    emulated cluster. Worker ids are ``0..workers - 1``; an instance is named by the pool.
+    Every operation may raise (the pool returns the worker to where it was) and is
+    cancellable (the pool bounds each with a timeout)."""
+
+    @property
+    def workers(self) -> int: ...
+
+    async def start_instance(self, name: str, workers: tuple[int, ...]) -> str:
+        """Start a serving instance on ``workers`` (its TP is their count) on the current
+        weights; return its base URL once it answers."""
+        ...
+
+    async def stop_instance(self, name: str) -> None:
+        """Stop it (the pool drained or migrated its calls first)."""
+        ...
+
+    async def fetch_state(self, worker: int) -> None:
+        """Give ``worker`` the trainer's current parameters and optimizer shards."""
+        ...
+
+    async def zero_sync(self, worker: int) -> None:
+        """One gradient exchange in which ``worker`` contributes zeros: it is in step."""
+        ...
+
+    async def activate(self, worker: int) -> None:
+        """``worker`` takes a share of the batch from the next optimizer step on."""
+        ...
+
+    async def leave_training(self, worker: int) -> None:
+        """``worker`` stops training (its share goes back to the others)."""
+        ...

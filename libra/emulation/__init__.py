@@ -35,6 +35,7 @@ from libra.emulation._tokenizer import (
     render_chat,
     render_chat_text,
 )
+from libra.emulation._training import EmulatedTrainer, TrainJoinFailed, TrainTruth
 
 __all__ = [
     "ENDOFTEXT_ID",
@@ -48,6 +49,7 @@ __all__ = [
     "Conversation",
     "EchoScript",
     "EmulatedServerDied",
+    "EmulatedTrainer",
     "EmulatorApp",
     "EmulatorConfig",
     "EmulatorProcess",
@@ -56,6 +58,8 @@ __all__ = [
     "Reply",
     "Script",
     "ScriptedReplies",
+    "TrainJoinFailed",
+    "TrainTruth",
     "builtin_script",
     "create_app",
     "emulator_process",
