@@ -24,7 +24,13 @@ from libra.emulation._scripts import (
     builtin_script,
     parse_chatml,
 )
-from libra.emulation._serve import EmulatorProcess, emulator_process, running_emulator, serve
+from libra.emulation._serve import (
+    EmulatorProcess,
+    EmulatorServer,
+    emulator_process,
+    running_emulator,
+    serve,
+)
 from libra.emulation._tokenizer import (
     ENDOFTEXT_ID,
     EOS_ID,
@@ -53,6 +59,7 @@ __all__ = [
     "EmulatorApp",
     "EmulatorConfig",
     "EmulatorProcess",
+    "EmulatorServer",
     "LatencyModel",
     "PrefixCache",
     "Reply",

@@ -23,12 +23,15 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
+import anyio
 import httpx
 import uvicorn
 
+from libra._process import wait_exited
 from libra.emulation._app import EmulatorConfig, create_app
 from libra.emulation._latency import LatencyModel
 from libra.emulation._scripts import AgentScript, Script
@@ -224,13 +227,79 @@ def emulator_process(
             _stop(process)
 
 
+class EmulatorServer:
+    """An emulated server in a subprocess that stops, dies, hangs and starts again on the
+    same address: the restartable kind of server a supervisor manages (as it manages a
+    vLLM server), for tests that need a real process without vLLM's start-up time."""
+
+    def __init__(
+        self,
+        config: EmulatorConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 30.0,
+        stop_grace_s: float = 2.0,
+    ) -> None:
+        self.config = config or EmulatorConfig()
+        self.host, self.startup_timeout_s, self.stop_grace_s = host, startup_timeout_s, stop_grace_s
+        self.starts = 0
+        self._port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self._port}"
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    async def astart(self) -> None:
+        if self.is_running:
+            raise RuntimeError(f"the emulated server at {self.url} is already running")
+        self._release()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
+        self._process, self._port = _spawn(self.config, self.host, self._log, port=self._port)
+        self.starts += 1
+        wait = partial(_wait_until_healthy, self.url, self._process, self._log)
+        await anyio.to_thread.run_sync(wait, self.startup_timeout_s)
+
+    async def astop(self) -> None:
+        process = self._process
+        if process is not None:
+            await anyio.to_thread.run_sync(partial(_stop, process, self.stop_grace_s))
+        self._release()
+
+    async def wait_exited(self) -> None:
+        if self._process is not None:
+            await wait_exited(self._process.pid)
+
+    def kill(self) -> None:
+        """Gone at once, as after a crash: calls in flight cut."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+
+    def hang(self) -> None:
+        """Alive but answering nothing (SIGSTOP), as a wedged server is."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def _release(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self._process = None
+
+
 def _spawn(
-    config: EmulatorConfig, host: str, log: IO[bytes]
+    config: EmulatorConfig, host: str, log: IO[bytes], *, port: int = 0
 ) -> tuple[subprocess.Popen[bytes], int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, 0))
-        port: int = listener.getsockname()[1]
+        listener.bind((host, port))
+        port = listener.getsockname()[1]
         command = [
             sys.executable,
             "-m",
@@ -284,11 +353,11 @@ def _read_log(log: IO[bytes]) -> str:
     return log.read().decode(errors="replace")[-4000:]
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def _stop(process: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     if process.poll() is None:
         process.terminate()
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

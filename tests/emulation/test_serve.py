@@ -6,11 +6,12 @@ import subprocess
 import sys
 import time
 
+import anyio
 import httpx
 import msgspec
 import pytest
 
-from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
+from libra.emulation import EmulatorConfig, EmulatorServer, LatencyModel, running_emulator
 from libra.emulation._serve import build_parser, config_from_args
 from libra.openai import ChatCompletion
 from tests._helpers import CALCULATOR, MODEL, QUESTION
@@ -78,3 +79,22 @@ def test_server_exits_when_its_parent_dies() -> None:
             return
         time.sleep(0.1)
     pytest.fail("the emulated server outlived its parent")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_restarted_server_keeps_its_address() -> None:
+    server = EmulatorServer()
+    await server.astart()
+    try:
+        url = server.url
+        server.kill()
+        with anyio.fail_after(5):
+            await server.wait_exited()
+        await server.astop()
+        await server.astart()
+        assert server.url == url and server.starts == 2
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{url}/health")).status_code == 200
+    finally:
+        await server.astop()

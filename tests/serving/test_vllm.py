@@ -261,6 +261,24 @@ async def test_fake_server_async_context_manager(fake_python: Path, tmp_path: Pa
 
 
 @pytest.mark.anyio
+async def test_a_killed_server_is_seen_at_once_and_restarts_on_its_address(
+    fake_python: Path, tmp_path: Path
+) -> None:
+    server = VLLMServer("/models/m", config=_fake_config(fake_python, tmp_path))
+    async with server:
+        url, pid = server.url, server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(2):  # the exit itself, not a poll of /health
+            await server.wait_exited()
+        await server.astop()
+        await server.astart()
+        assert server.url == url and server.pid != pid
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{url}/health")).status_code == 200
+
+
+@pytest.mark.anyio
 async def test_a_cancelled_start_leaves_no_server(fake_python: Path, tmp_path: Path) -> None:
     config = _fake_config(fake_python, tmp_path, extra_args=("--fake-mode", "hang"))
     server = VLLMServer("/models/m", config=config)
