@@ -222,6 +222,10 @@ def _owner_labels(run_id: str) -> dict[str, str]:
 # Sandbox
 
 
+class DockerEngineUnreachable(SandboxError):
+    """The Docker engine does not answer (stopped, restarting): no container can start."""
+
+
 class DockerSandbox:
     """One pooled container lent to one trajectory (see the module docstring for the rules)."""
 
@@ -266,6 +270,8 @@ class DockerSandbox:
             with anyio.CancelScope(shield=True):
                 await self._kill_leftovers()
         duration = time.monotonic() - started
+        if raw.exit_code in (None, 137) and not raw.deadline_hit:
+            await self._check_alive()  # a killed command, or a killed container?
         timed_out = raw.deadline_hit or (raw.exit_code == 137 and duration >= timeout_s)
         stderr = _without_leftovers_mark(raw.stderr)
         return ExecResult(
@@ -315,6 +321,12 @@ class DockerSandbox:
         assert raw is not None
         detail = raw.stderr.decode(errors="replace").strip()
         raise SandboxError(f"cannot read {target} from the sandbox: {detail or raw.exit_code}")
+
+    async def _check_alive(self) -> None:
+        """A container that stopped under a command is the sandbox's failure, not the
+        command's (an out-of-memory kill inside a running container is the command's)."""
+        if not await self._provider.is_running(self.container_id):
+            raise SandboxError(f"the sandbox container {self.container_id[:12]} stopped")
 
     async def _kill_leftovers(self) -> None:
         """Once no exec runs, kill what the last ones may have left (daemons, background
@@ -385,6 +397,7 @@ class PoolStats:
     reused: int = 0
     destroyed: int = 0
     reset_failures: int = 0
+    dead_on_handout: int = 0  # idle containers found stopped (a daemon restart, a kill)
 
 
 class DockerSandboxProvider:
@@ -394,6 +407,9 @@ class DockerSandboxProvider:
     trajectory). ``network`` is the Docker network given to specs with ``network=True``; by
     default "bridge" when the engine has it, else "host" (an engine started with
     ``--bridge=none``). The provider reaps stale containers of dead runs when it starts.
+    An idle container is checked when handed out (one stopped by a daemon restart or a
+    kill is replaced), and a new one waits up to ``engine_wait_s`` for an engine that is
+    restarting.
     """
 
     def __init__(
@@ -406,6 +422,7 @@ class DockerSandboxProvider:
         runtime: str | None = None,
         reap_stale: bool = True,
         max_threads: int = 64,
+        engine_wait_s: float = 60.0,
         client: docker.DockerClient | None = None,
     ) -> None:
         if pool_size < 0:
@@ -414,6 +431,7 @@ class DockerSandboxProvider:
         self.user = user
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.runtime = runtime
+        self.engine_wait_s = engine_wait_s
         self.stats = PoolStats()
         self._network = network
         self._reap_stale = reap_stale
@@ -501,10 +519,26 @@ class DockerSandboxProvider:
 
     async def _acquire(self, spec: SandboxSpec) -> str:
         idle = self._idle.get(_PoolKey.of(spec))
-        if idle:
-            self.stats.reused += 1
-            return idle.pop()
+        while idle:
+            container_id = idle.pop()
+            if await self.is_running(container_id):
+                self.stats.reused += 1
+                return container_id
+            self.stats.dead_on_handout += 1
+            await self._destroy(container_id)
         return await self._create(spec)
+
+    async def is_running(self, container_id: str) -> bool:
+        """Whether the container is up (False when it is gone)."""
+        return await self.call_in_thread(functools.partial(self._is_running_blocking, container_id))
+
+    def _is_running_blocking(self, container_id: str) -> bool:
+        import docker.errors
+
+        try:
+            return bool(self.api.inspect_container(container_id)["State"]["Running"])
+        except docker.errors.NotFound:
+            return False
 
     async def _release(self, spec: SandboxSpec, container_id: str) -> None:
         idle = self._idle.setdefault(_PoolKey.of(spec), [])
@@ -541,10 +575,26 @@ class DockerSandboxProvider:
             return await anyio.to_thread.run_sync(
                 call, abandon_on_cancel=abandon_on_cancel, limiter=self._limiter
             )
+        except requests.ConnectionError as error:
+            raise DockerEngineUnreachable(f"Docker engine unreachable: {error}") from error
         except (docker.errors.DockerException, requests.RequestException) as error:
             raise SandboxError(f"Docker engine error: {error}") from error
 
     async def _create(self, spec: SandboxSpec) -> str:
+        """A new container; while the Docker engine is unreachable (restarting), wait for it
+        up to ``engine_wait_s`` rather than fail every trajectory that starts meanwhile."""
+        deadline = anyio.current_time() + self.engine_wait_s
+        delay = 0.5
+        while True:
+            try:
+                return await self._create_once(spec)
+            except DockerEngineUnreachable:
+                if anyio.current_time() + delay > deadline:
+                    raise
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    async def _create_once(self, spec: SandboxSpec) -> str:
         self._serial += 1
         name = f"libra-{self.run_id}-{self._serial}"
         container_id = await self.call_in_thread(

@@ -96,6 +96,37 @@ async def test_a_container_that_cannot_be_reset_is_replaced(
     assert broken_id not in {c.id for c in docker_client.containers.list(all=True)}
 
 
+async def test_an_idle_container_found_stopped_is_replaced_when_handed_out(
+    provider: DockerSandboxProvider, docker_client: docker.DockerClient
+) -> None:
+    await provider.prewarm(SPEC, 1)
+    async with provider.sandbox(SPEC) as box:  # takes the warm one
+        stopped_id = box.container_id
+    docker_client.api.kill(stopped_id)  # idle in the pool: e.g. a daemon restart stopped it
+    before = provider.stats.dead_on_handout
+    async with provider.sandbox(SPEC) as box:
+        assert box.container_id != stopped_id
+        assert (await box.exec(["echo", "fresh"], timeout_s=10)).stdout == "fresh\n"
+    assert provider.stats.dead_on_handout >= before + 1
+    assert stopped_id not in {c.id for c in docker_client.containers.list(all=True)}
+
+
+async def test_a_container_killed_under_a_command_is_the_sandboxs_failure(
+    provider: DockerSandboxProvider, docker_client: docker.DockerClient
+) -> None:
+    """Not an exit status 137 the model would be blamed for."""
+    async with provider.sandbox(SPEC) as box:
+
+        async def kill_soon() -> None:
+            await anyio.sleep(1.0)
+            await anyio.to_thread.run_sync(docker_client.api.kill, box.container_id)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(kill_soon)
+            with pytest.raises(SandboxError, match="stopped"):
+                await box.exec(["sleep", "30"], timeout_s=20)
+
+
 async def test_reaper_removes_containers_of_dead_owners(
     provider: DockerSandboxProvider, docker_client: docker.DockerClient
 ) -> None:
