@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import httpx
@@ -25,7 +25,7 @@ from libra.config import UsageError
 from libra.emulation import EmulatorConfig, create_app
 from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
 from libra.fleet import Endpoint, FleetSpec, InstanceSpec
-from libra.serving import EMBEDDED_MODEL_NAME
+from libra.serving import EMBEDDED_MODEL_NAME, ServerProcess, VLLMServer
 
 
 class FleetError(UsageError, RuntimeError):
@@ -36,6 +36,8 @@ class FleetError(UsageError, RuntimeError):
 class Fleet:
     http: HTTPTransport
     spec: FleetSpec  # the instances (with the model each serves) and their buckets
+    #: The servers this command started, by instance name: restarted if they die or hang.
+    servers: dict[str, ServerProcess] = field(default_factory=dict)
 
 
 class _Models(msgspec.Struct):
@@ -73,11 +75,12 @@ async def open_fleet(
         return
     if server == "embedded":
         async with (
-            _embedded_url() as url,
+            _embedded_server() as (url, started),
             http_transport(transport, max_connections=max_connections) as http,
         ):
             embedded = Endpoint(url, model=EMBEDDED_MODEL_NAME, name="embedded")
-            yield Fleet(http, _one_bucket([embedded]))
+            owned: dict[str, ServerProcess] = {} if started is None else {"embedded": started}
+            yield Fleet(http, _one_bucket([embedded]), owned)
         return
     urls = [url.strip() for url in server.split(",") if url.strip()]
     if not all(url.startswith(("http://", "https://")) for url in urls):
@@ -106,13 +109,14 @@ async def _with_models(http: HTTPTransport, fleet: FleetSpec, timeout_s: float) 
 
 
 @asynccontextmanager
-async def _embedded_url() -> AsyncIterator[str]:
-    """A running ``libra vllm`` of the embedded model, or a server for this command."""
-    from libra.serving import VLLMServer, prepare_model, running_embedded_url, server_config
+async def _embedded_server() -> AsyncIterator[tuple[str, VLLMServer | None]]:
+    """A running ``libra vllm`` of the embedded model (not ours to restart), or a server
+    started for this command."""
+    from libra.serving import prepare_model, running_embedded_url, server_config
 
     url = await anyio.to_thread.run_sync(running_embedded_url)
     if url is not None:
-        yield url
+        yield url, None
         return
     model = await anyio.to_thread.run_sync(prepare_model)
     console = Console(stderr=True)
@@ -125,7 +129,7 @@ async def _embedded_url() -> AsyncIterator[str]:
         f"vLLM ready at {vllm.url} in {elapsed:.0f} s (log: {vllm.log_file})", soft_wrap=True
     )
     try:
-        yield vllm.url
+        yield vllm.url, vllm
     finally:
         with anyio.CancelScope(shield=True):
             await vllm.astop()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +25,7 @@ from libra.launch._scheduler import (
 )
 from libra.sched import poll_metrics
 from libra.sched.policies import CMLFQConfig
+from libra.serving import CurrentWeights, ServerProcess, ServerSupervisor, SupervisorConfig
 
 
 class RolloutConfig(BaseModel):
@@ -73,6 +74,7 @@ class RolloutConfig(BaseModel):
     sandbox_pool: PositiveInt = 16
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
 
 @dataclass
@@ -81,15 +83,28 @@ class Assembled:
 
     engine: Engine
     fleet: Fleet
+    supervisor: ServerSupervisor  # of the servers started for this run (none: idle)
+
+
+def _start_weights() -> tuple[None, int]:
+    return None, 0
 
 
 @asynccontextmanager
 async def open_engine(
-    config: RolloutConfig, env_cls: type[Env], warm: int
+    config: RolloutConfig,
+    env_cls: type[Env],
+    warm: int,
+    *,
+    servers: Mapping[str, ServerProcess] | None = None,
+    weights: CurrentWeights | None = None,
 ) -> AsyncIterator[Assembled]:
     """Open sandboxes and fleet (``warm`` containers start while the servers do), build
     the scheduler (from its saved state) and the engine; poll the servers' metrics if
-    asked. On exit the scheduler's state is saved and everything is closed."""
+    asked. The servers started for this run (the fleet's own, and ``servers`` the caller
+    started, by instance name) are supervised: restarted when they die or hang, with
+    ``weights`` (default: the weights they start on). On exit the scheduler's state is
+    saved and everything is closed."""
     async with AsyncExitStack() as stack:
         sandboxes = await stack.enter_async_context(
             open_sandboxes(env_cls, config.sandbox, config.sandbox_pool)
@@ -116,11 +131,17 @@ async def open_engine(
             config=config.engine,
             sandboxes=sandboxes,
         )
+        owned = {**fleet.servers, **(servers or {})}
+        supervisor = ServerSupervisor(
+            scheduler.router, owned, weights=weights or _start_weights, config=config.supervisor
+        )
         async with anyio.create_task_group() as group:
             interval = config.metrics_interval_s
             if interval is not None:  # every scheduler routes over the live fleet
                 get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
                 group.start_soon(poll_metrics, scheduler.router, get, interval)
-            yield Assembled(engine, fleet)
+            if owned:
+                group.start_soon(supervisor.run)
+            yield Assembled(engine, fleet, supervisor)
             group.cancel_scope.cancel()
         save_scheduler_state(scheduler, config.scheduler_state)
