@@ -12,6 +12,7 @@ HTTP transport.
 
 from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
 from libra.emulation._faults import EmulatedServerDied
+from libra.emulation._fleet_app import FleetApp
 from libra.emulation._latency import BatchingEngine, LatencyModel
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import (
@@ -53,6 +54,7 @@ __all__ = [
     "EmulatorApp",
     "EmulatorConfig",
     "EmulatorProcess",
+    "FleetApp",
     "LatencyModel",
     "PrefixCache",
     "Reply",
