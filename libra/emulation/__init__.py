@@ -11,6 +11,7 @@ HTTP transport.
 """
 
 from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._cluster import ClusterTruth, EmulatedCluster, InstanceStartFailed
 from libra.emulation._faults import EmulatedServerDied
 from libra.emulation._fleet_app import FleetApp
 from libra.emulation._latency import BatchingEngine, LatencyModel
@@ -47,14 +48,17 @@ __all__ = [
     "AgentScript",
     "BatchingEngine",
     "ByteTokenizer",
+    "ClusterTruth",
     "Conversation",
     "EchoScript",
+    "EmulatedCluster",
     "EmulatedServerDied",
     "EmulatedTrainer",
     "EmulatorApp",
     "EmulatorConfig",
     "EmulatorProcess",
     "FleetApp",
+    "InstanceStartFailed",
     "LatencyModel",
     "PrefixCache",
     "Reply",
