@@ -126,6 +126,8 @@ class Transition:
     worker: int
     state: WorkerState
     note: str = ""
+    #: An event in the state (a failed try, a cut drain), not a change of it.
+    remark: bool = False
 
 
 @dataclass(eq=False)
@@ -205,7 +207,7 @@ class HybridPool:
 
     def path_of(self, worker: int) -> list[WorkerState]:
         """Every state ``worker`` went through, in order."""
-        return [t.state for t in self.history if t.worker == worker]
+        return [t.state for t in self.history if t.worker == worker and not t.remark]
 
     async def settled(self) -> None:
         """Wait until no move is under way."""
@@ -414,7 +416,7 @@ class HybridPool:
 
     def _note(self, unit: Unit, note: str) -> None:
         for worker in unit.workers:
-            self.history.append(Transition(_now(), worker, self.state[worker], note))
+            self.history.append(Transition(_now(), worker, self.state[worker], note, True))
 
 
 async def _each_within(
