@@ -11,6 +11,7 @@ from libra.alloc._cost import (
     TrainCost,
     TrainSpec,
 )
+from libra.alloc._loop import AllocationLoop, ApplyingPlanner, Decision, LoopConfig
 from libra.alloc._planner import (
     PlanLog,
     PlannerConfig,
@@ -51,12 +52,16 @@ __all__ = [
     "H200",
     "JOIN_STATES",
     "PRESETS",
+    "AllocationLoop",
+    "ApplyingPlanner",
     "CallTiming",
     "Cluster",
     "Corrections",
+    "Decision",
     "HybridPool",
     "JoinState",
     "Layout",
+    "LoopConfig",
     "Move",
     "Plan",
     "PlanLog",
