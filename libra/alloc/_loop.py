@@ -137,7 +137,10 @@ class AllocationLoop:
     ) -> Decision | None:
         self._steps_since_plan = 0
         self._planned_mean_output = mean_output(workload)
-        plan = self.planner.plan(self.pool.cluster.workers, workload)
+        try:
+            plan = self.planner.plan(self.pool.cluster.workers, workload)
+        except ValueError as error:  # nothing fits: keep the split the run has
+            return Decision(step, "hold", ratio, pressure, f"{why}: {error}")
         current = self.current_plan()
         if not self.planner.should_apply(current, plan, workload, self._move_cost_s()):
             return None
@@ -171,7 +174,7 @@ class AllocationLoop:
 
     def current_plan(self) -> Plan:
         """The split the pool is in (or moving to), as a plan."""
-        units = [u for u in self.pool.units if u.stage == "rollout"]
+        units = [u for u in self.pool.units if u.stage == "rollout" and not self.pool.lost(u)]
         tps = tuple(sorted((len(unit.workers) for unit in units), reverse=True))
         return Plan(self.pool.workers_in("training"), tps)
 

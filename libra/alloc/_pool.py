@@ -219,17 +219,14 @@ class HybridPool:
     def borrow(self, units: int = 1) -> list[Move]:
         """Start moving up to ``units`` hybrid units from rollout to training (the most
         recently listed first); never the last serving unit."""
-        serving = [u for u in self.units if u.stage == "rollout" and not u.moving]
-        movable = [u for u in serving if u.role == "hybrid"]
-        movable = movable[-units:] if units > 0 else []
+        movable = self._movable("rollout")[-units:] if units > 0 else []
         if movable and not self._others_serve(movable):
             movable = movable[1:]  # the rollout keeps at least one instance
         return [self._spawn(unit, "borrow", self._borrow) for unit in movable]
 
     def release(self, units: int = 1) -> list[Move]:
         """Start moving up to ``units`` borrowed units back to rollout."""
-        training = [u for u in self.units if u.role == "hybrid" and u.stage == "training"]
-        movable = [u for u in training if not u.moving][-units:] if units > 0 else []
+        movable = self._movable("training")[-units:] if units > 0 else []
         return [self._spawn(unit, "release", self._release) for unit in movable]
 
     def apply(self, plan: Plan) -> list[Move]:
@@ -247,17 +244,32 @@ class HybridPool:
     def _units_for(self, workers: int, stage: Stage, *, cover: bool = True) -> int:
         """Hybrid units of ``stage`` (from the end) whose workers make ``workers``:
         at least that many with ``cover``, at most that many otherwise."""
-        units = [u for u in self.units if u.role == "hybrid" and u.stage == stage and not u.moving]
         count = total = 0
-        for unit in reversed(units):
+        for unit in reversed(self._movable(stage)):
             if total >= workers or (not cover and total + len(unit.workers) > workers):
                 break
             total += len(unit.workers)
             count += 1
         return count
 
+    def _movable(self, stage: Stage) -> list[Unit]:
+        """Hybrid units in ``stage``, neither moving nor lost."""
+        return [
+            unit
+            for unit in self.units
+            if unit.role == "hybrid"
+            and unit.stage == stage
+            and not unit.moving
+            and not self.lost(unit)
+        ]
+
     def _others_serve(self, leaving: list[Unit]) -> bool:
-        return any(u.stage == "rollout" and u not in leaving for u in self.units)
+        return any(
+            u.stage == "rollout" and u not in leaving and not self.lost(u) for u in self.units
+        )
+
+    def lost(self, unit: Unit) -> bool:
+        return any(self.state[worker] == "lost" for worker in unit.workers)
 
     def _spawn(
         self, unit: Unit, direction: Direction, run: Callable[[Unit], Coroutine[Any, Any, None]]
@@ -279,8 +291,7 @@ class HybridPool:
             move.outcome = "done"
         except MoveFailed as error:
             move.error = str(error)
-            lost = any(self.state[worker] == "lost" for worker in unit.workers)
-            move.outcome = "lost" if lost else "returned"
+            move.outcome = "lost" if self.lost(unit) else "returned"
         except Exception as error:  # a move never takes the rollout or the training down
             move.error = f"unexpected: {_say(error)}"
             move.outcome = "lost"
@@ -308,7 +319,8 @@ class HybridPool:
         drained = self.router.drain(name)
         with anyio.move_on_after(self.config.drain_timeout_s) as waited:
             await drained.wait()
-        self.router.remove(name, force=True)
+        if name in self.router.by_name:  # unless a health check took it out already
+            self.router.remove(name, force=True)
         note = "drain timed out: calls cut" if waited.cancelled_caught else ""
         self._set(unit, "stopping", note)
         try:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import pytest
 from trio.testing import MockClock
 
@@ -153,3 +154,14 @@ async def test_a_replan_not_worth_its_move_leaves_the_rule_to_decide() -> None:
         decision = loop.on_step(step(1, rollout_s=100, train_s=100), WORKLOAD)
         assert decision.action == "hold" and decision.reason == "balanced"
         assert loop.log.entries == [] and loop.pool.moves == []
+
+
+async def test_it_decides_after_every_step_it_receives() -> None:
+    send, receive = anyio.create_memory_object_stream[tuple[StepTiming, Workload]](4)
+    async with loop_over_pool() as loop:
+        async with send:
+            await send.send((step(1, rollout_s=100, train_s=150), WORKLOAD))
+            await send.send((step(2, rollout_s=100, train_s=150), WORKLOAD))
+        await loop.run(receive)
+        await loop.pool.settled()
+    assert [(d.step, d.action) for d in loop.decisions] == [(1, "borrow"), (2, "hold")]

@@ -135,6 +135,22 @@ async def test_a_failed_start_returns_the_worker_to_training() -> None:
     assert cluster.trainer.active == {0, 3} and "w3" not in pool.router.by_name
 
 
+async def test_a_worker_whose_way_back_fails_too_is_lost_and_left_alone() -> None:
+    cluster = emulated_cluster()
+    config = POOL_CONFIG.model_copy(update={"start_attempts": 1})
+    async with pool_on(cluster, config) as pool:
+        cluster.fail_next_join(3)
+        cluster.fail_next_start(3)
+        (move,) = pool.borrow(1)
+        await pool.settled()
+        assert move.outcome == "lost" and pool.state[3] == "lost"
+        assert "w3" not in pool.router.by_name and cluster.placement.keys() == {"w1", "w2"}
+        assert [m.unit for m in pool.borrow(1)] == ["w2"]  # never the lost one again
+        assert pool.release(2) == []  # w2 is moving, w3 is lost
+        await pool.settled()
+    assert pool.training_workers() == (0, 2)
+
+
 async def test_a_start_that_fails_once_is_tried_again() -> None:
     cluster = emulated_cluster(start_s=20.0)
     async with pool_on(cluster) as pool:
