@@ -209,6 +209,16 @@ class HybridPool:
         """Every state ``worker`` went through, in order."""
         return [t.state for t in self.history if t.worker == worker and not t.remark]
 
+    def spans(self, until: float) -> list[tuple[int, WorkerState, float, float]]:
+        """``(worker, state, start, end)`` for every state a worker was in, up to
+        ``until`` for the states they are in now: what a timeline plot draws."""
+        changes = [t for t in self.history if not t.remark]
+        spans: list[tuple[int, WorkerState, float, float]] = []
+        for index, change in enumerate(changes):
+            later = (t.at for t in changes[index + 1 :] if t.worker == change.worker)
+            spans.append((change.worker, change.state, change.at, next(later, until)))
+        return spans
+
     async def settled(self) -> None:
         """Wait until no move is under way."""
         for move in self.pending():

@@ -93,6 +93,11 @@ async def test_a_borrowed_worker_joins_through_the_five_states_and_comes_back() 
         assert cluster.trainer.active == {0} and pool.router.by_name["w3"].state == "active"
         assert await answers(cluster, "w3")
     assert pool.path_of(2) == ["serving"]  # the other hybrid worker never moved
+    now = anyio.current_time()
+    spans = [(state, end - start) for worker, state, start, end in pool.spans(now) if worker == 3]
+    assert [state for state, _ in spans] == pool.path_of(3)
+    assert dict(spans)["fetching_state"] == pytest.approx(fetch_seconds(cluster))
+    assert dict(spans)["starting"] == pytest.approx(20.0)
 
 
 async def test_a_failed_join_returns_the_worker_to_rollout() -> None:
