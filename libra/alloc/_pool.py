@@ -403,7 +403,9 @@ class HybridPool:
                 failure = _say(error)
                 self._note(unit, f"start failed: {failure}")
                 continue
-            self.router.add_instance(self._spec(unit, url), self._bucket_for(unit))
+            version = self._weight_version()  # it loaded the weights the others serve
+            added = self.router.add_instance(self._spec(unit, url), self._bucket_for(unit))
+            added.endpoint.weight_version = version
             self._set(unit, "serving")
             return
         raise MoveFailed(f"{name} did not start in {config.start_attempts} tries: {failure}")
@@ -419,6 +421,11 @@ class HybridPool:
             max_num_seqs=config.max_num_seqs,
             kv_capacity_tokens=config.kv_capacity_tokens,
         )
+
+    def _weight_version(self) -> int:
+        """The weights the fleet serves now: the newest any instance has."""
+        versions = [endpoint.weight_version for endpoint in self.router.endpoints().values()]
+        return max(versions, default=0)
 
     def _bucket_for(self, unit: Unit) -> str:
         for wanted in (unit.bucket, self.config.bucket):

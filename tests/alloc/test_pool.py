@@ -85,8 +85,11 @@ async def test_a_borrowed_worker_joins_through_the_five_states_and_comes_back() 
         assert times["activating"] - times["zero_sync"] == pytest.approx(truth.zero_sync_s)
         assert times["active"] - times["activating"] == pytest.approx(truth.activate_s)
 
+        for endpoint in pool.router.endpoints().values():
+            endpoint.weight_version = 5  # weights synced while it trained
         (back,) = pool.release(1)
         await pool.settled()
+        assert pool.router.by_name["w3"].endpoint.weight_version == 5  # it loaded them
         assert back.outcome == "done" and back.ended is not None
         assert back.ended - back.started == pytest.approx(20.0)  # the instance's start
         assert pool.path_of(3)[-3:] == BACK_TO_ROLLOUT
