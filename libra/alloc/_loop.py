@@ -84,9 +84,10 @@ class AllocationLoop:
         self.planner.observe_call(timing)
 
     def pressure(self) -> float:
-        """Calls in flight (queued ones included) per batch slot of the active instances."""
+        """Calls in flight (queued ones included) per batch slot of the active instances
+        (the sequences each runs at once, as many as its KV cache holds)."""
         serving = [i for i in self.pool.router.instances if i.state == "active"]
-        slots = sum(instance.spec.max_num_seqs for instance in serving)
+        slots = sum(instance.capacity for instance in serving)
         if slots == 0:
             return math.inf
         return sum(instance.in_flight for instance in serving) / slots

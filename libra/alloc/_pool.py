@@ -279,6 +279,7 @@ class HybridPool:
         )
 
     def lost(self, unit: Unit) -> bool:
+        """A move of ``unit`` failed and so did its way back: the pool leaves it alone."""
         return any(self.state[worker] == "lost" for worker in unit.workers)
 
     def _spawn(
