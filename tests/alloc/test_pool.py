@@ -278,3 +278,21 @@ async def test_a_round_trip_in_real_time_on_asyncio() -> None:
     assert (borrowed.outcome, released.outcome) == ("done", "done")
     assert pool.path_of(3) == [*LEAVE_ROLLOUT, *JOIN_STATES, *BACK_TO_ROLLOUT]
     assert await answers(cluster, "w3")
+
+
+async def test_a_layout_uses_each_worker_once_and_moves_need_the_pool_entered() -> None:
+    cluster = emulated_cluster()
+    with pytest.raises(ValueError, match="at most once"):
+        await start_layout(cluster, Layout(training=(0,), hybrid=((0, 1),)), POOL_CONFIG)
+    with pytest.raises(ValueError, match="at most once"):
+        Layout(training=(0, 7), rollout=((1,),)).check(cluster.workers)
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    pool = HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG)
+    with pytest.raises(RuntimeError, match="async with"):
+        pool.borrow(1)
+    assert pool.moves == [] and pool.state == {
+        0: "active",
+        1: "serving",
+        2: "serving",
+        3: "serving",
+    }
