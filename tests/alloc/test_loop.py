@@ -165,3 +165,15 @@ async def test_it_decides_after_every_step_it_receives() -> None:
         await loop.run(receive)
         await loop.pool.settled()
     assert [(d.step, d.action) for d in loop.decisions] == [(1, "borrow"), (2, "hold")]
+
+
+async def test_a_replan_that_borrows_waits_while_the_rollout_is_busy() -> None:
+    heavy = Workload(512, output_tokens=(20, 30, 40), context_tokens=(60_000, 80_000, 100_000))
+    async with loop_over_pool(LoopConfig(trigger=ReplanTrigger(every_steps=1))) as loop:
+        routes = occupy(loop.pool.router, 11)
+        decision = loop.on_step(step(1, rollout_s=10, train_s=10), heavy)
+        assert decision.action == "hold"
+        assert decision.reason == "schedule, queue pressure 0.92: the plan borrows under pressure"
+        assert loop.pool.moves == [] and loop.log.entries == []
+        for route in routes:
+            loop.pool.router.release(route, outcome="ok")
