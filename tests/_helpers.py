@@ -18,12 +18,18 @@ import httpx
 import msgspec
 import pytest
 
+from libra.alloc import A100, Layout, PoolConfig
 from libra.emulation import (
+    AgentScript,
     ByteTokenizer,
+    ClusterTruth,
+    EmulatedCluster,
+    EmulatedTrainer,
     EmulatorConfig,
     LatencyModel,
     Script,
     ScriptedReplies,
+    TrainTruth,
     create_app,
     render_chat_text,
 )
@@ -36,7 +42,7 @@ from libra.engine import (
     http_transport,
 )
 from libra.envs import Env, Sandbox
-from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec
+from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec, Model
 from libra.openai import ChatCompletion, Completion, FunctionCall, Message, ToolCall, tool_schema
 from libra.sched import Route, Router, RouteRequest, Scheduler
 from libra.sched.policies import LeastLoadedScheduler, RoundRobin, Track
@@ -500,3 +506,28 @@ def tiny_llama(folder: Path, vocab_size: int = 320) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+# ------------------------------------------- the allocation pool on an emulated cluster
+
+#: Turns of 40-120 tokens at ~10 ms a step: calls stay in flight long enough to act on.
+POOL_LATENCY = LatencyModel(prefill_s_per_token=1e-6, step_base_s=0.01, step_per_seq_s=1e-5)
+#: A model whose training state fits on one A100 (the emulated trainer's and the planner's).
+SMALL_MODEL = Model(name="small", parameters=1.5e9, layers=28, kv_heads=2, head_dim=128)
+#: Worker 0 trains, worker 1 serves for good, workers 2 and 3 are hybrid (TP1 each).
+POOL_LAYOUT = Layout(training=(0,), rollout=((1,),), hybrid=((2,), (3,)))
+POOL_CONFIG = PoolConfig(model=MODEL, api="tokens")
+
+
+def emulated_cluster(workers: int = 4, *, start_s: float = 20.0) -> EmulatedCluster:
+    """``workers`` emulated A100s training :data:`SMALL_MODEL` without jitter and serving
+    the agent script at :data:`POOL_LATENCY` (whatever the TP)."""
+    trainer = EmulatedTrainer(A100, SMALL_MODEL, TrainTruth(jitter=0.0))
+    server = EmulatorConfig(model_name=MODEL, agent=AgentScript(think_tokens=(40, 120)))
+    return EmulatedCluster(
+        workers,
+        trainer,
+        lambda tp: POOL_LATENCY,
+        server=server,
+        truth=ClusterTruth(start_s=start_s),
+    )

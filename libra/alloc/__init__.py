@@ -11,6 +11,7 @@ from libra.alloc._cost import (
     TrainCost,
     TrainSpec,
 )
+from libra.alloc._loop import AllocationLoop, ApplyingPlanner, Decision, LoopConfig
 from libra.alloc._planner import (
     PlanLog,
     PlannerConfig,
@@ -19,6 +20,17 @@ from libra.alloc._planner import (
     bucket_ceilings,
     mean_output,
     tp_partitions,
+)
+from libra.alloc._pool import (
+    JOIN_STATES,
+    HybridPool,
+    Layout,
+    Move,
+    PoolConfig,
+    Transition,
+    WorkerState,
+    instance_name,
+    start_layout,
 )
 from libra.alloc._protocol import (
     CallTiming,
@@ -38,15 +50,24 @@ __all__ = [
     "A800",
     "H100",
     "H200",
+    "JOIN_STATES",
     "PRESETS",
+    "AllocationLoop",
+    "ApplyingPlanner",
     "CallTiming",
     "Cluster",
     "Corrections",
+    "Decision",
+    "HybridPool",
     "JoinState",
+    "Layout",
+    "LoopConfig",
+    "Move",
     "Plan",
     "PlanLog",
     "Planner",
     "PlannerConfig",
+    "PoolConfig",
     "Prediction",
     "ReplanTrigger",
     "Role",
@@ -56,8 +77,12 @@ __all__ = [
     "StepTiming",
     "TrainCost",
     "TrainSpec",
+    "Transition",
+    "WorkerState",
     "Workload",
     "bucket_ceilings",
+    "instance_name",
     "mean_output",
+    "start_layout",
     "tp_partitions",
 ]

@@ -23,7 +23,7 @@ import math
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,7 @@ from libra import signals
 from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
 from libra.bench._sched_report import plot, print_json, print_table
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation import FleetApp as FleetApp  # re-exported: its home until it moved
 from libra.emulation.workloads import (
     EnvClasses,
     ScriptBook,
@@ -256,24 +257,6 @@ def _recorder(timeline: Timeline) -> Callable[[float, int, int], None]:
             timeline.append((now, running))
 
     return record
-
-
-Scope = MutableMapping[str, Any]
-
-
-class FleetApp:
-    """One ASGI app for the whole fleet: ``http://NAME/...`` goes to instance NAME."""
-
-    def __init__(self, apps: dict[str, EmulatorApp]) -> None:
-        self.apps = apps
-
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        app = self.apps.get(scope["server"][0])
-        if app is None:  # an instance that left the fleet: as unreachable as a real one
-            raise ConnectionRefusedError(f"no instance {scope['server'][0]!r} in the fleet")
-        await app(scope, receive, send)
 
 
 # -------------------------------------------------------------------------- history

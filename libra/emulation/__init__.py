@@ -11,7 +11,9 @@ HTTP transport.
 """
 
 from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._cluster import ClusterTruth, EmulatedCluster, InstanceStartFailed
 from libra.emulation._faults import EmulatedServerDied
+from libra.emulation._fleet_app import FleetApp
 from libra.emulation._latency import BatchingEngine, LatencyModel
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import (
@@ -52,14 +54,18 @@ __all__ = [
     "AgentScript",
     "BatchingEngine",
     "ByteTokenizer",
+    "ClusterTruth",
     "Conversation",
     "EchoScript",
+    "EmulatedCluster",
     "EmulatedServerDied",
     "EmulatedTrainer",
     "EmulatorApp",
     "EmulatorConfig",
     "EmulatorProcess",
     "EmulatorServer",
+    "FleetApp",
+    "InstanceStartFailed",
     "LatencyModel",
     "PrefixCache",
     "Reply",
