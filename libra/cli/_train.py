@@ -25,6 +25,7 @@ from libra.train import (
     StepRecord,
     TrainerError,
     TrainRunConfig,
+    find_latest,
     iter_metrics,
     train,
 )
@@ -73,15 +74,35 @@ def run(args: argparse.Namespace) -> int:
     except (NothingToResume, AttachError) as error:
         print(f"libra: error: {error}", file=sys.stderr)
         return 1
+    except TrainerError as error:  # before the loop's task groups started
+        print(f"libra: error: {error}\n{resume_hint(config.run_dir)}", file=sys.stderr)
+        return 1
     except BaseExceptionGroup as group:  # the loop's task groups wrap the trainer's failure
         failed = group.subgroup(TrainerError)
         if failed is None:
             raise
-        print(f"libra: error: {_leaf(failed)}", file=sys.stderr)
+        print(f"libra: error: {_leaf(failed)}\n{resume_hint(config.run_dir)}", file=sys.stderr)
         return 1
     plot = plot_run(config.run_dir)
     console.print(f"metrics in {config.run_dir / METRICS_FILE}; plot in {plot}")
     return 0
+
+
+def resume_hint(run_dir: Path) -> str:
+    """What a stopped run keeps, and how to go on: the newest checkpoint, the steps
+    after it that will run again, and the trajectories the log gives back."""
+    latest = find_latest(run_dir)
+    if latest is None:
+        return "libra: no checkpoint was written: the run starts over (a new --run-dir)"
+    logged = len(list(iter_metrics(run_dir))) if (run_dir / METRICS_FILE).exists() else 0
+    lost = logged - latest.run.step
+    again = f"; steps {latest.run.step}-{logged - 1} ran past it and run again" if lost else ""
+    return (
+        f"libra: `libra train --resume` (same config and --run-dir) goes on from the "
+        f"step {latest.run.step} (its checkpoint){again}; their finished trajectories "
+        f"sampled on weights v{latest.run.weight_version} or older are taken from "
+        f"{run_dir / 'rollouts'}, the rest sampled again"
+    )
 
 
 def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
