@@ -46,7 +46,7 @@ import json
 import shutil
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -57,7 +57,14 @@ import anyio
 import httpx
 from rich.console import Console
 
-from libra.engine import Group, RolloutSession, RolloutStats, TrajectoryRecord, jobs_for
+from libra.engine import (
+    Group,
+    RolloutSession,
+    RolloutStats,
+    TrajectoryJob,
+    TrajectoryRecord,
+    jobs_for,
+)
 from libra.envs import Env, GroupId, load_env
 from libra.envs import env_name as registered_name
 from libra.fleet import Endpoint
@@ -110,6 +117,7 @@ class StepRecord:
     grad_norm: float | None = None
     lr: float | None = None
     reused: int = 0  # trajectories read back from the log of a killed run, not sampled
+    retried: int = 0  # runs again of failed trajectories (train.failures = "retry")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=False)
@@ -202,6 +210,11 @@ class TrainRun:
     # Records of groups not complete yet, and the ids of the groups submitted, by group.
     _gathering: dict[str, list[TrajectoryRecord]] = field(default_factory=dict)
     _group_ids: dict[str, GroupId] = field(default_factory=dict)
+    # The jobs submitted and not yet recorded (a failed one may run again), and the runs
+    # again of each step's failed trajectories.
+    _jobs: dict[str, TrajectoryJob] = field(default_factory=dict)
+    retried: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    _attempts: Counter[str] = field(default_factory=Counter)
     # After a resume: the logged records each step may take back instead of sampling
     # them, and how many it took.
     _reusable: dict[int, list[TrajectoryRecord]] = field(default_factory=dict)
@@ -274,9 +287,11 @@ class TrainRun:
         )
         for job in jobs:
             self._group_ids[str(job.group_id)] = job.group_id
-        logged = {r.id: r for r in self._reusable.pop(step, [])}
+        logged = {r.id: r for r in self._reusable.pop(step, []) if not self._retries(r)}
         taken = [logged[str(job.id)] for job in jobs if str(job.id) in logged]
-        self.session.submit(job for job in jobs if str(job.id) not in logged)
+        submitted = [job for job in jobs if str(job.id) not in logged]
+        self._jobs.update((str(job.id), job) for job in submitted)
+        self.session.submit(submitted)
         self.reused[step] = len(taken)
         for record in taken:
             self._gather(record)
@@ -332,10 +347,28 @@ class TrainRun:
         """Log each record as its trajectory ends, and sort complete groups by step (one
         reader for the run). Nothing awaits between a record's arrival and its write."""
         async for record in self.session.records():
+            if self._runs_again(record):
+                continue
+            self._jobs.pop(record.id, None)
+            self._attempts.pop(record.id, None)
             self.log.append(record)
             self._gather(record)
         self._stream_ended = True
         self._changed.set()
+
+    def _retries(self, record: TrajectoryRecord) -> bool:
+        """Whether ``record``'s trajectory runs again rather than counts as it is."""
+        return self.config.train.failures == "retry" and record.status == "failed"
+
+    def _runs_again(self, record: TrajectoryRecord) -> bool:
+        """Submit a failed trajectory again while it has retries left. The failed run's
+        record is not kept: the trajectory's one record is that of its last run."""
+        if not self._retries(record) or self._attempts[record.id] >= self.config.train.max_retries:
+            return False
+        self._attempts[record.id] += 1
+        self.retried[record.step] += 1
+        self.session.submit([self._jobs[record.id]])
+        return True
 
     def _gather(self, record: TrajectoryRecord) -> None:
         """Add ``record`` to its group; a group whose samples are all in goes to its step."""
@@ -438,6 +471,7 @@ def _step_record(
         grad_norm=result.step.grad_norm if result else None,
         lr=result.step.lr if result else None,
         reused=run.reused.get(step, 0),
+        retried=run.retried.get(step, 0),
     )
 
 

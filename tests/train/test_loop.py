@@ -474,3 +474,38 @@ async def test_a_trainer_rank_killed_mid_step_stops_the_run_and_resume_finishes_
     assert [line["weight_version"] for line in lines] == [1, 2, 3]
     assert lines[1]["reused"] == len(logged) >= 1
     _assert_one_record_per_trajectory(config.run_dir, 3)
+
+
+def _failing_config(run_dir: Path, model_dir: Path, failures: str) -> TrainRunConfig:
+    """Half the generation requests fail, and the engine tries each once: about half the
+    trajectories fail as server errors (one at a time, so the same ones every run)."""
+    rollout = {
+        "env": BREVITY,
+        "engine": {
+            "concurrency": 1,
+            "max_attempts": 1,
+            "sampling": {"max_tokens_per_turn": 48, "seed": 0},
+        },
+        "emulator": {"agent": {"think_tokens": [0, 40]}, "error_rate": 0.5},
+    }
+    train = {"failures": failures, "max_retries": 8}
+    return run_config(run_dir, model_dir, rollout=rollout, steps=1, train=train)
+
+
+@asyncio_only
+async def test_infrastructure_failures_are_excluded_or_retried_as_configured(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    [excluded] = await train(_failing_config(tmp_path / "exclude", tiny_model, "exclude"))
+    failed = [r for r in read_step(tmp_path / "exclude", 0) if r.status == "failed"]
+    assert failed and {r.stop_reason for r in failed} == {"server_error"}
+    assert excluded.retried == 0 and excluded.statuses["failed"] == len(failed)
+    assert excluded.trajectories == 6 and excluded.samples_trained <= 6 - len(failed)
+
+    [retried] = await train(_failing_config(tmp_path / "retry", tiny_model, "retry"))
+    records = read_step(tmp_path / "retry", 0)
+    # Each trajectory has one record, of its last run: none failed 9 times in a row here.
+    assert len(records) == 6 and len({r.id for r in records}) == 6
+    assert {r.status for r in records} <= {"completed", "truncated"}
+    assert retried.retried >= len(failed) and "failed" not in retried.statuses
+    assert retried.trajectories == 6 and retried.samples_trained == 6
