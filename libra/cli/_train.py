@@ -128,6 +128,8 @@ def step_line(record: StepRecord) -> str:
     """The console's line for one step."""
     reward = "-" if record.reward_mean is None else f"{record.reward_mean:.3f}"
     loss = record.loss.get("policy_loss")
+    reruns = f" · {record.reused} taken from the log" if record.reused else ""
+    reruns += f" · {record.retried} failures run again" if record.retried else ""
     return (
         f"[bold]step {record.step}[/] reward {reward} · response {record.response_tokens_mean:.0f} "
         f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
@@ -135,7 +137,7 @@ def step_line(record: StepRecord) -> str:
         f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.1e} · "
         f"rollout {record.rollout_s:.1f} s, "
         f"train {record.train_s:.1f} s, "
-        f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}"
+        f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}{reruns}"
     )
 
 
