@@ -93,15 +93,16 @@ def resume_hint(run_dir: Path) -> str:
     after it that will run again, and the trajectories the log gives back."""
     latest = find_latest(run_dir)
     if latest is None:
-        return "libra: no checkpoint was written: the run starts over (a new --run-dir)"
+        return "libra: no checkpoint to resume from: run it again (a new --run-dir if it wrote metrics)"
     logged = len(list(iter_metrics(run_dir))) if (run_dir / METRICS_FILE).exists() else 0
-    lost = logged - latest.run.step
-    again = f"; steps {latest.run.step}-{logged - 1} ran past it and run again" if lost else ""
+    first, last = latest.run.step, logged - 1
+    past = f"step {first}" if first == last else f"steps {first}-{last}"
+    again = f"; {past} ran past it and will run again" if last >= first else ""
     return (
-        f"libra: `libra train --resume` (same config and --run-dir) goes on from the "
-        f"step {latest.run.step} (its checkpoint){again}; their finished trajectories "
-        f"sampled on weights v{latest.run.weight_version} or older are taken from "
-        f"{run_dir / 'rollouts'}, the rest sampled again"
+        f"libra: `libra train --resume` (same config and --run-dir) goes on from step "
+        f"{latest.run.step} (its checkpoint){again}; the finished trajectories of step "
+        f"{latest.run.step} and later that weights v{latest.run.weight_version} or older "
+        f"sampled are taken back from {run_dir / 'rollouts'}, the rest sampled again"
     )
 
 
