@@ -93,7 +93,7 @@ def resume_hint(run_dir: Path) -> str:
     after it that will run again, and the trajectories the log gives back."""
     latest = find_latest(run_dir)
     if latest is None:
-        return "libra: no checkpoint to resume from: run it again (a new --run-dir if it wrote metrics)"
+        return "libra: no checkpoint to resume from: run it again (in a new --run-dir)"
     logged = len(list(iter_metrics(run_dir))) if (run_dir / METRICS_FILE).exists() else 0
     first, last = latest.run.step, logged - 1
     past = f"step {first}" if first == last else f"steps {first}-{last}"
