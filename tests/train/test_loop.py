@@ -42,10 +42,11 @@ from libra.train import (
     combine_loss_metrics,
     find_latest,
     iter_metrics,
+    read_step,
     spawn,
+    step_file,
     train,
 )
-from libra.train._rollout_log import read_step, step_file
 from tests._helpers import BREVITY, children_of, cmdline_of, is_alive, tiny_llama
 
 pytestmark = pytest.mark.anyio
