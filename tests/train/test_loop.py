@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -510,3 +511,35 @@ async def test_infrastructure_failures_are_excluded_or_retried_as_configured(
     assert {r.status for r in records} <= {"completed", "truncated"}
     assert retried.retried >= len(failed) and "failed" not in retried.statuses
     assert retried.trajectories == 6 and retried.samples_trained == 6
+
+
+@asyncio_only
+async def test_a_one_step_off_resume_takes_back_what_the_checkpoint_weights_sampled(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Checkpoints after steps 2 and 3 lost: the resume from step 1 (weights v1) takes back
+    step 1's records (sampled on v0 and v1) and those of step 2 that v1 sampled alone
+    (step 2 sampled while step 1 trained); one that v2 touched (lost with the killed run's
+    steps) runs again."""
+    config = run_config(tmp_path / "run", tiny_model, steps=3, mode="one-step-off")
+    await train(config)
+    for step in (2, 3):
+        shutil.rmtree(config.run_dir / "checkpoints" / f"step-{step:08d}")
+    # On the emulator step 2's rollouts end before step 1's sync: as if one ran past it,
+    # its last span is v2's.
+    step_2 = read_step(config.run_dir, 2)
+    step_2[0].weight_versions[-1].version = 2
+    lines_2 = [msgspec.json.encode(record) + b"\n" for record in step_2]
+    step_file(config.run_dir, 2).write_bytes(b"".join(lines_2))
+    newest = {
+        step: [max(s.version for s in r.weight_versions) for r in read_step(config.run_dir, step)]
+        for step in (1, 2)
+    }
+    lines = await train(config, resume=True)
+
+    assert [line.step for line in lines] == [1, 2]
+    assert lines[0].reused == 6 and max(newest[1]) <= 1
+    assert lines[1].reused == sum(1 for version in newest[2] if version <= 1) == 5
+    assert step_2[0].id in {r.id for r in read_step(config.run_dir, 2)[5:]}  # sampled again
+    assert [line["step"] for line in iter_metrics(config.run_dir)] == [0, 1, 2]
+    _assert_one_record_per_trajectory(config.run_dir, 3)
