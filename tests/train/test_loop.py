@@ -380,10 +380,10 @@ def _slow_rollout_config(run_dir: Path, model_dir: Path, **overrides: Any) -> Tr
 async def _wait_for_step_1_records(
     run_dir: Path, process: subprocess.Popen[bytes], log: Path, count: int
 ) -> None:
-    """Until step 0's metrics line is written and ``count`` of step 1's records are."""
+    """Until step 0's checkpoint is written and ``count`` of step 1's records are (step 1
+    is submitted before step 0's checkpoint: its records may come first)."""
     deadline = time.monotonic() + 300
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and len(read_step(run_dir, 1)) >= count):
+    while not (find_latest(run_dir) is not None and len(read_step(run_dir, 1)) >= count):
         assert process.poll() is None, _text(log)
         assert time.monotonic() < deadline
         await anyio.sleep(0.05)
