@@ -214,6 +214,35 @@ def processes_of(uid: int) -> list[int]:
     return pids
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s live children, oldest first (read from ``/proc``)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+            state, parent = stat.rsplit(")", 1)[1].split()[:2]
+            if int(parent) == pid and state != "Z":
+                children.append(int(entry.name))
+    return sorted(children)
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def cmdline_of(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 # --------------------------------------------------------- requests to the in-process emulator
 
 CALCULATOR = tool_schema(

@@ -25,6 +25,7 @@ from libra.train import (
     StepRecord,
     TrainerError,
     TrainRunConfig,
+    find_latest,
     iter_metrics,
     train,
 )
@@ -73,15 +74,36 @@ def run(args: argparse.Namespace) -> int:
     except (NothingToResume, AttachError) as error:
         print(f"libra: error: {error}", file=sys.stderr)
         return 1
+    except TrainerError as error:  # before the loop's task groups started
+        print(f"libra: error: {error}\n{resume_hint(config.run_dir)}", file=sys.stderr)
+        return 1
     except BaseExceptionGroup as group:  # the loop's task groups wrap the trainer's failure
         failed = group.subgroup(TrainerError)
         if failed is None:
             raise
-        print(f"libra: error: {_leaf(failed)}", file=sys.stderr)
+        print(f"libra: error: {_leaf(failed)}\n{resume_hint(config.run_dir)}", file=sys.stderr)
         return 1
     plot = plot_run(config.run_dir)
     console.print(f"metrics in {config.run_dir / METRICS_FILE}; plot in {plot}")
     return 0
+
+
+def resume_hint(run_dir: Path) -> str:
+    """What a stopped run keeps, and how to go on: the newest checkpoint, the steps
+    after it that will run again, and the trajectories the log gives back."""
+    latest = find_latest(run_dir)
+    if latest is None:
+        return "libra: no checkpoint to resume from: run it again (in a new --run-dir)"
+    logged = len(list(iter_metrics(run_dir))) if (run_dir / METRICS_FILE).exists() else 0
+    first, last = latest.run.step, logged - 1
+    past = f"step {first}" if first == last else f"steps {first}-{last}"
+    again = f"; {past} ran past it and will run again" if last >= first else ""
+    return (
+        f"libra: `libra train --resume` (same config and --run-dir) goes on from step "
+        f"{latest.run.step} (its checkpoint){again}; the finished trajectories of step "
+        f"{latest.run.step} and later that weights v{latest.run.weight_version} or older "
+        f"sampled are taken back from {run_dir / 'rollouts'}, the rest sampled again"
+    )
 
 
 def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -107,6 +129,8 @@ def step_line(record: StepRecord) -> str:
     """The console's line for one step."""
     reward = "-" if record.reward_mean is None else f"{record.reward_mean:.3f}"
     loss = record.loss.get("policy_loss")
+    reruns = f" · {record.reused} taken from the log" if record.reused else ""
+    reruns += f" · {record.retried} failures run again" if record.retried else ""
     return (
         f"[bold]step {record.step}[/] reward {reward} · response {record.response_tokens_mean:.0f} "
         f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
@@ -114,7 +138,7 @@ def step_line(record: StepRecord) -> str:
         f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.1e} · "
         f"rollout {record.rollout_s:.1f} s, "
         f"train {record.train_s:.1f} s, "
-        f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}"
+        f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}{reruns}"
     )
 
 

@@ -21,7 +21,14 @@ from libra.train._checkpoint import (
     resume,
     truncate_metrics,
 )
-from libra.train._config import Aggregation, GRPOConfig, Layout, StaleRule, TrainConfig
+from libra.train._config import (
+    Aggregation,
+    FailureRule,
+    GRPOConfig,
+    Layout,
+    StaleRule,
+    TrainConfig,
+)
 from libra.train._fsdp import (
     DistContext,
     FSDPTrainer,
@@ -58,6 +65,7 @@ from libra.train._loss import (
     staleness_weight,
     token_logprobs,
 )
+from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
 from libra.train._run import Mode, TrainRunConfig
 from libra.train._weights import (
     export_weights,
@@ -67,6 +75,7 @@ from libra.train._weights import (
 from libra.train._worker import (
     Export,
     Logprobs,
+    RankExit,
     Train,
     TrainerCommand,
     TrainerError,
@@ -86,6 +95,7 @@ __all__ = [
     "DistContext",
     "Export",
     "FSDPTrainer",
+    "FailureRule",
     "GRPOConfig",
     "Layout",
     "LogprobGap",
@@ -96,7 +106,9 @@ __all__ = [
     "Mode",
     "NothingToResume",
     "Persistent",
+    "RankExit",
     "RestoreCheckpoint",
+    "RolloutLog",
     "RunState",
     "Sample",
     "StaleRule",
@@ -123,10 +135,12 @@ __all__ = [
     "grpo_micro_batch_loss",
     "init_distributed",
     "iter_metrics",
+    "keep_reusable",
     "logprob_gap",
     "open_run",
     "plan_micro_batches",
     "problems_of",
+    "read_step",
     "records_logprob_gap",
     "resume",
     "sequence_logprobs",
@@ -137,6 +151,7 @@ __all__ = [
     "spawn",
     "split_by_tokens",
     "staleness_weight",
+    "step_file",
     "token_logprobs",
     "train",
     "truncate_metrics",

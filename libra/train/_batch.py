@@ -4,7 +4,8 @@ The tokens are the record's own ``token_ids``, ``loss_mask`` and ``logprobs``, n
 re-tokenized. Which records train, and how:
 
 - **failed** records carry no reward (a fault is never the model's failure): they leave
-  the batch and do not count in their group's statistics.
+  the batch and do not count in their group's statistics (with ``train.failures =
+  "retry"`` the loop has run them again first: what reaches here failed every time).
 - **Group statistics** (mean and std of the reward, the unbiased std as peers use) are
   taken over the group's *scored* samples: completed or truncated, with a reward.
   A group with fewer than 2 of them, or whose rewards are all equal, gives every sample

@@ -11,6 +11,7 @@ from libra.config import Section
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 Layout = Literal["packed", "padded"]
 StaleRule = Literal["drop", "reweight"]
+FailureRule = Literal["exclude", "retry"]
 
 
 class GRPOConfig(Section):
@@ -69,3 +70,14 @@ class TrainConfig(Section):
         "padded: one right-padded row per sample, with an attention mask",
     )
     pad_token_id: NonNegativeInt = Field(0, description="fills the padding (never trained)")
+    failures: FailureRule = Field(
+        "exclude",
+        description="records that failed (status 'failed': a server, sandbox or env fault, "
+        "never the policy's doing) never train and never count in their group's statistics; "
+        "exclude: the group goes on without them; retry: the trajectory is run again, up to "
+        "max_retries times, before it is excluded. What the policy caused (its code crashing "
+        "or timing out in a tool, a turn cut at the token limit) is scored as usual",
+    )
+    max_retries: NonNegativeInt = Field(
+        2, description="failures = 'retry': runs of one trajectory after its first"
+    )

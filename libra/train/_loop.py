@@ -9,7 +9,8 @@ rollout session for the whole run. Then, per step ``k``:
    session: submitted after the last sync (``sync``), or while step ``k - 1`` trained
    (``one-step-off``: they sample on weights one version old, and ``grpo.max_staleness``
    decides in the batch builder what is too old);
-2. collect the step's groups, write their records to ``rollouts/step-k.jsonl``;
+2. collect the step's groups (each record was appended to ``rollouts/step-k.jsonl``, the
+   durable trajectory log, as its trajectory ended: see ``_rollout_log``);
 3. build the batch for weights at version ``k`` (versions count the loop's steps: the
    servers start on v0, and the weights after step ``k`` are ``v{k+1}``, even when no
    group carried a signal and the step changed nothing);
@@ -27,7 +28,16 @@ rollout session for the whole run. Then, per step ``k``:
 ``resume=True`` starts from the run folder's newest checkpoint instead of step 0: the
 trainer's state is restored (and ``metrics.jsonl`` cut back to what it held then), the
 servers serve the checkpoint's weight version again, and the loop goes on from its step
-(each step's tasks are seeded by ``seed + step``: the step is the data position).
+(each step's tasks are seeded by ``seed + step``: the step is the data position). The
+records the log holds for that step and later, sampled by the checkpoint's weights or
+older ones, are taken back instead of sampled again (their count is the step's
+``reused``); the steps the killed run took after its checkpoint are re-run, and what
+their later weights sampled is sampled again.
+
+A trainer rank that dies stops the run at once (``TrainerProcess.watch``), whether it
+was training or waiting for the next batch: the servers, sandboxes and session close on
+the way out, the checkpoints on disk stay as they were (a partial one is never taken for
+a complete one), and ``resume=True`` goes on from the newest.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import json
 import shutil
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -45,11 +55,17 @@ from typing import Protocol
 
 import anyio
 import httpx
-import msgspec
 from rich.console import Console
 
-from libra.engine import Group, RolloutSession, RolloutStats, TrajectoryRecord, jobs_for
-from libra.envs import Env, load_env
+from libra.engine import (
+    Group,
+    RolloutSession,
+    RolloutStats,
+    TrajectoryJob,
+    TrajectoryRecord,
+    jobs_for,
+)
+from libra.envs import Env, GroupId, load_env
 from libra.envs import env_name as registered_name
 from libra.fleet import Endpoint
 from libra.launch import open_engine, scheduler_forest
@@ -59,6 +75,7 @@ from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
+from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._run import TrainRunConfig
 from libra.train._weights import servable_model
 from libra.train._worker import Export, Logprobs, Train, TrainerProcess, TrainResult
@@ -99,6 +116,8 @@ class StepRecord:
     loss: dict[str, float] = field(default_factory=dict)
     grad_norm: float | None = None
     lr: float | None = None
+    reused: int = 0  # trajectories read back from the log of a killed run, not sampled
+    retried: int = 0  # runs again of failed trajectories (train.failures = "retry")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=False)
@@ -156,7 +175,9 @@ def _prepare_run_dir(config: TrainRunConfig, *, resume: bool) -> Path:
         raise NothingToResume(f"{run_dir} holds no checkpoint to resume from")
     if not resume and (run_dir / METRICS_FILE).exists():
         raise FileExistsError(f"{run_dir} holds a run already: choose another run_dir")
-    (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    if not resume:  # records of a run killed before its first step's line: not this run's
+        shutil.rmtree(run_dir / ROLLOUTS, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config.to_toml())
     return run_dir
 
@@ -183,8 +204,21 @@ class TrainRun:
     session: RolloutSession
     endpoints: list[Endpoint]
     scheduler: Scheduler
+    log: RolloutLog
     version: int = 0  # the weights the trainer holds: v0 before the first step
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
+    # Records of groups not complete yet, and the ids of the groups submitted, by group.
+    _gathering: dict[str, list[TrajectoryRecord]] = field(default_factory=dict)
+    _group_ids: dict[str, GroupId] = field(default_factory=dict)
+    # The jobs submitted and not yet recorded (a failed one may run again), and the runs
+    # again of each step's failed trajectories.
+    _jobs: dict[str, TrajectoryJob] = field(default_factory=dict)
+    retried: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    _attempts: Counter[str] = field(default_factory=Counter)
+    # After a resume: the logged records each step may take back instead of sampling
+    # them, and how many it took.
+    _reusable: dict[int, list[TrajectoryRecord]] = field(default_factory=dict)
+    reused: dict[int, int] = field(default_factory=dict)
     _changed: anyio.Event = field(default_factory=anyio.Event)
     _stream_ended: bool = False
 
@@ -197,6 +231,7 @@ class TrainRun:
             raise NothingToResume(f"{self.run_dir} holds no checkpoint to resume from")
         self.version = state.weight_version
         self._forget_lost_weights(state.weight_version)
+        self._reusable = keep_reusable(self.run_dir, state.step, state.weight_version)
         await self._serve_restored(state.weight_version)
         return state.step
 
@@ -239,28 +274,38 @@ class TrainRun:
     # ------------------------------------------------------------------ one step
 
     def submit(self, step: int) -> None:
+        """Submit step ``step``'s jobs, but for those whose record the log gave back."""
         if step >= self.config.steps:
             return
-        self.session.submit(
-            jobs_for(
-                self.env_cls,
-                self.env_name,
-                self.config.prompts_per_step * self.config.samples_per_prompt,
-                samples_per_prompt=self.config.samples_per_prompt,
-                seed=self.config.seed + step,
-                step=step,
-            )
+        jobs = jobs_for(
+            self.env_cls,
+            self.env_name,
+            self.config.prompts_per_step * self.config.samples_per_prompt,
+            samples_per_prompt=self.config.samples_per_prompt,
+            seed=self.config.seed + step,
+            step=step,
         )
+        for job in jobs:
+            self._group_ids[str(job.group_id)] = job.group_id
+        logged = {r.id: r for r in self._reusable.pop(step, []) if not self._retries(r)}
+        taken = [logged[str(job.id)] for job in jobs if str(job.id) in logged]
+        submitted = [job for job in jobs if str(job.id) not in logged]
+        self._jobs.update((str(job.id), job) for job in submitted)
+        self.session.submit(submitted)
+        self.reused[step] = len(taken)
+        for record in taken:
+            self._gather(record)
 
     async def step(self, step: int, progress: Progress) -> StepRecord:
         started = time.perf_counter()
-        with progress(step, self.session.step_stats[step]) as tick:
+        stats = self.session.step_stats.get(step, RolloutStats())  # none: all reused
+        with progress(step, stats) as tick:
             groups = await self._groups_of(step, tick)
         rollout_s = time.perf_counter() - started
         if self.config.mode == "one-step-off":
             self.submit(step + 1)  # sampled on the current weights while this step trains
+        self.log.finish(step)
         step_records = [r for group in groups for r in group.records]
-        self._write_rollouts(step, step_records)
         samples = [Sample.from_record(r) for r in step_records]
         batch = build_batch(
             samples,
@@ -298,20 +343,45 @@ class TrainRun:
                 tick()
         return self.groups.pop(step)
 
-    async def read_groups(self) -> None:
-        """Sort the session's groups by step as they complete (one reader for the run)."""
-        async for group in self.session.groups():
-            self.groups[group.id.step].append(group)
-            self._changed.set()
-            self._changed = anyio.Event()
+    async def read_records(self) -> None:
+        """Log each record as its trajectory ends, and sort complete groups by step (one
+        reader for the run). Nothing awaits between a record's arrival and its write."""
+        async for record in self.session.records():
+            if self._runs_again(record):
+                continue
+            self._jobs.pop(record.id, None)
+            self._attempts.pop(record.id, None)
+            self.log.append(record)
+            self._gather(record)
         self._stream_ended = True
         self._changed.set()
 
-    def _write_rollouts(self, step: int, records: list[TrajectoryRecord]) -> None:
-        encoder = msgspec.json.Encoder()
-        with (self.run_dir / "rollouts" / f"step-{step}.jsonl").open("wb") as out:
-            for record in records:
-                out.write(encoder.encode(record) + b"\n")
+    def _retries(self, record: TrajectoryRecord) -> bool:
+        """Whether ``record``'s trajectory runs again rather than counts as it is."""
+        return self.config.train.failures == "retry" and record.status == "failed"
+
+    def _runs_again(self, record: TrajectoryRecord) -> bool:
+        """Submit a failed trajectory again while it has retries left. The failed run's
+        record is not kept: the trajectory's one record is that of its last run."""
+        if not self._retries(record) or self._attempts[record.id] >= self.config.train.max_retries:
+            return False
+        self._attempts[record.id] += 1
+        self.retried[record.step] += 1
+        self.session.submit([self._jobs[record.id]])
+        return True
+
+    def _gather(self, record: TrajectoryRecord) -> None:
+        """Add ``record`` to its group; a group whose samples are all in goes to its step."""
+        members = self._gathering.setdefault(record.group_id, [])
+        members.append(record)
+        if len(members) < self.config.samples_per_prompt:
+            return
+        del self._gathering[record.group_id]
+        members.sort(key=lambda member: member.sample)
+        group = Group(self._group_ids.pop(record.group_id), tuple(members))
+        self.groups[record.step].append(group)
+        self._changed.set()
+        self._changed = anyio.Event()
 
     async def _probe_gap(self, records: list[TrajectoryRecord]) -> LogprobGap:
         """Trainer versus the first server on the longest exact record's ids, both at the
@@ -400,6 +470,8 @@ def _step_record(
         loss=loss,
         grad_norm=result.step.grad_norm if result else None,
         lr=result.step.lr if result else None,
+        reused=run.reused.get(step, 0),
+        retried=run.retried.get(step, 0),
     )
 
 
@@ -432,14 +504,18 @@ async def open_run(
         rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
         warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
         assembled = await stack.enter_async_context(open_engine(rollout, env_cls, warm))
+        log = stack.enter_context(RolloutLog(run_dir))
         session = await stack.enter_async_context(RolloutSession(assembled.engine))
         await trainer.ready()
         env_name = registered_name(rollout.env, env_cls)
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
         scheduler = assembled.engine.scheduler
-        run = TrainRun(config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler)
+        run = TrainRun(
+            config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler, log
+        )
         async with anyio.create_task_group() as group:
-            group.start_soon(run.read_groups)
+            group.start_soon(trainer.watch)
+            group.start_soon(run.read_records)
             yield run
             group.cancel_scope.cancel()
 

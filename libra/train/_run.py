@@ -4,7 +4,7 @@ A run folder holds::
 
     config.toml            the resolved config (loads back with ``libra train --config``)
     metrics.jsonl          one JSON object a step (see ``StepRecord`` in ``_loop``)
-    rollouts/step-K.jsonl  the records step K trained on (or dropped)
+    rollouts/step-K.jsonl  the records of step K, each appended as it finishes
     weights/vK/            the weights after K optimizer steps (v0: the served start)
     checkpoints/step-K/    what ``libra train --resume`` starts step K from
     plot.png               ``libra plot RUN_DIR``

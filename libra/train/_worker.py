@@ -170,11 +170,42 @@ def combine_loss_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 def _trainer_main(
-    parent: int, world_size: int, conn: Connection, model_dir: Path, config: TrainerConfig
+    parent: int,
+    world_size: int,
+    conn: Connection,
+    reports: Connection,
+    model_dir: Path,
+    config: TrainerConfig,
 ) -> None:
-    """The trainer's process: it dies with the loop, and its ranks die with it."""
+    """The trainer's process: it dies with the loop, and its ranks die with it. When a
+    rank ends abnormally it stops the others, and says which on ``reports``."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
     die_with_parent(parent)
-    spawn(world_size, _serve_rank, conn, model_dir, config)
+    try:
+        spawn(world_size, _serve_rank, conn, model_dir, config)
+    except ProcessExitedException as exited:
+        how = exited.signal_name or f"exit code {exited.exit_code}"
+        reports.send(RankExit(exited.error_index, f"died ({how})", died=True))
+        raise SystemExit(1) from None
+    except ProcessRaisedException as raised:
+        last = str(raised).strip().splitlines()[-1:] or ["?"]
+        reports.send(RankExit(raised.error_index, f"failed: {last[0]}", died=False))
+        raise SystemExit(1) from None
+
+
+@dataclass(frozen=True, slots=True)
+class RankExit:
+    """What the trainer's process reports when a rank ends before it is told to:
+    ``died``, killed or exited without a Python exception (the command it ran never
+    answered); else it raised, and rank 0's answer holds the traceback."""
+
+    rank: int
+    how: str
+    died: bool
+
+    def __str__(self) -> str:
+        return f"trainer rank {self.rank} {self.how}"
 
 
 def _serve_rank(conn: Connection, model_dir: Path, config: TrainerConfig) -> None:
@@ -210,31 +241,43 @@ def _receive(conn: Connection) -> TrainerCommand[Any] | None:
     return command
 
 
+# How long a failed command's answer waits for the trainer's process to say why it ended.
+_REPORT_WAIT_S = 30.0
+
+
 class TrainerProcess:
     """The FSDP ranks, in processes of their own, driven from the event loop::
 
     async with TrainerProcess(model_dir, config, world_size=1) as trainer:
         await trainer.ready()  # optional: the first call waits for it too
         result = await trainer.call(Train(batch, grpo, temperature))
+
+    A rank that dies (killed, or out of memory) takes the others down with it (the
+    trainer's process stops them) and every waiter learns it at once: :meth:`call`, and
+    :meth:`watch`, which a loop runs beside its work so that a death between two calls
+    stops the run too. Both raise :class:`TrainerError` with ``trainer rank N died ...``.
     """
 
     def __init__(self, model_dir: Path, config: TrainerConfig, *, world_size: int = 1):
         self.model_dir, self.config, self.world_size = model_dir, config, world_size
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
+        self._reports, reporter = context.Pipe(duplex=False)
         # Not a daemon: the ranks are its children. It ends when rank 0 does, which ends
         # when this end of the pipe says stop or closes.
         self._process = context.Process(
             target=_trainer_main,
-            args=(os.getpid(), world_size, child, model_dir, config),
+            args=(os.getpid(), world_size, child, reporter, model_dir, config),
             name="libra-trainer",
         )
-        self._child = child
+        self._child, self._reporter = child, reporter
         self._ready = False
+        self._exit: RankExit | None = None
 
     async def __aenter__(self) -> TrainerProcess:
         self._process.start()
         self._child.close()
+        self._reporter.close()
         return self
 
     async def ready(self) -> None:
@@ -257,21 +300,58 @@ class TrainerProcess:
             if self._process.is_alive():
                 self._process.terminate()
                 await anyio.to_thread.run_sync(self._process.join, 10.0)
+            self._reports.close()
 
     async def call(self, command: TrainerCommand[T]) -> T:
         """Run ``command`` on every rank; rank 0's result."""
         await self.ready()
-        await anyio.to_thread.run_sync(self._conn.send, command)
+        try:
+            await anyio.to_thread.run_sync(self._conn.send, command)
+        except (BrokenPipeError, OSError):
+            raise await self._ended() from None
         result: T = await self._answer()
         return result
+
+    async def watch(self) -> None:
+        """Return never while the ranks live; raise :class:`TrainerError` as soon as
+        one dies. (A rank that raised is :meth:`call`'s to report, with its traceback.)"""
+        await anyio.wait_readable(self._reports.fileno())
+        error = await self._ended()
+        if self._exit is None or self._exit.died:
+            raise error
+        await anyio.sleep_forever()
 
     async def _answer(self) -> Any:
         try:
             kind, value = await anyio.to_thread.run_sync(self._conn.recv, abandon_on_cancel=True)
         except EOFError:
-            raise TrainerError(
-                f"the trainer's processes ended (exit code {self._process.exitcode})"
-            ) from None
+            raise await self._ended() from None
         if kind == "error":
+            # A rank that died mid-collective makes rank 0's command fail too: the death
+            # is the cause to report, and the trainer's process reports it as it ends.
+            ended = await self._ended()
+            if self._exit is not None and self._exit.died:
+                raise TrainerError(f"{ended}; rank 0 then failed:\n{value}")
             raise TrainerError(f"the trainer failed:\n{value}")
         return value
+
+    async def _ended(self) -> TrainerError:
+        """The error that says how the trainer's processes ended (they are ending: the
+        report is sent before the trainer's process exits)."""
+        if self._exit is None:
+            await anyio.to_thread.run_sync(
+                self._process.join, _REPORT_WAIT_S, abandon_on_cancel=True
+            )
+            self._exit = self._exit or self._read_report()
+        if self._exit is not None:
+            return TrainerError(str(self._exit))
+        return TrainerError(f"the trainer's processes ended (exit code {self._process.exitcode})")
+
+    def _read_report(self) -> RankExit | None:
+        try:
+            if self._reports.poll():
+                report: RankExit = self._reports.recv()
+                return report
+        except (EOFError, OSError):
+            pass
+        return None

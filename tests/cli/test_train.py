@@ -140,3 +140,20 @@ def _distance(first: Path, second: Path) -> float:
         chosen = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1))
         logprobs.append(chosen)
     return float((logprobs[0] - logprobs[1]).abs().mean())
+
+
+def test_a_stopped_run_says_where_resume_goes_on_and_what_it_redoes(tmp_path: Path) -> None:
+    from libra.cli._train import resume_hint
+    from libra.train import RunState
+
+    assert "no checkpoint to resume from" in resume_hint(tmp_path)
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "run.json").write_text(RunState(2, 2, weight_version=2).to_json())
+    (tmp_path / METRICS_FILE).write_text('{"step": 0}\n{"step": 1}\n')
+    hint = resume_hint(tmp_path)
+    assert "goes on from step 2 (its checkpoint); the finished trajectories of step 2" in hint
+    assert "ran past it" not in hint
+    # Step 2's line was written, but its checkpoint was not: step 2 runs again.
+    (tmp_path / METRICS_FILE).write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    assert "; step 2 ran past it and will run again;" in resume_hint(tmp_path)

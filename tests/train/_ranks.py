@@ -68,3 +68,46 @@ def write_pid_and_sleep(pid_file: Path) -> None:
 
     pid_file.write_text(str(os.getpid()))
     time.sleep(600)
+
+
+# ------------------------------------------------- commands for the trainer's processes
+
+
+@dataclass(frozen=True)
+class RankPids:
+    """Every rank's process id, rank 0 first."""
+
+    def run(self, trainer: object) -> list[int]:
+        import os
+
+        import torch.distributed as dist
+
+        pids: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(pids, os.getpid())
+        return [int(str(pid)) for pid in pids]
+
+
+@dataclass(frozen=True)
+class SleepThenMeet:
+    """Each rank sleeps, writes ``started`` (rank 0) first, then all meet in a barrier."""
+
+    seconds: float
+    started: Path
+
+    def run(self, trainer: object) -> None:
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            self.started.write_text("")
+        time.sleep(self.seconds)
+        dist.barrier()
+
+
+@dataclass(frozen=True)
+class Fail:
+    """A command whose code is wrong: every rank raises."""
+
+    def run(self, trainer: object) -> None:
+        raise ValueError("a bug in the command")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -41,10 +43,12 @@ from libra.train import (
     combine_loss_metrics,
     find_latest,
     iter_metrics,
+    read_step,
     spawn,
+    step_file,
     train,
 )
-from tests._helpers import BREVITY, tiny_llama
+from tests._helpers import BREVITY, children_of, cmdline_of, is_alive, tiny_llama
 
 pytestmark = pytest.mark.anyio
 # Each run spawns the trainer's processes (seconds): one backend, but for the first test.
@@ -357,3 +361,185 @@ async def test_a_resumed_run_goes_on_with_the_cmlfq_forest_it_saved(
     assert [line["step"] for line in iter_metrics(first.run_dir)] == [0, 1, 2]
     latest = find_latest(first.run_dir)
     assert latest is not None and latest.run.weight_version == 3
+
+
+# ------------------------------------------------------------ faults mid-step
+
+
+def _slow_rollout_config(run_dir: Path, model_dir: Path, **overrides: Any) -> TrainRunConfig:
+    """Trajectories that take a second or so each, two at a time: a step's rollout lasts
+    long enough for a test to stop the run after some of its records and before all."""
+    rollout = {
+        "env": BREVITY,
+        "engine": {"concurrency": 2, "sampling": {"max_tokens_per_turn": 48, "seed": 0}},
+        "emulator": {"agent": {"think_tokens": [0, 40]}, "latency": {"step_base_s": 0.05}},
+    }
+    return run_config(run_dir, model_dir, rollout=rollout, **overrides)
+
+
+async def _wait_for_step_1_records(
+    run_dir: Path, process: subprocess.Popen[bytes], log: Path, count: int
+) -> None:
+    """Until step 0's checkpoint is written and ``count`` of step 1's records are (step 1
+    is submitted before step 0's checkpoint: its records may come first)."""
+    deadline = time.monotonic() + 300
+    while not (find_latest(run_dir) is not None and len(read_step(run_dir, 1)) >= count):
+        assert process.poll() is None, _text(log)
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.05)
+
+
+def _text(log: Path) -> str:
+    return log.read_text()
+
+
+def _assert_one_record_per_trajectory(run_dir: Path, steps: int) -> None:
+    for step in range(steps):
+        records = read_step(run_dir, step)
+        assert len(records) == 6 and len({r.id for r in records}) == 6
+        by_group = sorted(
+            sorted(r.sample for r in records if r.group_id == g)
+            for g in {r.group_id for r in records}
+        )
+        assert by_group == [[0, 1, 2], [0, 1, 2]]
+
+
+@asyncio_only
+async def test_a_run_killed_mid_step_takes_its_finished_records_back_from_the_log(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _slow_rollout_config(tmp_path / "run", tiny_model)
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(config.to_toml())
+    log = tmp_path / "train.log"
+    killed = _train_process(config_file, log)
+    await _wait_for_step_1_records(config.run_dir, killed, log, count=2)
+    killed.send_signal(signal.SIGKILL)  # step 1's rollout is under way
+    killed.wait()
+    logged = read_step(config.run_dir, 1)
+    assert 2 <= len(logged) < 6, "the kill was meant to come mid-rollout"
+    with step_file(config.run_dir, 1).open("ab") as out:
+        out.write(b'{"id": "torn by the kill')  # as a kill mid-write leaves it
+
+    resumed = _train_process(config_file, log, "--resume")
+    returncode = await anyio.to_thread.run_sync(lambda: resumed.wait(timeout=300))
+    assert returncode == 0, log.read_text()
+
+    lines = list(iter_metrics(config.run_dir))
+    assert [line["step"] for line in lines] == [0, 1]
+    assert [line["reused"] for line in lines] == [0, len(logged)]
+    assert [line["trajectories"] for line in lines] == [6, 6]
+    _assert_one_record_per_trajectory(config.run_dir, 2)
+    # The logged records are the step's, as they were: read back, not sampled again.
+    assert read_step(config.run_dir, 1)[: len(logged)] == logged
+
+
+def _trainer_ranks(train_pid: int) -> list[int]:
+    """The ranks of a ``libra train`` process: the children of its trainer's process."""
+    trainers = [pid for pid in children_of(train_pid) if "spawn_main" in cmdline_of(pid)]
+    return [rank for trainer in trainers for rank in children_of(trainer)]
+
+
+@pytest.mark.slow
+@asyncio_only
+async def test_a_trainer_rank_killed_mid_step_stops_the_run_and_resume_finishes_it(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = _slow_rollout_config(tmp_path / "run", tiny_model, steps=3, world_size=2)
+    config_file = tmp_path / "train.toml"
+    config_file.write_text(config.to_toml())
+    log = tmp_path / "train.log"
+    stopped = _train_process(config_file, log)
+    await _wait_for_step_1_records(config.run_dir, stopped, log, count=1)
+    ranks = _trainer_ranks(stopped.pid)
+    assert len(ranks) == 2
+    killed_at = time.monotonic()
+    os.kill(max(ranks), signal.SIGKILL)
+    returncode = await anyio.to_thread.run_sync(lambda: stopped.wait(timeout=120))
+    stopped_s = time.monotonic() - killed_at
+
+    errors = log.read_text()
+    assert returncode == 1, errors
+    assert re.search(r"^libra: error: trainer rank [01] died \(SIGKILL\)$", errors, re.M), errors
+    assert "`libra train --resume`" in errors and "step 1 (its checkpoint)" in errors
+    assert stopped_s < 60  # noticed while the loop waited for rollouts, not at the next call
+    assert not any(is_alive(rank) for rank in ranks)  # the trainer's processes are gone
+    latest = find_latest(config.run_dir)
+    assert latest is not None and latest.run.step == 1
+    logged = read_step(config.run_dir, 1)
+
+    resumed = _train_process(config_file, log, "--resume")
+    returncode = await anyio.to_thread.run_sync(lambda: resumed.wait(timeout=300))
+    assert returncode == 0, log.read_text()
+    lines = list(iter_metrics(config.run_dir))
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [line["weight_version"] for line in lines] == [1, 2, 3]
+    assert lines[1]["reused"] == len(logged) >= 1
+    _assert_one_record_per_trajectory(config.run_dir, 3)
+
+
+def _failing_config(run_dir: Path, model_dir: Path, failures: str) -> TrainRunConfig:
+    """Half the generation requests fail, and the engine tries each once: about half the
+    trajectories fail as server errors (one at a time, so the same ones every run)."""
+    rollout = {
+        "env": BREVITY,
+        "engine": {
+            "concurrency": 1,
+            "max_attempts": 1,
+            "sampling": {"max_tokens_per_turn": 48, "seed": 0},
+        },
+        "emulator": {"agent": {"think_tokens": [0, 40]}, "error_rate": 0.5},
+    }
+    train = {"failures": failures, "max_retries": 8}
+    return run_config(run_dir, model_dir, rollout=rollout, steps=1, train=train)
+
+
+@asyncio_only
+async def test_infrastructure_failures_are_excluded_or_retried_as_configured(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    [excluded] = await train(_failing_config(tmp_path / "exclude", tiny_model, "exclude"))
+    failed = [r for r in read_step(tmp_path / "exclude", 0) if r.status == "failed"]
+    assert failed and {r.stop_reason for r in failed} == {"server_error"}
+    assert excluded.retried == 0 and excluded.statuses["failed"] == len(failed)
+    assert excluded.trajectories == 6 and excluded.samples_trained <= 6 - len(failed)
+
+    [retried] = await train(_failing_config(tmp_path / "retry", tiny_model, "retry"))
+    records = read_step(tmp_path / "retry", 0)
+    # Each trajectory has one record, of its last run: none failed 9 times in a row here.
+    assert len(records) == 6 and len({r.id for r in records}) == 6
+    assert {r.status for r in records} <= {"completed", "truncated"}
+    assert retried.retried >= len(failed) and "failed" not in retried.statuses
+    assert retried.trajectories == 6 and retried.samples_trained == 6
+
+
+@asyncio_only
+async def test_a_one_step_off_resume_takes_back_what_the_checkpoint_weights_sampled(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Checkpoints after steps 2 and 3 lost: the resume from step 1 (weights v1) takes back
+    step 1's records (sampled on v0 and v1) and those of step 2 that v1 sampled alone
+    (step 2 sampled while step 1 trained); one that v2 touched (lost with the killed run's
+    steps) runs again."""
+    config = run_config(tmp_path / "run", tiny_model, steps=3, mode="one-step-off")
+    await train(config)
+    for step in (2, 3):
+        shutil.rmtree(config.run_dir / "checkpoints" / f"step-{step:08d}")
+    # On the emulator step 2's rollouts end before step 1's sync: as if one ran past it,
+    # its last span is v2's.
+    step_2 = read_step(config.run_dir, 2)
+    step_2[0].weight_versions[-1].version = 2
+    lines_2 = [msgspec.json.encode(record) + b"\n" for record in step_2]
+    step_file(config.run_dir, 2).write_bytes(b"".join(lines_2))
+    newest = {
+        step: [max(s.version for s in r.weight_versions) for r in read_step(config.run_dir, step)]
+        for step in (1, 2)
+    }
+    lines = await train(config, resume=True)
+
+    assert [line.step for line in lines] == [1, 2]
+    assert lines[0].reused == 6 and max(newest[1]) <= 1
+    assert lines[1].reused == sum(1 for version in newest[2] if version <= 1) == 5
+    assert step_2[0].id in {r.id for r in read_step(config.run_dir, 2)[5:]}  # sampled again
+    assert [line["step"] for line in iter_metrics(config.run_dir)] == [0, 1, 2]
+    _assert_one_record_per_trajectory(config.run_dir, 3)
