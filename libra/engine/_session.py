@@ -138,7 +138,7 @@ class RolloutSession:
         self.stats = stats or RolloutStats()
         self.step_stats: dict[int, RolloutStats] = {}
         self._queue: deque[TrajectoryJob] = deque()
-        self._group_sizes: Counter[GroupId] = Counter()
+        self._unread: Counter[GroupId] = Counter()  # per group: records not yet read
         self._scopes: set[anyio.CancelScope] = set()  # one per running trajectory
         self._running = 0
         self._paused = False
@@ -195,7 +195,7 @@ class RolloutSession:
             seen.add(job.id)
         for job in jobs:
             self.engine.live_ids.add(job.id)
-            self._group_sizes[job.group_id] += 1
+            self._unread[job.group_id] += 1
             self.stats.total += 1
             self._stats_of(job.step).total += 1
         self._queue.extend(jobs)
@@ -248,6 +248,7 @@ class RolloutSession:
         """Records as trajectories end; the iteration ends once the session is closed
         (or cancelled) and every record has been read."""
         while (ended := await self._outbox.get()) is not None:
+            self._read(ended[0].group_id)
             yield ended[1]
 
     async def groups(self) -> AsyncIterator[Group]:
@@ -258,20 +259,36 @@ class RolloutSession:
             group_id = ended[0].group_id
             members = gathered.setdefault(group_id, [])
             members.append(ended)
-            if len(members) >= self._group_sizes[group_id]:
-                del gathered[group_id], self._group_sizes[group_id]
+            if self._read(group_id):
+                del gathered[group_id]
                 members.sort(key=lambda member: member[0].sample)
                 yield Group(group_id, tuple(record for _, record in members))
 
     def unread(self) -> list[TrajectoryRecord]:
         """Take the records in the stream now, without waiting (after a cancellation)."""
         taken = [record for _, record in self._outbox.items]
+        for job, _ in self._outbox.items:
+            self._read(job.group_id)
         self._outbox.items.clear()
         return taken
+
+    def _read(self, group_id: GroupId) -> bool:
+        """One record of ``group_id`` was read: True when it was the last one submitted
+        (the count is dropped then, so a long session holds none of its past groups)."""
+        self._unread[group_id] -= 1
+        if self._unread[group_id] > 0:
+            return False
+        del self._unread[group_id]
+        return True
 
     @property
     def in_flight(self) -> int:
         return self._running
+
+    @property
+    def open_groups(self) -> int:
+        """Groups with records not read yet (what a long session keeps of its groups)."""
+        return len(self._unread)
 
     @property
     def queued(self) -> int:

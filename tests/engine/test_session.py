@@ -227,11 +227,13 @@ async def test_a_slow_reader_bounds_what_is_held() -> None:
         await anyio.sleep(0.2)  # nothing reads: everything stops
         assert (session.buffered, session.in_flight, session.stats.done) == (3, 4, 7)
         assert session.queued == 33
+        assert session.open_groups == 40
         records = []
         async for record in session:
             assert session.buffered <= 3
             records.append(record)
             await anyio.sleep(0.001)
+        assert session.open_groups == 0  # read one by one, not as groups: none kept
     assert len({r.id for r in records}) == 40 and all(r.status != "failed" for r in records)
 
 
