@@ -48,7 +48,11 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 class WeightSyncError(RuntimeError):
-    """A server refused a step of the weight sync."""
+    """A server refused a step of the weight sync (``failed``: why, by endpoint name)."""
+
+    def __init__(self, message: str, failed: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failed = failed or {}
 
 
 class WeightSyncConfig(Section):
@@ -132,7 +136,8 @@ class WeightSync:
         if errors:
             raise WeightSyncError(
                 f"weights v{version} not loaded into "
-                + "; ".join(f"{name}: {error}" for name, error in errors.items())
+                + "; ".join(f"{name}: {error}" for name, error in errors.items()),
+                errors,
             )
         report = SyncReport(version, path, time.perf_counter() - started, seconds)
         log.info(

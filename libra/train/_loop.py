@@ -70,7 +70,13 @@ from libra.envs import env_name as registered_name
 from libra.fleet import Endpoint
 from libra.launch import open_engine, scheduler_forest
 from libra.sched import Scheduler
-from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, WeightSync, prepare_model
+from libra.serving import (
+    EMBEDDED_MODEL_NAME,
+    VLLMServer,
+    WeightSync,
+    WeightSyncError,
+    prepare_model,
+)
 from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
@@ -193,6 +199,18 @@ def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
 
 
 @dataclass
+class ServedWeights:
+    """The weights the servers should hold now: a server restarted mid-run is given these
+    (``folder`` None: the ones the servers start on)."""
+
+    folder: Path | None = None
+    version: int = 0
+
+    def __call__(self) -> tuple[Path | None, int]:
+        return self.folder, self.version
+
+
+@dataclass
 class TrainRun:
     """A running loop's parts: what a checkpoint hook may read (and, for a resume, set)."""
 
@@ -205,6 +223,7 @@ class TrainRun:
     endpoints: list[Endpoint]
     scheduler: Scheduler
     log: RolloutLog
+    served: ServedWeights = field(default_factory=ServedWeights)
     version: int = 0  # the weights the trainer holds: v0 before the first step
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
     # Records of groups not complete yet, and the ids of the groups submitted, by group.
@@ -406,19 +425,31 @@ class TrainRun:
         return export_s, sync_s
 
     async def _load(self, folder: Path, version: int) -> float:
-        """Load ``folder`` into every endpoint as ``version``; the seconds it took."""
+        """Load ``folder`` into every endpoint as ``version``; the seconds it took. A
+        server that is down (or goes down meanwhile) is skipped: its supervisor gives it
+        these weights when it restarts."""
+        self.served.folder, self.served.version = folder, version
         self.session.pause()
+        started = time.perf_counter()
         try:
-            if self.config.reloads:
-                sync = WeightSync(self.endpoints, self.config.sync, self.session.engine.http)
-                report = await sync.sync(folder, version)
-                return report.seconds
-            # servers that hold no weights: the version is all that changes
-            for endpoint in self.endpoints:
-                endpoint.weight_version = version
-            return 0.0
+            if not self.config.reloads:  # servers that hold no weights: only the version
+                for endpoint in self.endpoints:
+                    endpoint.weight_version = version
+                return 0.0
+            live = [e for e in self.endpoints if self._serving(e.name)]
+            sync = WeightSync(live, self.config.sync, self.session.engine.http)
+            try:
+                await sync.sync(folder, version)
+            except WeightSyncError as error:
+                if any(self._serving(name) for name in error.failed):
+                    raise
+            return time.perf_counter() - started
         finally:
             self.session.resume()
+
+    def _serving(self, name: str) -> bool:
+        instance = self.scheduler.router.by_name.get(name)
+        return instance is not None and not instance.marked_down
 
     def _forget_old_weights(self, version: int) -> None:
         """Keep the served version, the one before it, and v0 (the servers' start folder,
@@ -492,6 +523,7 @@ async def open_run(
             TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
         )  # it loads the model while the servers start
         server, model = config.server, rollout.model
+        own: dict[str, VLLMServer] = {}
         if server == "embedded":
             served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
             console = Console(stderr=True)
@@ -499,11 +531,15 @@ async def open_run(
                 vllm = await stack.enter_async_context(_own_server(config, served))
             console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
             server, model = vllm.url, EMBEDDED_MODEL_NAME
+            own[vllm.url] = vllm  # its instance is named by its URL
         elif server is not None and server != "emulated" and config.reloads:
             await check_attached(server.split(","), config.logprobs_mode)
         rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
         warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
-        assembled = await stack.enter_async_context(open_engine(rollout, env_cls, warm))
+        weights = ServedWeights()
+        assembled = await stack.enter_async_context(
+            open_engine(rollout, env_cls, warm, servers=own, weights=weights)
+        )
         log = stack.enter_context(RolloutLog(run_dir))
         session = await stack.enter_async_context(RolloutSession(assembled.engine))
         await trainer.ready()
@@ -511,7 +547,7 @@ async def open_run(
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
         scheduler = assembled.engine.scheduler
         run = TrainRun(
-            config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler, log
+            config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler, log, weights
         )
         async with anyio.create_task_group() as group:
             group.start_soon(trainer.watch)

@@ -125,3 +125,27 @@ async def test_a_server_that_will_not_start_again_is_given_up() -> None:
     kinds = [event.kind for event in supervisor.events]
     assert kinds == ["died", "restart_failed", "restart_failed", "gave_up"]
     assert all(r.endpoints[-1] == "a" for r in records)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_with_its_only_server_down_the_rollout_waits_for_the_restart() -> None:
+    jobs = jobs_for(Calc, "calc", 16)
+    records: list[TrajectoryRecord] = []
+    async with two_servers() as servers:
+        only = {"a": servers["a"]}
+        spec = FleetSpec(
+            instances=[InstanceSpec(name="a", url=only["a"].url, model=MODEL, api="tokens")]
+        )
+        policy = make_policy("cmlfq", spec)
+        supervisor = ServerSupervisor(policy.router, only, config=QUICK_PROBES)
+        config = EngineConfig(concurrency=16, retry_backoff_s=0.05)
+        async with http_transport("httpx") as http, anyio.create_task_group() as group:
+            group.start_soon(supervisor.run)
+            engine = Engine(http, policy, config=config, on_record=records.append)
+            async with anyio.create_task_group() as run:
+                run.start_soon(rollout, jobs, engine)
+                await until(lambda: policy.router.by_name["a"].in_flight > 0)
+                only["a"].kill()
+            group.cancel_scope.cancel()
+    check_every_job_once(records, len(jobs))
+    assert [event.kind for event in supervisor.events] == ["died", "restarted"]
