@@ -72,7 +72,7 @@ class ServingTruth(Section):
 
     def tp_speedup(self, tp: int) -> float:
         """How many times faster than TP1 a TP``tp`` instance's step runs (below ``tp``)."""
-        return tp * self.tp_efficiency ** math.log2(tp)
+        return float(tp * self.tp_efficiency ** math.log2(tp))
 
     def sync_s(self, model: Model) -> float:
         """Broadcasting new weights from the trainer to the servers."""
