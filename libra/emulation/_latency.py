@@ -509,6 +509,8 @@ class BatchingEngine:
             return
         in_flight = segment.steps_done_by(now) + 1
         joins = max(segment.first_end_at_or_after(sequence.joins_at), in_flight)
+        if self.latency.prefill_interference > 0:
+            joins = in_flight  # the steps from here share the prefill: re-plan them slower
         segment.target = min(segment.target, joins)
 
     def _release(self, sequence: _Sequence, now: float) -> None:
