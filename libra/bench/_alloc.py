@@ -97,6 +97,9 @@ class ConfigRun:
     gpus: int
     steps: list[StepResult]
     plan_errors: list[float]  # per step: predicted / measured step - 1 (planners only)
+    #: per step: the same, predicted after the fact for the workload the step turned out
+    #: to be, before its own observations are fitted (the cost model's error alone).
+    model_errors: list[float] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -150,6 +153,7 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
     recent: list[list[TrajectoryRecord]] = []
     steps: list[StepResult] = []
     errors: list[float] = []
+    model_errors: list[float] = []
     move_s = 0.0
     for step in range(first, first + settings.steps):
         strategy.predict(step, plan, demand)
@@ -157,6 +161,9 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
         result = _with_overhead(result, move_s)
         steps.append(result)
         pending_tokens = result.train_tokens
+        hindsight = strategy.hindsight(plan, demand_of_records([records]))
+        if hindsight is not None:
+            model_errors.append(hindsight / max(result.rollout_s, result.train_s) - 1)
         recent = [*recent[-1:], records]
         demand = demand_of_records(recent)
         timing = StepTiming(
@@ -172,7 +179,7 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
         new = strategy.next_plan(step, plan, demand)
         move_s = _move_seconds(settings, trainer, plan, new)
         plan = new
-    return ConfigRun(name, settings.gpus, steps, errors)
+    return ConfigRun(name, settings.gpus, steps, errors, model_errors)
 
 
 def _with_overhead(result: StepResult, extra_s: float) -> StepResult:

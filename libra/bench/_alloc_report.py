@@ -33,6 +33,7 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
 
     best = max(statics, key=lambda run: run.throughput_tok_s, default=None)
     calibrated = libra.plan_errors[1:] if libra is not None else []
+    model = libra.model_errors[1:] if libra is not None else []
     return {
         "results": [
             {
@@ -49,10 +50,16 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
             "colocated": ratio(by_name.get("colocated")),
         },
         "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
+        "model_error_max": round(max(map(abs, model)), 4) if model else None,
         "plan_errors": {
             run.config: [round(error, 4) for error in run.plan_errors]
             for run in runs
             if run.plan_errors
+        },
+        "model_errors": {
+            run.config: [round(error, 4) for error in run.model_errors]
+            for run in runs
+            if run.model_errors
         },
     }
 
@@ -65,16 +72,25 @@ def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
         f"{settings.fleet.gpu.name} {settings.fleet.model.name}, {settings.steps} steps, "
         f"seed {settings.seed}"
     )
-    for column in ("config", "step s", "tok/s", "idle", "libra x", "layouts", "plan error"):
+    columns = (
+        "config",
+        "step s",
+        "tok/s",
+        "idle",
+        "libra x",
+        "layouts",
+        "plan error",
+        "model error",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     for run in runs:
         ratio = libra.throughput_tok_s / run.throughput_tok_s if libra else 0.0
         layouts = sorted({_layout(step.train_workers, step.rollout_tps) for step in run.steps})
-        errors = run.plan_errors
-        error = f"{errors[0]:+.0%} -> {errors[-1]:+.0%}" if errors else ""
         table.add_row(
             run.config, f"{run.step_time_s:.1f}", f"{run.throughput_tok_s:,.0f}",
-            f"{run.idle_frac:.2f}", f"{ratio:.2f}", " ".join(layouts), error,
+            f"{run.idle_frac:.2f}", f"{ratio:.2f}", " ".join(layouts),
+            _first_last(run.plan_errors), _first_last(run.model_errors),
         )  # fmt: skip
     console = Console()
     console.print(table)
@@ -83,8 +99,14 @@ def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
         f"libra vs static upfront ({static_name(UPFRONT_SHARE)} at TP1) {vs['static_upfront']}x, "
         f"vs best static in hindsight {vs['static_best_hindsight']}x, "
         f"vs colocated {vs['colocated']}x; "
-        f"largest calibrated plan error {report['plan_error_max']}"
+        f"largest calibrated plan error {report['plan_error_max']} (cost model alone, on "
+        f"the workload as it turned out: {report['model_error_max']})"
     )
+
+
+def _first_last(errors: list[float]) -> str:
+    """A planner's error on its first step and on its last (after its fits)."""
+    return f"{errors[0]:+.0%} -> {errors[-1]:+.0%}" if errors else ""
 
 
 def _layout(train: int, tps: tuple[int, ...]) -> str:

@@ -60,6 +60,11 @@ class Strategy:
     def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
         return current
 
+    def hindsight(self, plan: Plan, ran: Workload) -> float | None:
+        """The step time the cost model gives ``plan`` on the workload the step turned out
+        to be (its error is the model's, without the forecast's); None: no model."""
+        return None
+
 
 @dataclass
 class PlannerStrategy(Strategy):
@@ -96,6 +101,9 @@ class PlannerStrategy(Strategy):
         """Log what the planner expects of ``plan`` on the step about to run."""
         predicted = self._planner().predict(plan, workload)
         self.log.record_plan(step, Plan(plan.train_workers, plan.rollout_tps, predicted=predicted))
+
+    def hindsight(self, plan: Plan, ran: Workload) -> float | None:
+        return self._planner().predict(plan, ran).step_s
 
     def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
         timing, planner = self._last, self._planner()
