@@ -98,5 +98,5 @@ def test_the_command_prints_the_json_and_draws_the_plot(
         assert row["step_time_s"] > 0 and row["throughput_tok_s"] > 0
     assert set(report["libra_vs"]) == {"static_upfront", "static_best_hindsight", "colocated"}
     assert all(value > 0 for value in report["libra_vs"].values())
-    assert report["plan_error_max"] >= 0
+    assert report["plan_error_max"] >= 0 and report["model_error_max"] >= 0
     assert figure.stat().st_size > 10_000
