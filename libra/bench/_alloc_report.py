@@ -149,7 +149,11 @@ def main_alloc(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
-    runs = run_alloc_bench(settings, config_names(settings), jobs=args.jobs)
+    try:
+        runs = run_alloc_bench(settings, config_names(settings), jobs=args.jobs)
+    except ValueError as exc:  # e.g. too few workers to hold the training state
+        print(f"libra: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(summary(runs)))
     else:

@@ -100,3 +100,15 @@ def test_the_command_prints_the_json_and_draws_the_plot(
     assert all(value > 0 for value in report["libra_vs"].values())
     assert report["plan_error_max"] >= 0 and report["model_error_max"] >= 0
     assert figure.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_too_few_workers_for_the_training_state_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload = tmp_path / "tiny-drift.toml"
+    text = (Path(__file__).parents[2] / "libra/emulation/workloads/swe-drift.toml").read_text()
+    workload.write_text(text.replace("prompts = 16", "prompts = 1"))
+    argv = ["bench", "alloc", "--workload", str(workload), "--gpus", "4", "--steps", "1"]
+    assert main([*argv, "--jobs", "1"]) == 2
+    assert "no plan of 4 workers fits" in capsys.readouterr().err
