@@ -9,6 +9,8 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
+from libra.bench._alloc_report import add_arguments as add_alloc_arguments
+from libra.bench._alloc_report import main_alloc
 from libra.bench._engine import as_json, run_engine_bench
 from libra.bench._sandbox import bench_sandbox
 from libra.bench._sched import add_arguments as add_sched_arguments
@@ -37,6 +39,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_sched_arguments(sched)
     sched.set_defaults(run=main_sched)
+    alloc = benches.add_parser(
+        "alloc", help="worker splits (static, colocated, planner, Libra) on an emulated RL run"
+    )
+    add_alloc_arguments(alloc)
+    alloc.set_defaults(run=main_alloc)
     sandbox = benches.add_parser("sandbox", help="tool-call latency and throughput in sandboxes")
     sandbox.add_argument("--provider", choices=["docker", "bwrap"], default="docker")
     sandbox.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])

@@ -44,6 +44,7 @@ from libra.emulation._tokenizer import (
     render_chat_text,
 )
 from libra.emulation._training import EmulatedTrainer, TrainJoinFailed, TrainTruth
+from libra.emulation._truth import ServingTruth
 
 __all__ = [
     "ENDOFTEXT_ID",
@@ -71,6 +72,7 @@ __all__ = [
     "Reply",
     "Script",
     "ScriptedReplies",
+    "ServingTruth",
     "TrainJoinFailed",
     "TrainTruth",
     "builtin_script",

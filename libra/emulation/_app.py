@@ -223,7 +223,9 @@ class EmulatorApp:
         self.config = config
         self.tokenizer = ByteTokenizer()
         self.script: Script = script or builtin_script(config.script, config.agent)
-        self.engine = None if config.latency.is_zero else BatchingEngine(config.latency)
+        self.engine = (
+            None if config.latency.is_zero else BatchingEngine(config.latency, seed=config.seed)
+        )
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.weight_reloads = 0

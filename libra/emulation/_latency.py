@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -87,6 +88,17 @@ class LatencyModel(StepCost):
         default=int(_KV_BUDGET_BYTES // _KV_BYTES_PER_TOKEN),
         ge=1,
         description="Tokens the KV cache holds; a request needs prompt + new tokens of it.",
+    )
+    prefill_interference: float = Field(
+        default=0.0,
+        ge=0,
+        description="Relative slowdown of the decode steps that run while a request of the "
+        "batch prefills (chunked prefill shares the step with decode); 0: none.",
+    )
+    jitter: float = Field(
+        default=0.0,
+        ge=0,
+        description="Lognormal sigma of each run of decode steps' duration (seeded); 0: none.",
     )
 
     @classmethod
@@ -229,9 +241,12 @@ class BatchingEngine:
     decoding); ``observer``, if set, hears every change of the running and waiting counts.
     """
 
-    def __init__(self, latency: LatencyModel, observer: Observer | None = None) -> None:
+    def __init__(
+        self, latency: LatencyModel, observer: Observer | None = None, *, seed: int = 0
+    ) -> None:
         self.latency = latency
         self.observer = observer
+        self._jitter = random.Random(f"jitter:{seed}")
         self._waiting: list[tuple[int, int, _Sequence]] = []  # heap of (priority, arrival, seq)
         self._num_waiting = 0
         self._running: list[_Sequence] = []
@@ -392,17 +407,28 @@ class BatchingEngine:
         latency = self.latency
         size = len(batch)
         context = sum(sequence.context_tokens for sequence in batch)
+        joining = [s.joins_at for s in self._running if s.joins_at > now]
+        slowdown = self._slowdown(prefilling=bool(joining))
         segment = _Segment(
             start=now,
             batch=batch,
-            first=latency.step_time(size, context),
-            growth=latency.step_per_ctx_token_s * size,
+            first=latency.step_time(size, context) * slowdown,
+            growth=latency.step_per_ctx_token_s * size * slowdown,
             target=min(sequence.remaining for sequence in batch),
         )
-        joining = [s.joins_at for s in self._running if s.joins_at > now]
         if joining:
+            # The run ends where the prefill does, so only the shared steps are slowed.
             segment.target = segment.first_end_at_or_after(min(joining))
         return segment
+
+    def _slowdown(self, *, prefilling: bool) -> float:
+        """How much slower than the model's formula the next run of steps is: prefill
+        sharing the steps, and the run's jitter (both off by default)."""
+        latency = self.latency
+        factor = 1.0 + latency.prefill_interference if prefilling else 1.0
+        if latency.jitter > 0:
+            factor *= math.exp(self._jitter.gauss(0.0, latency.jitter))
+        return factor
 
     async def _wait_for_change(self, deadline: float) -> None:
         """Sleep until ``deadline``, or until the batch must change sooner."""
@@ -483,6 +509,8 @@ class BatchingEngine:
             return
         in_flight = segment.steps_done_by(now) + 1
         joins = max(segment.first_end_at_or_after(sequence.joins_at), in_flight)
+        if self.latency.prefill_interference > 0:
+            joins = in_flight  # the steps from here share the prefill: re-plan them slower
         segment.target = min(segment.target, joins)
 
     def _release(self, sequence: _Sequence, now: float) -> None:

@@ -327,3 +327,32 @@ async def test_busy_time_and_occupancy_are_recorded() -> None:
     assert engine.busy_s == pytest.approx(alone)
     assert changes[0][1:] == (1, 0) and changes[-1][1:] == (0, 0)
     assert changes[-1][0] == pytest.approx(1.0 + alone)
+
+
+async def test_prefill_interference_slows_the_decode_steps_it_shares() -> None:
+    async def finish_of_a(latency: LatencyModel) -> float:
+        engine = BatchingEngine(latency)
+        finishes = Finishes(engine)
+        async with anyio.create_task_group() as group:
+            group.start_soon(finishes.run, "a", 50, 200)
+            await anyio.sleep(0.05)  # a mid-decode, then b's long prefill shares its steps
+            group.start_soon(finishes.run, "b", 2000, 10)
+        return finishes.at["a"]
+
+    plain = await finish_of_a(LATENCY)
+    slowed = await finish_of_a(LATENCY.model_copy(update={"prefill_interference": 0.5}))
+    assert slowed > plain * 1.05
+
+
+async def test_jitter_is_seeded() -> None:
+    jittery = LATENCY.model_copy(update={"jitter": 0.2})
+
+    async def elapsed(seed: int) -> float:
+        engine = BatchingEngine(jittery, seed=seed)
+        start = anyio.current_time()
+        await engine.generate(50, 100)
+        return anyio.current_time() - start
+
+    first, again, other = await elapsed(1), await elapsed(1), await elapsed(2)
+    assert first == again and first != other
+    assert first != pytest.approx(50 * 0.001 + decode_time(LATENCY, 50, 100))

@@ -53,6 +53,12 @@ class Rollout(Section):
     drift_per_step: float = Field(
         0.0, ge=-0.5, le=1.0, description="relative growth of every model turn per RL step"
     )
+    solve_rate_drift_per_step: float = Field(
+        0.0,
+        ge=-0.5,
+        le=1.0,
+        description="relative growth of every prompt's solve rate per RL step (capped at 1)",
+    )
 
 
 class Limits(Section):

@@ -116,6 +116,8 @@ def draw_script(
     prompt_rng = random.Random(f"{workload.name}/{seed}/prompt/{task_seed}")
     prompt_tokens = round(workload.prompt_tokens.draw(prompt_rng))
     solve_rate = prompt_rng.betavariate(workload.solve_rate.alpha, workload.solve_rate.beta)
+    learned = (1.0 + workload.rollout.solve_rate_drift_per_step) ** step
+    solve_rate = min(1.0, solve_rate * learned)  # the policy learns its tasks as RL proceeds
     rng = random.Random(f"{workload.name}/{seed}/{step}/{task_seed}/{sample}")
     scale = (1.0 + workload.rollout.drift_per_step) ** step
     turns, solved = _play(workload, rng, scale, prompt_tokens, solve_rate)

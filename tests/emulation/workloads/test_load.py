@@ -32,7 +32,9 @@ def test_a_workload_written_from_the_documentation_loads_and_plays(tmp_path: Pat
 
 
 def test_missing_files_and_names_and_broken_toml_are_explained(tmp_path: Path) -> None:
-    with pytest.raises(WorkloadError, match="shipped: math-code, search-agent, swe-agent"):
+    with pytest.raises(
+        WorkloadError, match="shipped: math-code, search-agent, swe-agent, swe-drift"
+    ):
         load_workload("no-such-workload")
     with pytest.raises(WorkloadError, match="no such file"):
         load_workload(str(tmp_path / "missing.toml"))

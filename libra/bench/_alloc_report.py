@@ -1,0 +1,188 @@
+"""``libra bench alloc``'s command line, table, JSON and figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench
+from libra.bench._alloc_strategies import UPFRONT_SHARE, static_name
+from libra.bench._sched import default_jobs
+from libra.bench._sched_fleet import DEFAULT_FLEET, load_fleet
+from libra.emulation.workloads import WorkloadError, load_workload
+
+DEFAULT_WORKLOAD = "swe-drift"
+LIBRA = "libra"
+
+
+def summary(runs: list[ConfigRun]) -> dict[str, Any]:
+    """The JSON report: per configuration, and full Libra's throughput over the baselines."""
+    by_name = {run.config: run for run in runs}
+    statics = [run for run in runs if run.config.startswith("static-")]
+    libra = by_name.get(LIBRA)
+
+    def ratio(other: ConfigRun | None) -> float | None:
+        if libra is None or other is None:
+            return None
+        return round(libra.throughput_tok_s / other.throughput_tok_s, 3)
+
+    best = max(statics, key=lambda run: run.throughput_tok_s, default=None)
+    calibrated = libra.plan_errors[1:] if libra is not None else []
+    model = libra.model_errors[1:] if libra is not None else []
+    return {
+        "results": [
+            {
+                "config": run.config,
+                "step_time_s": round(run.step_time_s, 2),
+                "throughput_tok_s": round(run.throughput_tok_s, 1),
+                "idle_frac": round(run.idle_frac, 4),
+            }
+            for run in runs
+        ],
+        "libra_vs": {
+            "static_upfront": ratio(by_name.get(static_name(UPFRONT_SHARE))),
+            "static_best_hindsight": ratio(best),
+            "colocated": ratio(by_name.get("colocated")),
+        },
+        "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
+        "model_error_max": round(max(map(abs, model)), 4) if model else None,
+        "plan_errors": {
+            run.config: [round(error, 4) for error in run.plan_errors]
+            for run in runs
+            if run.plan_errors
+        },
+        "model_errors": {
+            run.config: [round(error, 4) for error in run.model_errors]
+            for run in runs
+            if run.model_errors
+        },
+    }
+
+
+def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
+    report = summary(runs)
+    libra = next((run for run in runs if run.config == LIBRA), None)
+    table = Table(
+        title=f"libra bench alloc: {settings.workload.name}, {settings.gpus} x "
+        f"{settings.fleet.gpu.name} {settings.fleet.model.name}, {settings.steps} steps, "
+        f"seed {settings.seed}"
+    )
+    columns = (
+        "config",
+        "step s",
+        "tok/s",
+        "idle",
+        "libra x",
+        "layouts",
+        "plan error",
+        "model error",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for run in runs:
+        ratio = libra.throughput_tok_s / run.throughput_tok_s if libra else 0.0
+        layouts = sorted({_layout(step.train_workers, step.rollout_tps) for step in run.steps})
+        table.add_row(
+            run.config, f"{run.step_time_s:.1f}", f"{run.throughput_tok_s:,.0f}",
+            f"{run.idle_frac:.2f}", f"{ratio:.2f}", " ".join(layouts),
+            _first_last(run.plan_errors), _first_last(run.model_errors),
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    vs = report["libra_vs"]
+    console.print(
+        f"libra vs static upfront ({static_name(UPFRONT_SHARE)} at TP1) {vs['static_upfront']}x, "
+        f"vs best static in hindsight {vs['static_best_hindsight']}x, "
+        f"vs colocated {vs['colocated']}x; "
+        f"largest calibrated plan error {report['plan_error_max']} (cost model alone, on "
+        f"the workload as it turned out: {report['model_error_max']})"
+    )
+
+
+def _first_last(errors: list[float]) -> str:
+    """A planner's error on its first step and on its last (after its fits)."""
+    return f"{errors[0]:+.0%} -> {errors[-1]:+.0%}" if errors else ""
+
+
+def _layout(train: int, tps: tuple[int, ...]) -> str:
+    counts = {tp: tps.count(tp) for tp in sorted(set(tps), reverse=True)}
+    serving = "+".join(f"{n}xTP{tp}" for tp, n in counts.items())
+    return f"{train}T/{serving}"
+
+
+def plot(runs: list[ConfigRun], path: str) -> None:
+    """Workers in training over time, and every step's time, per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, (split, times) = pyplot.subplots(2, 1, figsize=(10, 8))
+    for run in runs:
+        moments, workers, clock = [], [], 0.0
+        for step in run.steps:
+            moments += [clock, clock + step.step_s]
+            workers += [step.train_workers, step.train_workers]
+            clock += step.step_s
+        split.plot(moments, workers, label=run.config)
+        times.plot([step.step for step in run.steps], [s.step_s for s in run.steps], "o-")
+    split.set(xlabel="time (s)", ylabel="workers training", title="the split over time")
+    times.set(xlabel="RL step", ylabel="step time (s)", title="step times")
+    split.legend(fontsize="small", ncol=2)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+# ------------------------------------------------------------------- the command line
+
+
+def main_alloc(args: argparse.Namespace) -> int:
+    try:
+        settings = Settings(
+            load_workload(args.workload), load_fleet(args.fleet), args.gpus, args.steps, args.seed
+        )
+    except (WorkloadError, ValueError) as exc:
+        print(f"libra: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        runs = run_alloc_bench(settings, config_names(settings), jobs=args.jobs)
+    except ValueError as exc:  # e.g. too few workers to hold the training state
+        print(f"libra: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary(runs)))
+    else:
+        print_table(settings, runs)
+    if args.plot:
+        plot(runs, args.plot)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        help=f"a shipped workload or a workload TOML file (default {DEFAULT_WORKLOAD})",
+    )
+    parser.add_argument(
+        "--fleet",
+        default=DEFAULT_FLEET,
+        help=f"the GPU and model of a shipped fleet or fleet file (default {DEFAULT_FLEET})",
+    )
+    parser.add_argument("--gpus", type=int, default=16, help="workers to split (default 16)")
+    parser.add_argument("--steps", type=int, default=6, help="RL steps per config (default 6)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the split and the step times")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help=f"configs run in parallel processes; the numbers do not change (default "
+        f"{default_jobs()})",
+    )

@@ -1,0 +1,168 @@
+"""The configurations ``libra bench alloc`` compares, each a strategy object.
+
+A strategy owns the layout: the first :class:`~libra.alloc.Plan`, what it learns from every
+step (the calls and the step timing a real run would report) and the plan of the next
+step. The run in :mod:`libra.bench._alloc` plays whatever plan it is handed and charges
+its moves. This is the seam for the hybrid pool (workers moving between rollout and
+training inside a step, ``libra.alloc`` driving a :class:`~libra.alloc.Cluster`): it
+will be one more strategy, whose steps the run hands an emulated cluster.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from libra.alloc import (
+    CallTiming,
+    Plan,
+    PlanLog,
+    PlannerConfig,
+    ReplanTrigger,
+    RooflinePlanner,
+    StepTiming,
+    TrainCost,
+    Workload,
+    mean_output,
+)
+from libra.fleet import Gpu, Model, Roofline
+
+#: train:rollout worker ratios of the static baselines, as the train share of the workers.
+STATIC_SHARES = (0.25, 0.5, 0.75)
+#: The split a user picks without measuring: half the workers train, half serve at TP1.
+UPFRONT_SHARE = 0.5
+#: What the planner believes a re-layout costs before it has made one (a server restart).
+MOVE_COST_PRIOR_S = 60.0
+
+
+@dataclass
+class Strategy:
+    """A configuration whose layout never changes: a static split, or colocated."""
+
+    name: str
+    plan: Plan
+    policy: str = "least-loaded"
+    colocated: bool = False
+    log: PlanLog = field(default_factory=PlanLog)
+
+    def first_plan(self, workers: int, workload: Workload) -> Plan:
+        return self.plan
+
+    def observe_call(self, timing: CallTiming) -> None:
+        """Static configurations learn nothing."""
+
+    def observe_step(self, timing: StepTiming, workload: Workload) -> None:
+        """Static configurations learn nothing."""
+
+    def predict(self, step: int, plan: Plan, workload: Workload) -> None:
+        """Static configurations predict nothing."""
+
+    def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
+        return current
+
+    def hindsight(self, plan: Plan, ran: Workload) -> float | None:
+        """The step time the cost model gives ``plan`` on the workload the step turned out
+        to be (its error is the model's, without the forecast's); None: no model."""
+        return None
+
+
+@dataclass
+class PlannerStrategy(Strategy):
+    """The roofline planner: plans from its prior before the first step, fits its costs
+    from every call and step, re-plans on its triggers and moves when the gain beats the
+    move's cost."""
+
+    planner: RooflinePlanner | None = None
+    trigger: ReplanTrigger = field(default_factory=ReplanTrigger)
+    _since_plan: int = 0
+    _planned_mean: float = 0.0
+    _last: StepTiming | None = None
+    _ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4))
+
+    def _planner(self) -> RooflinePlanner:
+        assert self.planner is not None, "a planner strategy is built with its planner"
+        return self.planner
+
+    def first_plan(self, workers: int, workload: Workload) -> Plan:
+        plan = self._planner().plan(workers, workload)
+        self._planned_mean = mean_output(workload)
+        return plan
+
+    def observe_call(self, timing: CallTiming) -> None:
+        self._planner().observe_call(timing)
+
+    def observe_step(self, timing: StepTiming, workload: Workload) -> None:
+        self._planner().observe_step(timing)
+        self.log.record_measured(timing)
+        self._last = timing
+        self._since_plan += 1
+
+    def predict(self, step: int, plan: Plan, workload: Workload) -> None:
+        """Log what the planner expects of ``plan`` on the step about to run."""
+        predicted = self._planner().predict(plan, workload)
+        self.log.record_plan(step, Plan(plan.train_workers, plan.rollout_tps, predicted=predicted))
+
+    def hindsight(self, plan: Plan, ran: Workload) -> float | None:
+        return self._planner().predict(plan, ran).step_s
+
+    def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
+        timing, planner = self._last, self._planner()
+        if timing is None:
+            return current
+        reasons = self.trigger.reasons(
+            steps_since_plan=self._since_plan,
+            timing=timing,
+            queue_pressure=0.0,
+            mean_output=mean_output(workload),
+            planned_mean_output=self._planned_mean,
+        )
+        if not reasons:
+            return current
+        candidate = planner.plan(current.workers, workload)
+        self._since_plan, self._planned_mean = 0, mean_output(workload)
+        if planner.should_apply(current, candidate, workload, MOVE_COST_PRIOR_S):
+            return candidate
+        return current
+
+
+def static_plan(workers: int, train_share: float) -> Plan:
+    train = min(workers - 1, max(1, round(workers * train_share)))
+    return Plan(train, (1,) * (workers - train), reason=f"static {train}:{workers - train}")
+
+
+def strategies(gpu: Gpu, model: Model, workers: int) -> list[Strategy]:
+    """Every configuration of the benchmark on ``workers`` GPUs: static splits whose
+    training state fits, colocated, the planner with its datasheet prior and with that
+    prior 30% optimistic and 30% pessimistic, and Libra (the planner with C-MLFQ)."""
+    fits = TrainCost(gpu, model.parameters).fits
+    found: list[Strategy] = []
+    for share in STATIC_SHARES:
+        plan = static_plan(workers, share)
+        if fits(plan.train_workers):
+            found.append(Strategy(static_name(share), plan))
+    colocated = Plan(workers, (1,) * workers, reason="colocated")
+    found.append(Strategy("colocated", colocated, colocated=True))
+    found.append(PlannerStrategy("planner", Plan(0, ()), planner=_planner(gpu, model, 1.0)))
+    for label, scale in (("planner-prior+30%", 1.3), ("planner-prior-30%", 0.7)):
+        found.append(PlannerStrategy(label, Plan(0, ()), planner=_planner(gpu, model, scale)))
+    found.append(
+        PlannerStrategy("libra", Plan(0, ()), policy="cmlfq", planner=_planner(gpu, model, 1.0))
+    )
+    return found
+
+
+def static_name(share: float) -> str:
+    train = round(share * 4)
+    return f"static-{train}:{4 - train}"
+
+
+def _planner(gpu: Gpu, model: Model, scale: float) -> RooflinePlanner:
+    """A planner whose prior believes the GPU ``scale`` times as fast as its datasheet."""
+    believed = gpu.model_copy(
+        update={
+            "hbm_bytes_per_s": gpu.hbm_bytes_per_s * scale,
+            "dense_bf16_flops": gpu.dense_bf16_flops * scale,
+        }
+    )
+    config = PlannerConfig(allowed_tps=(1, 2, 4))
+    return RooflinePlanner(Roofline(believed, model), config)
