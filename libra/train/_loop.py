@@ -409,7 +409,7 @@ class TrainRun:
         if not exact or not self.config.reloads or not self.endpoints:
             return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
         ids = max(exact, key=lambda r: len(r.token_ids)).token_ids
-        endpoint = self.endpoints[0]
+        endpoint = await self._serving_endpoint()
         async with httpx.AsyncClient(timeout=self.config.sync.timeout_s) as client:
             served = await server_prompt_logprobs(client, endpoint.url, endpoint.model, ids)
         mine = await self.trainer.call(Logprobs(tuple(ids)))
@@ -446,6 +446,15 @@ class TrainRun:
             return time.perf_counter() - started
         finally:
             self.session.resume()
+
+    async def _serving_endpoint(self) -> Endpoint:
+        """The first endpoint that serves now: one that is down is waited for (its
+        supervisor restarts it with the weights just synced)."""
+        while True:
+            for endpoint in self.endpoints:
+                if self._serving(endpoint.name):
+                    return endpoint
+            await self.scheduler.router.membership.wait()
 
     def _serving(self, name: str) -> bool:
         instance = self.scheduler.router.by_name.get(name)

@@ -4,6 +4,12 @@ CI-sized run on the embedded model with real vLLM weight reloads (slow)."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import signal
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +18,7 @@ import pytest
 from libra.cli import main
 from libra.config import load_config
 from libra.train import METRICS_FILE, StepRecord, TrainRunConfig
-from tests._helpers import BREVITY
+from tests._helpers import BREVITY, children_of, cmdline_of
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same
 # weights. Measured here: 6.7e-6 (v0) and 5.6e-6 (v1, after a real reload), 4.9e-5 at
@@ -124,6 +130,78 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
     assert _distance(run_dir / "weights" / "v0", run_dir / "weights" / "v2") > 10 * GAP_BOUND
     assert "step 1" in out and str(run_dir / "plot.png") in out
     assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def _kill_vllm_once_a_step_is_done(run_dir: Path, killed: list[int]) -> None:
+    """SIGKILL the run's vLLM API server (the guard's child) once step 0's line is
+    written, mid-run."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        metrics = run_dir / METRICS_FILE
+        if metrics.exists() and metrics.read_text().count("\n") >= 1:
+            guards = [pid for pid in _pids() if "_guard.py" in _command(pid)]
+            for guard in guards:
+                if str(run_dir) in _command(guard):
+                    (server,) = children_of(guard)
+                    os.kill(server, signal.SIGKILL)
+                    killed.append(server)
+                    return
+        time.sleep(0.2)
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _command(pid: int) -> str:
+    try:
+        return cmdline_of(pid)
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_a_vllm_server_killed_mid_run_comes_back_with_the_run_s_weights(
+    embedded_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run's own server dies after step 0's sync; it is restarted and given the run's
+    current weights, what it cut goes on after it, and every step trains."""
+    run_dir = tmp_path / "run"
+    args = ["train", "--steps", "3", "--run-dir", str(run_dir), "--no-progress"]
+    for setting in (
+        f"rollout.env={BREVITY}",
+        "rollout.server=embedded",
+        "mode=sync",
+        "prompts_per_step=2",
+        "samples_per_prompt=2",
+        "rollout.engine.sampling.max_tokens_per_turn=64",
+        "trainer.cpu_threads=1",
+        "train.micro_batch_tokens=1024",
+        "vllm.max_model_len=2048",
+        "vllm.startup_timeout_s=400",
+    ):
+        args += ["--set", setting]
+    caplog.set_level(logging.INFO, logger="libra.serving")
+    killed: list[int] = []
+    killer = threading.Thread(target=_kill_vllm_once_a_step_is_done, args=(run_dir, killed))
+    killer.start()
+    try:
+        assert main(args) == 0
+    finally:
+        killer.join()
+    assert killed, "the server was never killed"
+    assert any("died" in r.getMessage() for r in caplog.records)
+    # Restarted with the weights the run served by then (v1, or v2 if step 1 had synced).
+    assert any(re.search(r"restarted: .* weights v[12]$", r.getMessage()) for r in caplog.records)
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert [line["weight_version"] for line in lines] == [1, 2, 3]
+    for step in (1, 2):
+        records = [
+            json.loads(r)
+            for r in (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
+        ]
+        assert len(records) == 4 and all(r["status"] != "failed" for r in records), records
+        assert {span[2] for r in records for span in r["weight_versions"]} == {step}
 
 
 def _distance(first: Path, second: Path) -> float:
