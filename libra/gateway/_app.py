@@ -1,6 +1,8 @@
 """The HTTP surface of ``libra serve``: OpenAI's API over a :class:`GatewayCore`, raw ASGI.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /tokenize`` (vLLM's: a chat rendered into token ids, which with ``/v1/completions``'
+``return_token_ids`` and ``logprobs: 0`` gives a trainer exact token ids and logprobs),
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/libra/report`` (a client's
 own account of its session: a tool's outcome, its reward, its end), and the admin API
 for a trainer: ``POST /admin/pause``, ``/admin/resume``, ``/admin/reload_weights``
@@ -61,6 +63,7 @@ from libra.gateway._wire import (
     Head,
     ReloadRequest,
     ReportRequest,
+    TokenizeRequest,
     WireError,
     chat_chunks,
     chat_completion,
@@ -149,12 +152,14 @@ class GatewayApp:
         self._encoder = msgspec.json.Encoder()
         self._reload_decoder = msgspec.json.Decoder(ReloadRequest)
         self._report_decoder = msgspec.json.Decoder(ReportRequest)
+        self._tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
         self._routes: dict[str, _Route] = {
             "/v1/chat/completions": _Route("POST", self._chat, "chat", generates=True),
             "/v1/completions": _Route("POST", self._completions, "completions", generates=True),
             "/v1/models": _Route("GET", self._models, "models"),
+            "/tokenize": _Route("POST", self._tokenize, "tokenize"),
             "/v1/libra/report": _Route("POST", self._report, "report"),
             "/health": _Route("GET", self._health, "health", auth=False),
             "/metrics": _Route("GET", self._metrics, "metrics"),
@@ -329,7 +334,9 @@ class GatewayApp:
         upstream = upstream_completion(completion, completion.model)
         call = partial(self.core.complete, upstream)
         result = public_completion(
-            await self._in_core("completions", request.watch, call), completion.model
+            await self._in_core("completions", request.watch, call),
+            completion.model,
+            token_ids=bool(completion.return_token_ids),
         )
         usage = result.usage
         self.metrics.counted(usage.prompt_tokens, usage.completion_tokens)
@@ -374,6 +381,13 @@ class GatewayApp:
             for m in self.core.models()
         ]
         return self._json({"object": "list", "data": cards})
+
+    async def _tokenize(self, request: _Request) -> _Response:
+        tokenize: TokenizeRequest = decode(self._tokenize_decoder, request.body)
+        self._check_model(tokenize.model)
+        add = tokenize.add_generation_prompt is not False
+        tokens = await self.core.tokenize(tokenize.messages, tokenize.tools, add)
+        return self._json({"tokens": tokens, "count": len(tokens)})
 
     async def _health(self, request: _Request) -> _Response:
         if any(self.core.status().healthy.values()):
