@@ -182,6 +182,33 @@ async def test_completions_whole_and_streamed(stream: bool) -> None:
     assert text and finish in ("stop", "length")
 
 
+async def test_tokenize_and_token_id_completions_give_a_trainer_exact_tokens() -> None:
+    async with gateway(["Once upon a time"]) as (app, _, _):
+        auth = {"Authorization": f"Bearer {USER_KEY}"}
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://gateway", headers=auth
+        ) as http:
+            chat = [{"role": "user", "content": "Tell me a story"}]
+            rendered = await http.post("/tokenize", json={"model": MODEL, "messages": chat})
+            prompt = rendered.json()["tokens"]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+            exact = await http.post(
+                "/v1/completions", json={**body, "return_token_ids": True, "logprobs": 0}
+            )
+            plain = await http.post("/v1/completions", json=body)
+            top = await http.post("/v1/completions", json={**body, "logprobs": 2})
+    assert rendered.status_code == 200 and prompt and rendered.json()["count"] == len(prompt)
+    choice = exact.json()["choices"][0]
+    assert choice["token_ids"] and len(choice["logprobs"]["token_logprobs"]) == len(
+        choice["token_ids"]
+    )
+    assert all(isinstance(lp, float) for lp in choice["logprobs"]["token_logprobs"])
+    # Without asking, the public reply keeps OpenAI's shape: no ids, null logprobs.
+    public = plain.json()["choices"][0]
+    assert "token_ids" not in public and public["logprobs"] is None
+    assert top.status_code == 400 and top.json()["error"]["param"] == "logprobs"
+
+
 async def test_models_health_and_metrics() -> None:
     async with gateway() as (app, _, _):
         sdk = client(app)
