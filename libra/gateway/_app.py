@@ -6,7 +6,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/libra/report`` (a client's
 own account of its session: a tool's outcome, its reward, its end), and the admin API
 for a trainer: ``POST /admin/pause``, ``/admin/resume``, ``/admin/reload_weights``
-``{"path", "version"}``, ``GET /admin/status``. Nothing else is served: in particular
+``{"path", "version"}``, ``GET /admin/status``, whose answers (refusals too) carry
+``X-Libra-Admin: 1``, how a trainer knows a gateway. Nothing else is served: in particular
 no request ever reaches an upstream server's own admin endpoints.
 
 A chat request's session is named by the ``X-Libra-Session`` header, else its
@@ -40,6 +41,7 @@ import httpx
 import msgspec
 
 from libra._asgi import (
+    ASGIMessage,
     BodyTooLarge,
     ClientDisconnected,
     Receive,
@@ -85,6 +87,8 @@ _log = logging.getLogger("libra.gateway")
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SESSION = SESSION_HEADER.lower().encode()
+ADMIN_HEADER = "X-Libra-Admin"
+_ADMIN_MARKER = (ADMIN_HEADER.lower().encode(), b"1")
 _T = TypeVar("_T")
 _Headers = list[tuple[bytes, bytes]]
 
@@ -196,6 +200,8 @@ class GatewayApp:
         self, route: _Route | None, scope: Scope, receive: Receive, send: Send
     ) -> int | None:
         """Read, answer and send; the status sent, or None when the client left first."""
+        if route is not None and route.admin:  # a refusal too says what answered
+            send = partial(_with_admin_marker, send)
         try:
             route = self._check(route, scope)
             body = await read_body(receive, self.max_body_bytes)
@@ -424,6 +430,14 @@ class GatewayApp:
 
     async def _status(self, request: _Request) -> _Response:
         return self._json(self.core.status())
+
+
+async def _with_admin_marker(send: Send, message: ASGIMessage) -> None:
+    """Send ``message``, its response start marked as the gateway's admin API: how a
+    trainer tells a gateway from other servers before it sends a key."""
+    if message["type"] == "http.response.start":
+        message = {**message, "headers": [*message["headers"], _ADMIN_MARKER]}
+    await send(message)
 
 
 def _reload_failed(error: BaseException) -> bool:

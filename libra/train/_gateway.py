@@ -1,8 +1,8 @@
 """``libra train --serve URL`` where ``URL`` is a ``libra serve`` gateway.
 
-A gateway is told from a vLLM server by its admin API: it answers ``GET /admin/status``
-(401 to a request without a key) where vLLM answers 404. That first probe carries no
-key, so the admin key never reaches a server that is not a gateway.
+A gateway is told from a vLLM server (or any other) by its admin API: its answer to
+``GET /admin/status``, a 401 without a key, carries ``X-Libra-Admin``. That first probe
+carries no key, so the admin key never reaches a server that is not a gateway.
 
 Through a gateway the run's rollouts go to the gateway's OpenAI surface (one endpoint:
 the gateway's own scheduler routes each call over its fleet): ``/tokenize`` renders the
@@ -31,8 +31,18 @@ import httpx
 from libra.train._attach import AttachError
 
 ADMIN_KEY_VAR = "LIBRA_ADMIN_KEY"
+# What the gateway's admin API marks its answers with (``libra.gateway._app``: the
+# layers keep train and gateway apart, so the name is repeated here).
+ADMIN_HEADER = "X-Libra-Admin"
 
-__all__ = ["ADMIN_KEY_VAR", "Gateway", "GatewayRefused", "GatewaySyncError", "find_gateway"]
+__all__ = [
+    "ADMIN_HEADER",
+    "ADMIN_KEY_VAR",
+    "Gateway",
+    "GatewayRefused",
+    "GatewaySyncError",
+    "find_gateway",
+]
 
 
 class GatewayRefused(AttachError):
@@ -114,7 +124,7 @@ async def find_gateway(
     url = url.rstrip("/").removesuffix("/v1")
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
         try:
-            if (await client.get("/admin/status")).status_code == 404:
+            if ADMIN_HEADER not in (await client.get("/admin/status")).headers:
                 return None
             key = os.environ.get(ADMIN_KEY_VAR, "").strip()
             if not key:

@@ -23,7 +23,7 @@ from libra.emulation import LatencyModel
 from libra.engine import Engine, EngineConfig, http_transport
 from libra.fleet import Endpoint
 from libra.gateway import GatewayConfig, Sessions
-from libra.gateway._app import GatewayApp, create_gateway
+from libra.gateway._app import ADMIN_HEADER, GatewayApp, create_gateway
 from libra.gateway._auth import Keys
 from libra.gateway._metrics import GatewayMetrics
 from libra.sched.policies import LeastLoadedScheduler
@@ -315,6 +315,16 @@ async def test_requests_need_a_key_and_admin_routes_an_admin_key() -> None:
             # The upstream servers' own admin endpoints are not reachable through it.
             for path in ("/pause", "/resume", "/collective_rpc", "/v1/admin/pause"):
                 assert await status(path, ADMIN_KEY, "POST") == 404
+            # The admin API's answers, refusals too, say what answered (a trainer's probe).
+            marked = [
+                ADMIN_HEADER in (await http.get(f"http://gateway{path}", headers=auth)).headers
+                for path, auth in (
+                    ("/admin/status", {}),
+                    ("/admin/status", {"Authorization": f"Bearer {ADMIN_KEY}"}),
+                    ("/v1/models", {"Authorization": f"Bearer {USER_KEY}"}),
+                )
+            ]
+            assert marked == [True, True, False]
 
 
 async def test_the_admin_api_pauses_resumes_reports_and_refuses_a_bad_reload(

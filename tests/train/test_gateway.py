@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
+from libra.emulation import running_emulator
+from libra.gateway._app import ADMIN_HEADER as GATEWAY_ADMIN_HEADER
 from libra.train import TrainRunConfig, iter_metrics, train
-from libra.train._gateway import ADMIN_KEY_VAR
+from libra.train._gateway import ADMIN_HEADER, ADMIN_KEY_VAR, find_gateway
 from tests._helpers import BREVITY, tiny_llama
 
 ROOT = Path(__file__).parents[2]
@@ -123,3 +125,19 @@ def test_a_missing_or_refused_admin_key_is_one_line_and_exit_status_1(
     assert len(errors) == 1 and errors[0].startswith("libra: error: "), done.stderr
     assert gateway_url in errors[0] and ADMIN_KEY_VAR in errors[0] and says in errors[0]
     assert ADMIN_KEY not in done.stderr and "wrong-key" not in done.stderr
+
+
+@pytest.mark.anyio
+async def test_a_gateway_is_found_by_its_admin_api_and_a_plain_server_is_not(
+    gateway_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ADMIN_KEY_VAR, ADMIN_KEY)
+    found = await find_gateway(f"{gateway_url}/v1")
+    assert found is not None and found.url == gateway_url
+    versions = await found.versions()  # one upstream, at whatever version the run left
+    assert len(versions) == 1 and ADMIN_HEADER == GATEWAY_ADMIN_HEADER
+    with running_emulator() as plain:  # an OpenAI server that is no gateway
+        assert await find_gateway(plain) is None
+    async with httpx.AsyncClient() as http:
+        answer = await http.get(f"{gateway_url}/admin/status")
+    assert answer.status_code == 401 and ADMIN_HEADER in answer.headers
