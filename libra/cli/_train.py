@@ -37,7 +37,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument("--steps", type=int, help="RL steps (default 2)")
     parser.add_argument(
-        "--serve", help="attach to running vLLM server URL(s) in dev mode instead of starting one"
+        "--serve",
+        help="attach to running vLLM server URL(s) in dev mode, or to a libra serve gateway "
+        "($LIBRA_ADMIN_KEY), instead of starting one",
     )
     parser.add_argument("--run-dir", type=Path, help="where the run is written (runs/train)")
     parser.add_argument(

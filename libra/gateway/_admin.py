@@ -81,6 +81,21 @@ class Admin:
         finally:
             scheduler.on_finish(key, key, output_tokens=0, failed=True)
 
+    async def tokenize(
+        self, messages: list[openai.Message], tools: list[dict[str, object]] | None, add: bool
+    ) -> list[int]:
+        """``messages`` rendered by a healthy upstream's chat template (vLLM's
+        ``/tokenize``): the fleet serves one model, so any of them renders as all would."""
+        router = self.engine.scheduler.router
+        now = router.clock()
+        healthy = [i for i in router.instances if i.state == "active" and not i.is_down(now)]
+        if not healthy:
+            raise ServerUnavailable("no healthy model server to render the chat")
+        endpoint = healthy[0].endpoint
+        return await self.engine.client.tokenize(
+            endpoint, messages, tools, add_generation_prompt=add
+        )
+
     async def _complete_once(
         self, request: openai.CompletionRequest, ask: RouteRequest, failed: set[str]
     ) -> openai.Completion:

@@ -1,10 +1,13 @@
 """The HTTP surface of ``libra serve``: OpenAI's API over a :class:`GatewayCore`, raw ASGI.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /tokenize`` (vLLM's: a chat rendered into token ids, which with ``/v1/completions``'
+``return_token_ids`` and ``logprobs: 0`` gives a trainer exact token ids and logprobs),
 ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /v1/libra/report`` (a client's
 own account of its session: a tool's outcome, its reward, its end), and the admin API
 for a trainer: ``POST /admin/pause``, ``/admin/resume``, ``/admin/reload_weights``
-``{"path", "version"}``, ``GET /admin/status``. Nothing else is served: in particular
+``{"path", "version"}``, ``GET /admin/status``, whose answers (refusals too) carry
+``X-Libra-Admin: 1``, how a trainer knows a gateway. Nothing else is served: in particular
 no request ever reaches an upstream server's own admin endpoints.
 
 A chat request's session is named by the ``X-Libra-Session`` header, else its
@@ -38,6 +41,7 @@ import httpx
 import msgspec
 
 from libra._asgi import (
+    ASGIMessage,
     BodyTooLarge,
     ClientDisconnected,
     Receive,
@@ -61,6 +65,7 @@ from libra.gateway._wire import (
     Head,
     ReloadRequest,
     ReportRequest,
+    TokenizeRequest,
     WireError,
     chat_chunks,
     chat_completion,
@@ -82,6 +87,8 @@ _log = logging.getLogger("libra.gateway")
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SESSION = SESSION_HEADER.lower().encode()
+ADMIN_HEADER = "X-Libra-Admin"
+_ADMIN_MARKER = (ADMIN_HEADER.lower().encode(), b"1")
 _T = TypeVar("_T")
 _Headers = list[tuple[bytes, bytes]]
 
@@ -149,12 +156,14 @@ class GatewayApp:
         self._encoder = msgspec.json.Encoder()
         self._reload_decoder = msgspec.json.Decoder(ReloadRequest)
         self._report_decoder = msgspec.json.Decoder(ReportRequest)
+        self._tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
         self._routes: dict[str, _Route] = {
             "/v1/chat/completions": _Route("POST", self._chat, "chat", generates=True),
             "/v1/completions": _Route("POST", self._completions, "completions", generates=True),
             "/v1/models": _Route("GET", self._models, "models"),
+            "/tokenize": _Route("POST", self._tokenize, "tokenize"),
             "/v1/libra/report": _Route("POST", self._report, "report"),
             "/health": _Route("GET", self._health, "health", auth=False),
             "/metrics": _Route("GET", self._metrics, "metrics"),
@@ -191,6 +200,8 @@ class GatewayApp:
         self, route: _Route | None, scope: Scope, receive: Receive, send: Send
     ) -> int | None:
         """Read, answer and send; the status sent, or None when the client left first."""
+        if route is not None and route.admin:  # a refusal too says what answered
+            send = partial(_with_admin_marker, send)
         try:
             route = self._check(route, scope)
             body = await read_body(receive, self.max_body_bytes)
@@ -329,7 +340,9 @@ class GatewayApp:
         upstream = upstream_completion(completion, completion.model)
         call = partial(self.core.complete, upstream)
         result = public_completion(
-            await self._in_core("completions", request.watch, call), completion.model
+            await self._in_core("completions", request.watch, call),
+            completion.model,
+            token_ids=bool(completion.return_token_ids),
         )
         usage = result.usage
         self.metrics.counted(usage.prompt_tokens, usage.completion_tokens)
@@ -375,6 +388,13 @@ class GatewayApp:
         ]
         return self._json({"object": "list", "data": cards})
 
+    async def _tokenize(self, request: _Request) -> _Response:
+        tokenize: TokenizeRequest = decode(self._tokenize_decoder, request.body)
+        self._check_model(tokenize.model)
+        add = tokenize.add_generation_prompt is not False
+        tokens = await self.core.tokenize(tokenize.messages, tokenize.tools, add)
+        return self._json({"tokens": tokens, "count": len(tokens)})
+
     async def _health(self, request: _Request) -> _Response:
         if any(self.core.status().healthy.values()):
             return _Response(200, b'{"status":"ok"}')
@@ -410,6 +430,14 @@ class GatewayApp:
 
     async def _status(self, request: _Request) -> _Response:
         return self._json(self.core.status())
+
+
+async def _with_admin_marker(send: Send, message: ASGIMessage) -> None:
+    """Send ``message``, its response start marked as the gateway's admin API: how a
+    trainer tells a gateway from other servers before it sends a key."""
+    if message["type"] == "http.response.start":
+        message = {**message, "headers": [*message["headers"], _ADMIN_MARKER]}
+    await send(message)
 
 
 def _reload_failed(error: BaseException) -> bool:

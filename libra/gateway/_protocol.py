@@ -76,6 +76,16 @@ class GatewayCore(Protocol):
         """A stateless ``/v1/completions`` call, routed to one upstream."""
         ...
 
+    async def tokenize(
+        self,
+        messages: list[openai.Message],
+        tools: list[dict[str, object]] | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        """``messages`` (and ``tools``) as the model's chat template renders them, in
+        token ids (vLLM's ``/tokenize``, answered by an upstream)."""
+        ...
+
     async def report(
         self,
         session: str,

@@ -130,6 +130,14 @@ class Sessions:
                 if session.done:
                     self._end(session, "completed", "done")
 
+    async def tokenize(
+        self,
+        messages: list[openai.Message],
+        tools: list[dict[str, object]] | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        return await self.admin.tokenize(messages, tools, add_generation_prompt)
+
     async def complete(self, request: openai.CompletionRequest) -> openai.Completion:
         await self.admin.unpaused()
         return await self.admin.complete(request, f"c{next(self._counter)}")

@@ -179,6 +179,21 @@ class CompletionRequest(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extensions, for a trainer's exact records: the sampled ids and (with
+    # ``logprobs`` 0) each one's logprob come back; ``priority`` is accepted and replaced
+    # by the gateway's own scheduler's.
+    return_token_ids: bool | None = None
+    priority: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a chat rendered into token ids by the model's template,
+    what a trainer's engine needs to send exact token prompts to ``/v1/completions``."""
+
+    model: str
+    messages: list[openai.Message]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool | None = None
 
 
 class ToolOutcome(_Strict):
@@ -237,8 +252,11 @@ def decode_chat(body: bytes) -> ChatRequest:
 def decode_completion(body: bytes) -> CompletionRequest:
     request: CompletionRequest = decode(_completion_decoder, body)
     _check_n(request.n)
-    if request.logprobs is not None:
-        raise WireError("`logprobs` is not supported by libra serve.", param="logprobs")
+    if request.logprobs not in (None, 0):
+        raise WireError(
+            "Only `logprobs` 0 (each sampled token's logprob) is supported by libra serve.",
+            param="logprobs",
+        )
     if isinstance(request.prompt, str) and not request.prompt:
         raise WireError("The prompt cannot be empty.", param="prompt")
     return request
@@ -359,6 +377,8 @@ def upstream_completion(request: CompletionRequest, model: str) -> openai.Comple
         top_p=request.top_p,
         seed=request.seed,
         stop=_stop_list(request.stop) or None,
+        logprobs=request.logprobs,
+        return_token_ids=request.return_token_ids,
     )
 
 
@@ -531,11 +551,19 @@ def completion_chunks(completion: CompletionOut, include_usage: bool) -> list[Co
     return chunks
 
 
+class CompletionLogprobsOut(msgspec.Struct):
+    token_logprobs: list[float | None]
+
+
 class CompletionChoiceOut(msgspec.Struct):
+    """A choice; ``token_ids`` and ``stop_reason`` only when the request asked for ids."""
+
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobsOut | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    stop_reason: int | str | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class CompletionOut(msgspec.Struct):
@@ -547,11 +575,24 @@ class CompletionOut(msgspec.Struct):
     usage: Usage
 
 
-def public_completion(completion: openai.Completion, model: str) -> CompletionOut:
-    """The upstream's completion as the client sees it: its model name, no token ids."""
-    choices = [CompletionChoiceOut(c.index, c.text, c.finish_reason) for c in completion.choices]
+def public_completion(
+    completion: openai.Completion, model: str, *, token_ids: bool = False
+) -> CompletionOut:
+    """The upstream's completion as the client sees it: its model name, and the sampled
+    ids and their logprobs only when the request asked for them."""
+    choices = [_public_choice(c, token_ids=token_ids) for c in completion.choices]
     counted = completion.usage or openai.Usage()
     tokens = usage(counted.prompt_tokens, counted.completion_tokens)
     return CompletionOut(
         completion.id, "text_completion", completion.created, model, choices, tokens
     )
+
+
+def _public_choice(choice: openai.CompletionChoice, *, token_ids: bool) -> CompletionChoiceOut:
+    logprobs = choice.logprobs
+    out = CompletionChoiceOut(choice.index, choice.text, choice.finish_reason)
+    if logprobs is not None and logprobs.token_logprobs is not None:
+        out.logprobs = CompletionLogprobsOut(logprobs.token_logprobs)
+    if token_ids and choice.token_ids is not None:
+        out.token_ids, out.stop_reason = choice.token_ids, choice.stop_reason
+    return out

@@ -12,7 +12,7 @@ an HTTP client.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -54,16 +54,17 @@ async def open_fleet(
     max_connections: int,
     emulator: EmulatorConfig | None = None,
     probe_timeout_s: float = 10.0,
+    headers: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Fleet]:
     """The fleet ``server`` (or ``fleet``) names. Every server given by URL is asked for
     its models first, all at once, each for at most ``probe_timeout_s``: one that is not
     there, never answers or is no OpenAI server fails here, in one line, not every
-    trajectory later."""
+    trajectory later. ``headers`` go with the probes (a gateway's ``Authorization``)."""
     if fleet is not None:
         if server is not None:
             raise FleetError("give either --server or a [fleet], not both")
         async with http_transport(transport, max_connections=max_connections) as http:
-            yield Fleet(http, await _with_models(http, fleet, probe_timeout_s))
+            yield Fleet(http, await _with_models(http, fleet, probe_timeout_s, headers))
         return
     if server is None or server == "emulated":
         config = emulator or EmulatorConfig()
@@ -86,7 +87,7 @@ async def open_fleet(
     if not all(url.startswith(("http://", "https://")) for url in urls):
         raise FleetError(f"--server must be 'emulated', 'embedded' or http(s) URLs, got {server!r}")
     async with http_transport(transport, max_connections=max_connections) as http:
-        served = await _models_of(http, urls, probe_timeout_s)
+        served = await _models_of(http, urls, probe_timeout_s, headers)
         endpoints = [Endpoint(url, model=model or served[url]) for url in urls]
         yield Fleet(http, _one_bucket(endpoints))
 
@@ -96,9 +97,12 @@ def _one_bucket(endpoints: list[Endpoint]) -> FleetSpec:
     return FleetSpec(instances=instances)
 
 
-async def _with_models(http: HTTPTransport, fleet: FleetSpec, timeout_s: float) -> FleetSpec:
+async def _with_models(
+    http: HTTPTransport, fleet: FleetSpec, timeout_s: float, headers: Mapping[str, str] | None
+) -> FleetSpec:
     """The fleet, with the model each instance serves where it does not name one."""
-    served = await _models_of(http, [instance.url for instance in fleet.instances], timeout_s)
+    urls = [instance.url for instance in fleet.instances]
+    served = await _models_of(http, urls, timeout_s, headers)
     instances = [
         instance
         if instance.model != "default"
@@ -135,7 +139,9 @@ async def _embedded_server() -> AsyncIterator[tuple[str, VLLMServer | None]]:
             await vllm.astop()
 
 
-async def _models_of(http: HTTPTransport, urls: list[str], timeout_s: float) -> dict[str, str]:
+async def _models_of(
+    http: HTTPTransport, urls: list[str], timeout_s: float, headers: Mapping[str, str] | None
+) -> dict[str, str]:
     """The first model each server serves, asked of all at once (what is wrong with each
     that fails, in one message)."""
     served: dict[str, str] = {}
@@ -143,7 +149,7 @@ async def _models_of(http: HTTPTransport, urls: list[str], timeout_s: float) -> 
 
     async def ask(url: str) -> None:
         try:
-            served[url] = await _first_model(http, url, timeout_s)
+            served[url] = await _first_model(http, url, timeout_s, headers)
         except FleetError as exc:
             problems.append(str(exc))
 
@@ -155,13 +161,18 @@ async def _models_of(http: HTTPTransport, urls: list[str], timeout_s: float) -> 
     return served
 
 
-async def _first_model(http: HTTPTransport, url: str, timeout_s: float) -> str:
+async def _first_model(
+    http: HTTPTransport, url: str, timeout_s: float, headers: Mapping[str, str] | None
+) -> str:
     """The model a server serves (for requests that must name one), and the proof that
     it is an OpenAI-compatible server that answers."""
     models_url = url.rstrip("/") + "/v1/models"
     with anyio.move_on_after(timeout_s):
         try:  # the transport's own limit is a backstop: this scope's is the one meant
-            status, content = await http.get(models_url, timeout_s=timeout_s + 5)
+            if headers:
+                status, content = await _get_with(headers, models_url, timeout_s + 5)
+            else:
+                status, content = await http.get(models_url, timeout_s=timeout_s + 5)
         except TransportError as exc:
             raise FleetError(f"cannot reach {url}: {exc}") from None
         return _model_in_listing(url, status, content)
@@ -169,6 +180,16 @@ async def _first_model(http: HTTPTransport, url: str, timeout_s: float) -> str:
         f"{url} never answered: no reply to GET /v1/models in {timeout_s:g} s "
         "(is it still starting, or not an HTTP server?)"
     )
+
+
+async def _get_with(headers: Mapping[str, str], url: str, timeout_s: float) -> tuple[int, bytes]:
+    """A GET with ``headers`` (the transports' GET sends none: it only probes servers)."""
+    async with httpx.AsyncClient(headers=dict(headers), timeout=timeout_s) as client:
+        try:
+            response = await client.get(url)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+    return response.status_code, response.content
 
 
 def _model_in_listing(url: str, status: int, content: bytes) -> str:

@@ -98,12 +98,14 @@ async def open_engine(
     *,
     servers: Mapping[str, ServerProcess] | None = None,
     weights: CurrentWeights | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Assembled]:
     """Open sandboxes and fleet (``warm`` containers start while the servers do), build
     the scheduler (from its saved state) and the engine; poll the servers' metrics if
     asked. The servers started for this run (the fleet's own, and ``servers`` the caller
     started, by instance name) are supervised: restarted when they die or hang, with
-    ``weights`` (default: the weights they start on). On exit the scheduler's state is
+    ``weights`` (default: the weights they start on). ``headers`` go with every request
+    to the servers (a gateway's ``Authorization``). On exit the scheduler's state is
     saved and everything is closed."""
     async with AsyncExitStack() as stack:
         sandboxes = await stack.enter_async_context(
@@ -117,6 +119,7 @@ async def open_engine(
             max_connections=config.max_connections,
             emulator=config.emulator,
             probe_timeout_s=config.probe_timeout_s,
+            headers=headers,
         )
         # Containers start (seconds each, cold) while vLLM does, not after it.
         fleet = await beside(
@@ -125,6 +128,8 @@ async def open_engine(
         scheduler = build_scheduler(
             config.scheduler, fleet.spec, config.cmlfq, config.scheduler_state
         )
+        for endpoint in scheduler.router.endpoints().values():
+            endpoint.headers.update(headers or {})
         engine = Engine(
             fleet.http,
             scheduler,

@@ -80,6 +80,7 @@ from libra.serving import (
 from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
+from libra.train._gateway import Gateway, find_gateway
 from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._run import TrainRunConfig
@@ -224,6 +225,7 @@ class TrainRun:
     scheduler: Scheduler
     log: RolloutLog
     served: ServedWeights = field(default_factory=ServedWeights)
+    gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
     version: int = 0  # the weights the trainer holds: v0 before the first step
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
     # Records of groups not complete yet, and the ids of the groups submitted, by group.
@@ -406,7 +408,8 @@ class TrainRun:
         """Trainer versus the first server on the longest exact record's ids, both at the
         weights just synced (prompt logprobs are raw: temperature 1 on both sides)."""
         exact = [r for r in records if r.tokens == "exact" and len(r.token_ids) > 1]
-        if not exact or not self.config.reloads or not self.endpoints:
+        # A gateway serves no prompt logprobs: there the gap is the trained tokens' only.
+        if not exact or not self.config.reloads or not self.endpoints or self.gateway:
             return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
         ids = max(exact, key=lambda r: len(r.token_ids)).token_ids
         endpoint = await self._serving_endpoint()
@@ -436,6 +439,8 @@ class TrainRun:
                 for endpoint in self.endpoints:
                     endpoint.weight_version = version
                 return 0.0
+            if self.gateway is not None:
+                return await self._load_through_gateway(self.gateway, folder, version)
             live = [e for e in self.endpoints if self._serving(e.name)]
             sync = WeightSync(live, self.config.sync, self.session.engine.http)
             try:
@@ -446,6 +451,14 @@ class TrainRun:
             return time.perf_counter() - started
         finally:
             self.session.resume()
+
+    async def _load_through_gateway(self, gateway: Gateway, folder: Path, version: int) -> float:
+        """The gateway's fleet loads ``folder`` (and says it did); then the one endpoint
+        the engine sees, the gateway, serves ``version`` and the records say so."""
+        seconds = await gateway.sync(folder, version)
+        for endpoint in self.endpoints:
+            endpoint.weight_version = version
+        return seconds
 
     async def _serving_endpoint(self) -> Endpoint:
         """The first endpoint that serves now: one that is down is waited for (its
@@ -527,6 +540,7 @@ async def open_run(
     if model_dir is None:
         model_dir = await anyio.to_thread.run_sync(prepare_model)
     rollout = config.rollout
+    gateway = await _gateway_of(config)
     async with AsyncExitStack() as stack:
         trainer = await stack.enter_async_context(
             TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
@@ -541,13 +555,22 @@ async def open_run(
             console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
             server, model = vllm.url, EMBEDDED_MODEL_NAME
             own[vllm.url] = vllm  # its instance is named by its URL
+        elif gateway is not None:
+            server = gateway.url
         elif server is not None and server != "emulated" and config.reloads:
             await check_attached(server.split(","), config.logprobs_mode)
         rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
         warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
         weights = ServedWeights()
         assembled = await stack.enter_async_context(
-            open_engine(rollout, env_cls, warm, servers=own, weights=weights)
+            open_engine(
+                rollout,
+                env_cls,
+                warm,
+                servers=own,
+                weights=weights,
+                headers=gateway.headers if gateway is not None else None,
+            )
         )
         log = stack.enter_context(RolloutLog(run_dir))
         session = await stack.enter_async_context(RolloutSession(assembled.engine))
@@ -556,13 +579,32 @@ async def open_run(
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
         scheduler = assembled.engine.scheduler
         run = TrainRun(
-            config, run_dir, env_cls, env_name, trainer, session, endpoints, scheduler, log, weights
+            config,
+            run_dir,
+            env_cls,
+            env_name,
+            trainer,
+            session,
+            endpoints,
+            scheduler,
+            log,
+            weights,
+            gateway,
         )
         async with anyio.create_task_group() as group:
             group.start_soon(trainer.watch)
             group.start_soon(run.read_records)
             yield run
             group.cancel_scope.cancel()
+
+
+async def _gateway_of(config: TrainRunConfig) -> Gateway | None:
+    """The ``libra serve`` gateway ``config.server`` names (one URL), or None: a gateway
+    takes the run's rollouts and weight syncs (see ``_gateway``)."""
+    server = config.server
+    if server in (None, "embedded", "emulated") or "," in server:
+        return None
+    return await find_gateway(server, sync_timeout_s=config.sync.timeout_s)
 
 
 def _own_server(config: TrainRunConfig, served: Path) -> VLLMServer:

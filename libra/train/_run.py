@@ -49,7 +49,8 @@ class TrainRunConfig(BaseModel):
     serve: str | None = Field(
         None,
         description="attach to running server URL(s) (dev mode, started from an untied "
-        "folder) instead of rollout.server",
+        "folder), or to one libra serve gateway (admin key: $LIBRA_ADMIN_KEY), instead of "
+        "rollout.server",
     )
     reload_weights: bool | None = Field(
         None,

@@ -23,7 +23,7 @@ from libra.emulation import LatencyModel
 from libra.engine import Engine, EngineConfig, http_transport
 from libra.fleet import Endpoint
 from libra.gateway import GatewayConfig, Sessions
-from libra.gateway._app import GatewayApp, create_gateway
+from libra.gateway._app import ADMIN_HEADER, GatewayApp, create_gateway
 from libra.gateway._auth import Keys
 from libra.gateway._metrics import GatewayMetrics
 from libra.sched.policies import LeastLoadedScheduler
@@ -182,6 +182,33 @@ async def test_completions_whole_and_streamed(stream: bool) -> None:
     assert text and finish in ("stop", "length")
 
 
+async def test_tokenize_and_token_id_completions_give_a_trainer_exact_tokens() -> None:
+    async with gateway(["Once upon a time"]) as (app, _, _):
+        auth = {"Authorization": f"Bearer {USER_KEY}"}
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://gateway", headers=auth
+        ) as http:
+            chat = [{"role": "user", "content": "Tell me a story"}]
+            rendered = await http.post("/tokenize", json={"model": MODEL, "messages": chat})
+            prompt = rendered.json()["tokens"]
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+            exact = await http.post(
+                "/v1/completions", json={**body, "return_token_ids": True, "logprobs": 0}
+            )
+            plain = await http.post("/v1/completions", json=body)
+            top = await http.post("/v1/completions", json={**body, "logprobs": 2})
+    assert rendered.status_code == 200 and prompt and rendered.json()["count"] == len(prompt)
+    choice = exact.json()["choices"][0]
+    assert choice["token_ids"] and len(choice["logprobs"]["token_logprobs"]) == len(
+        choice["token_ids"]
+    )
+    assert all(isinstance(lp, float) for lp in choice["logprobs"]["token_logprobs"])
+    # Without asking, the public reply keeps OpenAI's shape: no ids, null logprobs.
+    public = plain.json()["choices"][0]
+    assert "token_ids" not in public and public["logprobs"] is None
+    assert top.status_code == 400 and top.json()["error"]["param"] == "logprobs"
+
+
 async def test_models_health_and_metrics() -> None:
     async with gateway() as (app, _, _):
         sdk = client(app)
@@ -288,6 +315,16 @@ async def test_requests_need_a_key_and_admin_routes_an_admin_key() -> None:
             # The upstream servers' own admin endpoints are not reachable through it.
             for path in ("/pause", "/resume", "/collective_rpc", "/v1/admin/pause"):
                 assert await status(path, ADMIN_KEY, "POST") == 404
+            # The admin API's answers, refusals too, say what answered (a trainer's probe).
+            marked = [
+                ADMIN_HEADER in (await http.get(f"http://gateway{path}", headers=auth)).headers
+                for path, auth in (
+                    ("/admin/status", {}),
+                    ("/admin/status", {"Authorization": f"Bearer {ADMIN_KEY}"}),
+                    ("/v1/models", {"Authorization": f"Bearer {USER_KEY}"}),
+                )
+            ]
+            assert marked == [True, True, False]
 
 
 async def test_the_admin_api_pauses_resumes_reports_and_refuses_a_bad_reload(

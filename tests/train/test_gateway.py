@@ -1,0 +1,143 @@
+"""``libra train --serve URL`` through a real ``libra serve`` gateway (a subprocess on a
+loopback port over the emulated fleet): rollouts through its OpenAI surface with exact
+records, weight syncs through its admin API, and the one line a refused key gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from libra.emulation import running_emulator
+from libra.gateway._app import ADMIN_HEADER as GATEWAY_ADMIN_HEADER
+from libra.train import TrainRunConfig, iter_metrics, train
+from libra.train._gateway import ADMIN_HEADER, ADMIN_KEY_VAR, find_gateway
+from tests._helpers import BREVITY, tiny_llama
+
+ROOT = Path(__file__).parents[2]
+USER_KEY, ADMIN_KEY = "train-user-key", "train-admin-key"
+ZERO_LATENCY = [
+    f"emulator.latency.{field}=0"
+    for field in ("prefill_s_per_token", "step_base_s", "step_per_seq_s", "step_per_ctx_token_s")
+]
+
+
+@contextmanager
+def libra_serve() -> Iterator[str]:
+    """``libra serve --server emulated`` with user and admin keys on a free loopback
+    port; yields its base URL. Stopped with SIGTERM and checked to exit cleanly."""
+    command = [sys.executable, "-m", "libra", "serve", "--server", "emulated", "--port", "0"]
+    command += ["--no-console", "--policy", "cmlfq", *(f"--set={s}" for s in ZERO_LATENCY)]
+    command += ["--set=emulator.agent.think_tokens=[0, 40]"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIBRA_API_KEY": USER_KEY}
+    env[ADMIN_KEY_VAR] = ADMIN_KEY
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline()  # "libra serve: http://127.0.0.1:PORT/v1 (...)"
+            assert line.startswith("libra serve: http://"), line
+            yield line.split()[2].removesuffix("/v1")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def gateway_url() -> Iterator[str]:
+    with libra_serve() as url:
+        yield url
+
+
+def run_config(run_dir: Path, model_dir: Path, serve: str) -> TrainRunConfig:
+    data: dict[str, Any] = {
+        "rollout": {
+            "env": BREVITY,
+            "engine": {"concurrency": 8, "sampling": {"max_tokens_per_turn": 48, "seed": 0}},
+        },
+        "serve": serve,
+        "model_dir": str(model_dir),
+        "steps": 2,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 3,
+        "run_dir": str(run_dir),
+        "trainer": {"lr": 1e-3, "cpu_threads": 1, "backend": "gloo"},
+    }
+    return TrainRunConfig.model_validate(data)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the trainer's processes: seconds
+@pytest.mark.anyio
+async def test_two_steps_through_the_gateway_sync_its_fleet_and_record_exact_tokens(
+    gateway_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ADMIN_KEY_VAR, ADMIN_KEY)
+    config = run_config(tmp_path / "run", tiny_llama(tmp_path / "model"), gateway_url)
+    lines = await train(config)
+
+    assert [line.weight_version for line in lines] == [1, 2]
+    assert [w["step"] for w in iter_metrics(config.run_dir)] == [0, 1]
+    for line in lines:
+        assert line.trajectories == 6 and line.statuses.get("failed", 0) == 0
+        assert line.tokens_trained > 0 and line.sync_s > 0
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with httpx.AsyncClient(base_url=gateway_url, headers=admin) as http:
+        status = (await http.get("/admin/status")).json()
+        metrics = (await http.get("/metrics")).text
+    assert set(status["versions"].values()) == {2} and status["paused"] is False
+    # The rollouts went through the gateway's OpenAI surface, rendered by its /tokenize.
+    assert 'route="completions",status="200"' in metrics, metrics
+    assert 'route="tokenize",status="200"' in metrics
+    for step in (0, 1):
+        lines_of_step = (config.run_dir / "rollouts" / f"step-{step}.jsonl").read_text()
+        records = [json.loads(line) for line in lines_of_step.splitlines()]
+        assert len(records) == 6 and {r["weight_version"] for r in records} == {step}
+        for record in records:
+            assert record["tokens"] == "exact"
+            sampled = [i for i, mask in enumerate(record["loss_mask"]) if mask]
+            assert sampled and all(record["logprobs"][i] is not None for i in sampled)
+
+
+@pytest.mark.parametrize(("key", "says"), [("wrong-key", "refused"), (None, "set")])
+def test_a_missing_or_refused_admin_key_is_one_line_and_exit_status_1(
+    gateway_url: str, tmp_path: Path, key: str | None, says: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_VAR}
+    env["PYTHONPATH"] = str(ROOT)
+    if key is not None:
+        env[ADMIN_KEY_VAR] = key
+    command = [sys.executable, "-m", "libra", "train", "--serve", gateway_url, "--no-progress"]
+    command += ["--run-dir", str(tmp_path / "run"), "--set", f"rollout.env={BREVITY}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 1, done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("libra: error: "), done.stderr
+    assert gateway_url in errors[0] and ADMIN_KEY_VAR in errors[0] and says in errors[0]
+    assert ADMIN_KEY not in done.stderr and "wrong-key" not in done.stderr
+
+
+@pytest.mark.anyio
+async def test_a_gateway_is_found_by_its_admin_api_and_a_plain_server_is_not(
+    gateway_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ADMIN_KEY_VAR, ADMIN_KEY)
+    found = await find_gateway(f"{gateway_url}/v1")
+    assert found is not None and found.url == gateway_url
+    versions = await found.versions()  # one upstream, at whatever version the run left
+    assert len(versions) == 1 and ADMIN_HEADER == GATEWAY_ADMIN_HEADER
+    with running_emulator() as plain:  # an OpenAI server that is no gateway
+        assert await find_gateway(plain) is None
+    async with httpx.AsyncClient() as http:
+        answer = await http.get(f"{gateway_url}/admin/status")
+    assert answer.status_code == 401 and ADMIN_HEADER in answer.headers
