@@ -86,6 +86,13 @@ class Assembled:
     supervisor: ServerSupervisor  # of the servers started for this run (none: idle)
 
 
+def _waiting_for_restarts(config: RolloutConfig) -> EngineConfig:
+    """A supervised server comes back: a call that finds every server down waits out
+    its restart rather than fail."""
+    wait = max(config.engine.capacity_wait_s, config.supervisor.calls_wait_s)
+    return config.engine.model_copy(update={"capacity_wait_s": wait})
+
+
 def _start_weights() -> tuple[None, int]:
     return None, 0
 
@@ -130,13 +137,13 @@ async def open_engine(
         )
         for endpoint in scheduler.router.endpoints().values():
             endpoint.headers.update(headers or {})
+        owned = {**fleet.servers, **(servers or {})}
         engine = Engine(
             fleet.http,
             scheduler,
-            config=config.engine,
+            config=_waiting_for_restarts(config) if owned else config.engine,
             sandboxes=sandboxes,
         )
-        owned = {**fleet.servers, **(servers or {})}
         supervisor = ServerSupervisor(
             scheduler.router, owned, weights=weights or _start_weights, config=config.supervisor
         )

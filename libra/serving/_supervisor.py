@@ -57,6 +57,11 @@ class SupervisorConfig(Section):
     max_restarts: PositiveInt = Field(5, description="failed starts in a row before giving up")
     backoff_s: PositiveFloat = Field(1.0, description="wait after a failed start, doubling")
     max_backoff_s: PositiveFloat = 60.0
+    calls_wait_s: PositiveFloat = Field(
+        900.0,
+        description="a call with every server down waits this long for a restart before it "
+        "fails (the engine's capacity_wait_s, raised to this for a supervised fleet)",
+    )
 
 
 EventKind = Literal["died", "hung", "restarted", "restart_failed", "gave_up"]
