@@ -119,10 +119,10 @@ class _Instance:
     output_tokens: float = 0
     longest_output: int = 0
     ctx_weighted: float = 0.0
-    longest_tool_s: float = 0.0  # the tool time of the request with the longest output
+    longest: Request | None = None  # the request with the longest output
 
     def with_request(self, request: Request) -> _Instance:
-        longest = request.output_tokens > self.longest_output
+        longest = request if request.output_tokens > self.longest_output else self.longest
         return _Instance(
             self.tp,
             self.batch_cap,
@@ -132,7 +132,7 @@ class _Instance:
             max(self.longest_output, request.output_tokens),
             self.ctx_weighted
             + _mid_decode_context(request) * request.output_tokens * request.copies,
-            request.tool_s if longest else self.longest_tool_s,
+            longest,
         )
 
 
@@ -212,16 +212,27 @@ class RolloutCost:
     def instance_seconds(self, instance: _Instance) -> float:
         if instance.count == 0:
             return 0.0
-        batch_steps = math.ceil(instance.output_tokens / instance.batch_cap)
-        steps = max(instance.longest_output, batch_steps)
+        steps = max(instance.longest_output, math.ceil(instance.output_tokens / instance.batch_cap))
         batch = instance.output_tokens / max(1, steps)
         context = batch * instance.ctx_weighted / max(1, instance.output_tokens)
         cost = self.step_cost(instance.tp)
-        terms = _terms(cost, instance.prefill_tokens, steps, batch, context)
-        # When the longest trajectory sets the decode steps, its tool calls sit between
-        # them on the critical path; a full batch hides tools behind the others' decode.
-        tools = instance.longest_tool_s if instance.longest_output >= batch_steps else 0.0
-        return self.corrections(instance.tp).apply(terms) + tools
+        corrections = self.corrections(instance.tp)
+        batched = corrections.apply(_terms(cost, instance.prefill_tokens, steps, batch, context))
+        return max(batched, self._chain_seconds(instance.tp, instance.longest))
+
+    def _chain_seconds(self, tp: int, request: Request | None) -> float:
+        """The longest trajectory end to end: its turns one after another, each waiting
+        for its tools (the instance serves the others meanwhile), decoded as if alone."""
+        if request is None:
+            return 0.0
+        terms = _terms(
+            self.step_cost(tp),
+            request.prefill_tokens,
+            request.output_tokens,
+            1.0,
+            _mid_decode_context(request),
+        )
+        return self.corrections(tp).apply(terms) + request.tool_s
 
     def longest_alone(self, tp: int, workload: Workload) -> float:
         """The longest request alone on an instance of ``tp``: no layout beats it."""
