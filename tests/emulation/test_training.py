@@ -9,8 +9,8 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
-from libra.emulation import EmulatedTrainer, TrainTruth
 from libra.alloc import A100
+from libra.emulation import EmulatedTrainer, TrainTruth
 from tests._helpers import SMALL_MODEL
 
 pytestmark = pytest.mark.anyio
