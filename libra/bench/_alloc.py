@@ -105,6 +105,14 @@ class StepResult:
     borrows: int = 0  # units borrowed inside the step
     releases: int = 0  # units released inside the step
     records: int = 0  # trajectories recorded
+    serving_busy_s: float = 0.0  # worker-seconds the instances spent generating
+
+    @property
+    def rollout_idle_frac(self) -> float:
+        """The serving workers' share of the rollout spent with nothing to generate
+        (mostly the long tail: a few trajectories decoding, or waiting on their tools)."""
+        capacity = sum(self.rollout_tps) * self.rollout_s
+        return 1.0 - self.serving_busy_s / capacity if capacity else 0.0
 
     @property
     def step_s(self) -> float:
@@ -139,6 +147,12 @@ class ConfigRun:
     def idle_frac(self) -> float:
         busy = sum(step.busy_worker_s for step in self.steps)
         return 1.0 - busy / (self.gpus * self.seconds)
+
+    @property
+    def rollout_idle_frac(self) -> float:
+        capacity = sum(sum(step.rollout_tps) * step.rollout_s for step in self.steps)
+        busy = sum(step.serving_busy_s for step in self.steps)
+        return 1.0 - busy / capacity if capacity else 0.0
 
 
 # ------------------------------------------------------------------------ one config
@@ -299,6 +313,7 @@ async def _one_step(
         run.borrows,
         run.releases,
         len(run.records),
+        serving_busy,
     )
     return result, run.records
 

@@ -98,9 +98,15 @@ def test_the_command_prints_the_json_and_draws_the_plot(
     for row in report["results"]:
         assert set(row) == {"config", "step_time_s", "throughput_tok_s", "idle_frac"}
         assert row["step_time_s"] > 0 and row["throughput_tok_s"] > 0
-    assert set(report["libra_vs"]) == {"static_upfront", "static_best_hindsight", "colocated"}
+    assert set(report["libra_vs"]) == {
+        "static_upfront",
+        "static_best_hindsight",
+        "colocated",
+        "libra_no_pool",
+    }
     assert all(value > 0 for value in report["libra_vs"].values())
     assert report["plan_error_max"] >= 0 and report["model_error_max"] >= 0
+    assert all(0 <= idle < 1 for idle in report["rollout_idle_frac"].values())
     assert figure.stat().st_size > 10_000
 
 
