@@ -132,7 +132,7 @@ def test_the_longest_trajectorys_tools_are_on_the_critical_path() -> None:
     model = RolloutCost(Roofline(A100, QWEN3_14B))
     outputs, contexts = (20_000, *[500] * 63), (40_000, *[4_000] * 63)
     bare = Workload(64, outputs, contexts)
-    short_tools = Workload(64, outputs, contexts, tool_s=(0.0, *[300.0] * 63))
+    short_tools = Workload(64, outputs, contexts, tool_s=(0.0, *[5.0] * 63))
     long_tools = Workload(64, outputs, contexts, tool_s=(300.0, *[0.0] * 63))
     seconds = model.makespan((2, 1, 1), bare)
     assert model.makespan((2, 1, 1), short_tools) == seconds  # hidden behind the long one
