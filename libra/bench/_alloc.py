@@ -15,6 +15,12 @@ The emulated truth (:class:`~libra.emulation.ServingTruth`,
 MFU, TP efficiency, an all-reduce growing with the batch, prefill slowing decode, jitter,
 trainer collectives. The planner sees only what a real run would report: each call's
 tokens and seconds and each step's timing.
+
+Full Libra also runs the hybrid pool inside each step: an :class:`EmulatedCluster` holds
+the step's instances and trainer, :func:`~libra.alloc.lend_tail` borrows hybrid units
+into the training under way when the rollout's tail leaves them idle, and the next step
+releases them as its rollout starts (their servers restart while it runs); every move
+pays what the truth says (drain, stop, state fetch, zero-sync, activate, restart).
 """
 
 from __future__ import annotations
@@ -263,17 +269,18 @@ async def _one_step(
     )
     trainer.active = set(range(plan.train_workers))
     pooled = strategy.tail is not None
-    units = _serving_units(plan) if pooled else []
-    lent_workers = {unit for unit, _ in lent}
+    units = _serving_units(plan)
+    # The pool names an instance by its workers (it moves them); the rest by position.
     names = [
         instance_name(unit) if pooled else f"i{index}-tp{len(unit)}"
-        for index, unit in enumerate(units or _serving_units(plan))
+        for index, unit in enumerate(units)
     ]
     apps, calls = _fleet_apps(settings, plan, book, step, names)
     policy = make_policy(strategy.policy, _fleet_spec(settings, plan, apps))
     fleet = FleetApp(apps)
-    for name, unit in zip(names, units, strict=False):
-        if unit in lent_workers:  # it comes back during this step: not serving yet
+    lent_units = {unit for unit, _ in lent}
+    for name, unit in zip(names, units, strict=True):
+        if unit in lent_units:  # it comes back during this step: not serving yet
             policy.router.remove(name)
             fleet.remove(name)
     if pooled:
