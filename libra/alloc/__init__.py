@@ -44,6 +44,7 @@ from libra.alloc._protocol import (
     StepTiming,
     Workload,
 )
+from libra.alloc._tail import TailRule, lend_tail, tail_borrow
 
 __all__ = [
     "A100",
@@ -75,6 +76,7 @@ __all__ = [
     "RooflinePlanner",
     "Stage",
     "StepTiming",
+    "TailRule",
     "TrainCost",
     "TrainSpec",
     "Transition",
@@ -82,7 +84,9 @@ __all__ = [
     "Workload",
     "bucket_ceilings",
     "instance_name",
+    "lend_tail",
     "mean_output",
     "start_layout",
+    "tail_borrow",
     "tp_partitions",
 ]

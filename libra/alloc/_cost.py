@@ -80,14 +80,19 @@ class Request:
     context_tokens: int
     #: Trajectories this one stands for (placement places them together).
     copies: float = 1.0
+    #: Seconds its tools take between its turns (the instance serves others meanwhile).
+    tool_s: float = 0.0
 
 
 def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
     """The workload's trajectories, its length samples repeated to its count; past
     ``limit``, that many evenly spaced quantiles of it, each standing for its share."""
+    tools = workload.tool_s or (0.0,) * len(workload.output_tokens)
     samples = [
-        Request(max(0, ctx - out), out, max(ctx, out))
-        for out, ctx in zip(workload.output_tokens, workload.context_tokens, strict=True)
+        Request(max(0, ctx - out), out, max(ctx, out), tool_s=tool)
+        for out, ctx, tool in zip(
+            workload.output_tokens, workload.context_tokens, tools, strict=True
+        )
     ]
     if not samples:
         return []
@@ -97,7 +102,10 @@ def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
     every.sort(key=_size)
     copies = len(every) / limit
     picks = (every[int((i + 0.5) * copies)] for i in range(limit))
-    return [Request(r.prefill_tokens, r.output_tokens, r.context_tokens, copies) for r in picks]
+    return [
+        Request(r.prefill_tokens, r.output_tokens, r.context_tokens, copies, r.tool_s)
+        for r in picks
+    ]
 
 
 @dataclass(slots=True)
@@ -111,8 +119,10 @@ class _Instance:
     output_tokens: float = 0
     longest_output: int = 0
     ctx_weighted: float = 0.0
+    longest: Request | None = None  # the request with the longest output
 
     def with_request(self, request: Request) -> _Instance:
+        longest = request if request.output_tokens > self.longest_output else self.longest
         return _Instance(
             self.tp,
             self.batch_cap,
@@ -122,6 +132,7 @@ class _Instance:
             max(self.longest_output, request.output_tokens),
             self.ctx_weighted
             + _mid_decode_context(request) * request.output_tokens * request.copies,
+            longest,
         )
 
 
@@ -205,8 +216,23 @@ class RolloutCost:
         batch = instance.output_tokens / max(1, steps)
         context = batch * instance.ctx_weighted / max(1, instance.output_tokens)
         cost = self.step_cost(instance.tp)
-        terms = _terms(cost, instance.prefill_tokens, steps, batch, context)
-        return self.corrections(instance.tp).apply(terms)
+        corrections = self.corrections(instance.tp)
+        batched = corrections.apply(_terms(cost, instance.prefill_tokens, steps, batch, context))
+        return max(batched, self._chain_seconds(instance.tp, instance.longest))
+
+    def _chain_seconds(self, tp: int, request: Request | None) -> float:
+        """The longest trajectory end to end: its turns one after another, each waiting
+        for its tools (the instance serves the others meanwhile), decoded as if alone."""
+        if request is None:
+            return 0.0
+        terms = _terms(
+            self.step_cost(tp),
+            request.prefill_tokens,
+            request.output_tokens,
+            1.0,
+            _mid_decode_context(request),
+        )
+        return self.corrections(tp).apply(terms) + request.tool_s
 
     def longest_alone(self, tp: int, workload: Workload) -> float:
         """The longest request alone on an instance of ``tp``: no layout beats it."""

@@ -82,21 +82,25 @@ class PoolConfig(Section):
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Which workers do what at the start. ``rollout`` and ``hybrid`` are units (the
-    workers of one instance each); hybrid units start serving."""
+    workers of one instance each); hybrid units start serving, except the ``lent`` ones:
+    hybrid units on the training side (borrowed before), each with the bucket its
+    instance serves in once released (empty: the pool's choice)."""
 
     training: tuple[int, ...]
     rollout: tuple[tuple[int, ...], ...] = ()
     hybrid: tuple[tuple[int, ...], ...] = ()
+    lent: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     def units(self) -> list[tuple[tuple[int, ...], Role]]:
         serving: list[tuple[tuple[int, ...], Role]] = [(u, "core-rollout") for u in self.rollout]
         return serving + [(u, "hybrid") for u in self.hybrid]
 
     def check(self, workers: int) -> None:
-        used = list(self.training) + [w for unit, _ in self.units() for w in unit]
+        units = [unit for unit, _ in self.units()] + [unit for unit, _ in self.lent]
+        used = list(self.training) + [w for unit in units for w in unit]
         if sorted(used) != sorted(set(used)) or any(not 0 <= w < workers for w in used):
             raise ValueError(f"a layout uses each of the {workers} workers at most once")
-        if any(not unit for unit, _ in self.units()):
+        if any(not unit for unit in units):
             raise ValueError("a unit holds at least one worker")
 
 
@@ -170,6 +174,8 @@ class HybridPool:
             if live is None:
                 raise ValueError(f"{instance_name(workers)} serves nowhere: start it first")
             self.units.append(Unit(workers, role, "rollout", live.bucket))
+        for workers, bucket in layout.lent:
+            self.units.append(Unit(workers, "hybrid", "training", bucket))
         self.state: dict[int, WorkerState] = {}
         self.history: list[Transition] = []
         self.moves: list[Move] = []

@@ -59,6 +59,10 @@ class Workload:
     context_tokens: tuple[int, ...]
     #: Turns per trajectory (each is one generation call, one prefill of the new part).
     turns: tuple[int, ...] = ()
+    #: Seconds each trajectory spent in its tools (empty: unknown, none priced). A
+    #: trajectory's turns wait for its tools, so the longest one's tool time is on the
+    #: rollout's critical path, whatever the instances do meanwhile.
+    tool_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,8 +48,26 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
             "static_upfront": ratio(by_name.get(static_name(UPFRONT_SHARE))),
             "static_best_hindsight": ratio(best),
             "colocated": ratio(by_name.get("colocated")),
+            "libra_no_pool": ratio(by_name.get("libra-no-pool")),
         },
         "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
+        "plan_error_max_by_config": {
+            run.config: round(max(map(abs, run.plan_errors[1:])), 4)
+            for run in runs
+            if len(run.plan_errors) > 1
+        },
+        "pool": {
+            run.config: {
+                "borrows": sum(step.borrows for step in run.steps),
+                "releases": sum(step.releases for step in run.steps),
+                "mean_train_workers": [round(step.mean_train_workers, 2) for step in run.steps],
+            }
+            for run in runs
+            if any(step.borrows or step.releases for step in run.steps)
+        },
+        "rollout_idle_frac": {
+            run.config: round(run.rollout_idle_frac, 4) for run in runs if not _colocated(run)
+        },
         "model_error_max": round(max(map(abs, model)), 4) if model else None,
         "plan_errors": {
             run.config: [round(error, 4) for error in run.plan_errors]
@@ -62,6 +80,10 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
             if run.model_errors
         },
     }
+
+
+def _colocated(run: ConfigRun) -> bool:
+    return any(step.colocated for step in run.steps)
 
 
 def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
@@ -98,7 +120,7 @@ def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
     console.print(
         f"libra vs static upfront ({static_name(UPFRONT_SHARE)} at TP1) {vs['static_upfront']}x, "
         f"vs best static in hindsight {vs['static_best_hindsight']}x, "
-        f"vs colocated {vs['colocated']}x; "
+        f"vs colocated {vs['colocated']}x, vs libra-no-pool {vs['libra_no_pool']}x; "
         f"largest calibrated plan error {report['plan_error_max']} (cost model alone, on "
         f"the workload as it turned out: {report['model_error_max']})"
     )

@@ -3,9 +3,9 @@
 A strategy owns the layout: the first :class:`~libra.alloc.Plan`, what it learns from every
 step (the calls and the step timing a real run would report) and the plan of the next
 step. The run in :mod:`libra.bench._alloc` plays whatever plan it is handed and charges
-its moves. This is the seam for the hybrid pool (workers moving between rollout and
-training inside a step, ``libra.alloc`` driving a :class:`~libra.alloc.Cluster`): it
-will be one more strategy, whose steps the run hands an emulated cluster.
+its moves. A strategy with a ``tail`` rule also runs the hybrid pool inside each step
+(workers moving between rollout and training, ``libra.alloc`` driving an emulated
+cluster).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from libra.alloc import (
     ReplanTrigger,
     RooflinePlanner,
     StepTiming,
+    TailRule,
     TrainCost,
     Workload,
     mean_output,
@@ -44,6 +45,8 @@ class Strategy:
     policy: str = "least-loaded"
     colocated: bool = False
     log: PlanLog = field(default_factory=PlanLog)
+    #: The hybrid pool's in-step rule (None: the layout holds for the whole step).
+    tail: TailRule | None = None
 
     def first_plan(self, workers: int, workload: Workload) -> Plan:
         return self.plan
@@ -59,6 +62,10 @@ class Strategy:
 
     def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
         return current
+
+    def expected_train_s(self, plan: Plan, tokens: int) -> float:
+        """Seconds training ``tokens`` on the plan's workers should take (0: no model)."""
+        return 0.0
 
     def hindsight(self, plan: Plan, ran: Workload) -> float | None:
         """The step time the cost model gives ``plan`` on the workload the step turned out
@@ -105,6 +112,9 @@ class PlannerStrategy(Strategy):
     def hindsight(self, plan: Plan, ran: Workload) -> float | None:
         return self._planner().predict(plan, ran).step_s
 
+    def expected_train_s(self, plan: Plan, tokens: int) -> float:
+        return self._planner().train.seconds(tokens, plan.train_workers)
+
     def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
         timing, planner = self._last, self._planner()
         if timing is None:
@@ -130,10 +140,14 @@ def static_plan(workers: int, train_share: float) -> Plan:
     return Plan(train, (1,) * (workers - train), reason=f"static {train}:{workers - train}")
 
 
-def strategies(gpu: Gpu, model: Model, workers: int) -> list[Strategy]:
+def strategies(
+    gpu: Gpu, model: Model, workers: int, tail: TailRule | None = None
+) -> list[Strategy]:
     """Every configuration of the benchmark on ``workers`` GPUs: static splits whose
     training state fits, colocated, the planner with its datasheet prior and with that
-    prior 30% optimistic and 30% pessimistic, and Libra (the planner with C-MLFQ)."""
+    prior 30% optimistic and 30% pessimistic, the planner with C-MLFQ (``libra-no-pool``),
+    and full Libra: that, and the hybrid pool lending the rollout's idle tail to training
+    inside every step."""
     fits = TrainCost(gpu, model.parameters).fits
     found: list[Strategy] = []
     for share in STATIC_SHARES:
@@ -146,7 +160,18 @@ def strategies(gpu: Gpu, model: Model, workers: int) -> list[Strategy]:
     for label, scale in (("planner-prior+30%", 1.3), ("planner-prior-30%", 0.7)):
         found.append(PlannerStrategy(label, Plan(0, ()), planner=_planner(gpu, model, scale)))
     found.append(
-        PlannerStrategy("libra", Plan(0, ()), policy="cmlfq", planner=_planner(gpu, model, 1.0))
+        PlannerStrategy(
+            "libra-no-pool", Plan(0, ()), policy="cmlfq", planner=_planner(gpu, model, 1.0)
+        )
+    )
+    found.append(
+        PlannerStrategy(
+            "libra",
+            Plan(0, ()),
+            policy="cmlfq",
+            planner=_planner(gpu, model, 1.0),
+            tail=tail or TailRule(),
+        )
     )
     return found
 

@@ -58,24 +58,55 @@ class EmulatedTrainer:
         self.active: set[int] = set()
         self.failing: set[int] = set()  # workers whose next join fails mid-fetch
         self._rng = random.Random(seed)
+        self._changed: anyio.Event | None = None  # set when the active set changes
 
     def step_seconds(self, tokens: int, workers: int) -> float:
         """One optimizer step over ``tokens`` on ``workers`` (no sleep: the formula)."""
+        return self._formula_s(tokens, workers) * self._noise()
+
+    def _noise(self) -> float:
+        jitter = self.truth.jitter
+        return math.exp(self._rng.gauss(0.0, jitter)) if jitter else 1.0
+
+    def _formula_s(self, tokens: int, workers: int) -> float:
         truth, params = self.truth, self.model.parameters
         compute = 6 * params * tokens / (workers * self.gpu.dense_bf16_flops * truth.mfu)
         # All-gather in forward and backward, reduce-scatter of gradients, bf16.
         moved = 3 * 2 * params * (workers - 1) / workers
         comm = moved / truth.link_bytes_per_s + 3 * truth.ring_latency_s * (workers - 1)
-        noise = math.exp(self._rng.gauss(0.0, truth.jitter)) if truth.jitter else 1.0
-        return (compute + comm + truth.overhead_s) * noise
+        return compute + comm + truth.overhead_s
 
     async def step(self, tokens: int) -> float:
-        """Train one optimizer step on the active workers; return the seconds it took."""
+        """Train one optimizer step on the active workers; return the seconds it took.
+
+        A worker that joins or leaves mid-step takes or gives up its share of what is
+        left (the batch is re-split at the next micro-batch, whose granularity is
+        ignored): the rest of the step runs at the new set's pace."""
         if not self.active:
             raise RuntimeError("no worker is training")
-        seconds = self.step_seconds(tokens, len(self.active))
-        await anyio.sleep(seconds)
-        return seconds
+        noise, done, started = self._noise(), 0.0, anyio.current_time()
+        while done < 1.0:
+            if not self.active:  # everyone left: nothing trains until someone joins
+                await self._next_change()
+                continue
+            full = self._formula_s(tokens, len(self.active)) * noise
+            begun = anyio.current_time()
+            with anyio.move_on_after((1.0 - done) * full):
+                await self._next_change()
+            done = min(1.0, done + (anyio.current_time() - begun) / full)
+            if done >= 1.0 - 1e-9:
+                break
+        return anyio.current_time() - started
+
+    async def _next_change(self) -> None:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    def _set_changed(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def fetch_state(self, worker: int) -> None:
         truth = self.truth
@@ -92,6 +123,8 @@ class EmulatedTrainer:
     async def activate(self, worker: int) -> None:
         await anyio.sleep(self.truth.activate_s)
         self.active.add(worker)
+        self._set_changed()
 
     async def leave(self, worker: int) -> None:
         self.active.discard(worker)
+        self._set_changed()

@@ -124,3 +124,17 @@ def test_training_state_must_fit_in_memory() -> None:
     assert not model.fits(1) and not model.fits(2)  # 237 GB of state
     assert model.fits(4) and model.fits(32)
     assert model.memory_per_worker(8) < model.memory_per_worker(4)
+
+
+def test_the_longest_trajectorys_tools_are_on_the_critical_path() -> None:
+    """Tool time the instances fill with other work costs nothing; the longest
+    trajectory's waits for its tools bound the rollout from below."""
+    model = RolloutCost(Roofline(A100, QWEN3_14B))
+    outputs, contexts = (20_000, *[500] * 63), (40_000, *[4_000] * 63)
+    bare = Workload(64, outputs, contexts)
+    short_tools = Workload(64, outputs, contexts, tool_s=(0.0, *[5.0] * 63))
+    long_tools = Workload(64, outputs, contexts, tool_s=(300.0, *[0.0] * 63))
+    seconds = model.makespan((2, 1, 1), bare)
+    assert model.makespan((2, 1, 1), short_tools) == seconds  # hidden behind the long one
+    assert model.makespan((2, 1, 1), long_tools) >= 300.0 + model.longest_alone(2, bare)
+    assert model.makespan((2, 1, 1), long_tools) > seconds

@@ -181,11 +181,12 @@ async def test_moves_block_neither_a_training_step_nor_each_other() -> None:
         assert [move.unit for move in moves] == ["w2", "w3"]
         assert pool.borrow(1) == []  # the last serving unit is a core one: nothing to move
         started = anyio.current_time()
+        alone = trainer.step_seconds(200_000, 1)
         seconds = await trainer.step(200_000)  # on worker 0, while 2 and 3 join
         assert anyio.current_time() - started == pytest.approx(seconds)
-        assert seconds == pytest.approx(trainer.step_seconds(200_000, 1))
-        # The joins ended while the step ran, and it took its own time on its one worker.
+        # The joins ended while the step ran, and the joiners took a share of what was left.
         assert all(m.ended is not None and m.ended < started + seconds for m in moves)
+        assert seconds < alone
     assert [move.outcome for move in moves] == ["done", "done"]
     assert trainer.active == {0, 2, 3} and [i.name for i in pool.router.instances] == ["w1"]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from libra.alloc import TailRule
 from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench, run_config
 from libra.bench._alloc_report import summary
 from libra.bench._sched_fleet import load_fleet
@@ -36,6 +37,7 @@ def test_the_configurations_are_the_issues() -> None:
         "planner",
         "planner-prior+30%",
         "planner-prior-30%",
+        "libra-no-pool",
         "libra",
     ]
 
@@ -96,9 +98,15 @@ def test_the_command_prints_the_json_and_draws_the_plot(
     for row in report["results"]:
         assert set(row) == {"config", "step_time_s", "throughput_tok_s", "idle_frac"}
         assert row["step_time_s"] > 0 and row["throughput_tok_s"] > 0
-    assert set(report["libra_vs"]) == {"static_upfront", "static_best_hindsight", "colocated"}
+    assert set(report["libra_vs"]) == {
+        "static_upfront",
+        "static_best_hindsight",
+        "colocated",
+        "libra_no_pool",
+    }
     assert all(value > 0 for value in report["libra_vs"].values())
     assert report["plan_error_max"] >= 0 and report["model_error_max"] >= 0
+    assert all(0 <= idle < 1 for idle in report["rollout_idle_frac"].values())
     assert figure.stat().st_size > 10_000
 
 
@@ -112,3 +120,29 @@ def test_too_few_workers_for_the_training_state_is_an_error(
     argv = ["bench", "alloc", "--workload", str(workload), "--gpus", "4", "--steps", "1"]
     assert main([*argv, "--jobs", "1"]) == 2
     assert "no plan of 4 workers fits" in capsys.readouterr().err
+
+
+def eager_pool() -> Settings:
+    """12 workers (4 train, two TP4 instances) and a tail rule that lends one instance as
+    soon as the rollout starts: the pool's moves on a run that takes seconds."""
+    rule = TailRule(trajectories_per_instance=16, min_train_left_s=0)
+    return Settings(tiny_workload(), load_fleet(), gpus=12, steps=2, tail=rule)
+
+
+def test_full_libra_moves_a_unit_into_training_and_back_inside_the_steps() -> None:
+    run = run_config(eager_pool(), "libra")
+    lent, back = run.steps
+    assert lent.borrows == 1 and lent.releases == 0
+    assert lent.mean_train_workers > lent.train_workers  # the borrowed unit trained
+    assert [unit for unit, _ in lent.lent] == [(8, 9, 10, 11)]
+    assert back.releases == 1 and not back.lent  # the next rollout took it back
+    assert all(step.records == 16 for step in run.steps)  # every trajectory, one record
+    again = run_config(eager_pool(), "libra")
+    assert summary([again]) == summary([run])
+    assert [step.step_s for step in again.steps] == [step.step_s for step in run.steps]
+
+
+def test_the_pool_stays_put_when_training_ends_before_the_tail() -> None:
+    run = run_config(tiny(), "libra")
+    assert all(step.borrows == step.releases == 0 for step in run.steps)
+    assert all(step.records == 16 for step in run.steps)

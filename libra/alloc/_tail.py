@@ -1,0 +1,79 @@
+"""Lending the rollout's long tail to training, inside a step.
+
+Late in a rollout only a few trajectories are left: most serving instances sit idle while
+training (on the previous step's batch) still runs. :func:`lend_tail` watches what the run
+observes, the trajectories not finished yet, the calls in flight in the router and how long
+training ran last time, and borrows hybrid units from the pool whenever fewer instances
+would do for what is left and training has long enough to go to be worth a restart; the
+borrowed workers join the training step under way. They go back when the next step's
+rollout starts (each release restarts an instance while that rollout runs on the others).
+It never reads the emulator's truth: only counts a real run has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import anyio
+from pydantic import Field, NonNegativeFloat, PositiveFloat
+
+from libra.alloc._pool import HybridPool
+from libra.config import Section
+
+
+class TailRule(Section):
+    """When the tail is idle enough to lend instances to training."""
+
+    trajectories_per_instance: PositiveFloat = Field(
+        4.0,
+        description="serving instances kept: the unfinished trajectories over this, rounded up",
+    )
+    max_pressure: float = Field(
+        0.5, gt=0, description="calls in flight per batch slot at which nothing is borrowed"
+    )
+    min_train_left_s: NonNegativeFloat = Field(
+        60.0,
+        description="training expected to run at least this much longer, or nothing moves: "
+        "a borrowed unit costs an instance restart later",
+    )
+    poll_s: PositiveFloat = Field(5.0, description="seconds between two looks")
+
+
+def serving_units(pool: HybridPool) -> int:
+    """Instances serving now, not draining and not lost."""
+    return sum(1 for unit in pool.units if unit.stage == "rollout" and not pool.lost(unit))
+
+
+def pressure(pool: HybridPool) -> float:
+    """Calls in flight per batch slot of the active instances."""
+    serving = [i for i in pool.router.instances if i.state == "active"]
+    slots = sum(instance.capacity for instance in serving)
+    return sum(instance.in_flight for instance in serving) / slots if slots else math.inf
+
+
+def tail_borrow(pool: HybridPool, rule: TailRule, unfinished: int, train_left_s: float) -> int:
+    """Hybrid units to borrow now, given ``unfinished`` trajectories and the seconds
+    training is expected to run still."""
+    if train_left_s < rule.min_train_left_s or pressure(pool) >= rule.max_pressure:
+        return 0
+    needed = max(1, math.ceil(unfinished / rule.trajectories_per_instance))
+    return max(0, serving_units(pool) - needed)
+
+
+async def lend_tail(
+    pool: HybridPool,
+    rule: TailRule,
+    unfinished: Callable[[], int],
+    train_left_s: Callable[[], float],
+    training_done: anyio.Event,
+) -> None:
+    """Borrow idle hybrid units while training runs (the pool's moves pay every cost).
+    The borrowed units stay on the training side: the next rollout releases them when it
+    starts, so that their restarts overlap its work rather than hold this step back."""
+    while not training_done.is_set():
+        count = tail_borrow(pool, rule, unfinished(), train_left_s())
+        if count:
+            pool.borrow(count)
+        with anyio.move_on_after(rule.poll_s):
+            await training_done.wait()

@@ -1,0 +1,61 @@
+"""Lending the rollout's tail: how many hybrid units the rule borrows from what the run
+observes, and the borrowed unit joining a training step under way, in virtual time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from trio.testing import MockClock
+
+from libra.alloc import HybridPool, TailRule, lend_tail, start_layout, tail_borrow
+from libra.sched import Router
+from tests._helpers import POOL_CONFIG, POOL_LAYOUT, emulated_cluster
+
+pytestmark = pytest.mark.anyio
+
+RULE = TailRule(trajectories_per_instance=2, min_train_left_s=30, poll_s=1)
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    """Trio with a clock that jumps whenever every task sleeps: virtual time."""
+    return "trio", {"clock": MockClock(autojump_threshold=0)}
+
+
+async def test_the_rule_keeps_what_the_unfinished_trajectories_need() -> None:
+    cluster = emulated_cluster()
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        assert tail_borrow(pool, RULE, unfinished=6, train_left_s=100) == 0  # 3 needed
+        assert tail_borrow(pool, RULE, unfinished=3, train_left_s=100) == 1
+        assert tail_borrow(pool, RULE, unfinished=0, train_left_s=100) == 2
+        assert tail_borrow(pool, RULE, unfinished=0, train_left_s=10) == 0  # not worth it
+
+
+async def test_a_borrowed_unit_joins_the_step_under_way_and_shortens_it() -> None:
+    cluster = emulated_cluster()
+    trainer = cluster.trainer
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    alone = trainer.step_seconds(2_000_000, 1)
+    done = anyio.Event()
+    took = 0.0
+
+    async def train() -> None:
+        nonlocal took
+        took = await trainer.step(2_000_000)
+        done.set()
+
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        started = anyio.current_time()
+        async with anyio.create_task_group() as group:
+            group.start_soon(train)
+            group.start_soon(
+                lend_tail, pool, RULE, lambda: 1, lambda: alone - anyio.current_time() + started,
+                done,
+            )  # fmt: skip
+        # One instance serves the last trajectory; both hybrid units train.
+        assert [pool.path_of(w)[-1] for w in (1, 2, 3)] == ["serving", "active", "active"]
+        assert trainer.active == {0, 2, 3}
+    assert took < alone
