@@ -266,6 +266,8 @@ class DockerSandbox:
             with anyio.CancelScope(shield=True):
                 await self._kill_leftovers()
         duration = time.monotonic() - started
+        if raw.exit_code in (None, 137) and not raw.deadline_hit:
+            await self._check_alive()
         timed_out = raw.deadline_hit or (raw.exit_code == 137 and duration >= timeout_s)
         stderr = _without_leftovers_mark(raw.stderr)
         return ExecResult(
@@ -315,6 +317,18 @@ class DockerSandbox:
         assert raw is not None
         detail = raw.stderr.decode(errors="replace").strip()
         raise SandboxError(f"cannot read {target} from the sandbox: {detail or raw.exit_code}")
+
+    async def _check_alive(self) -> None:
+        """A killed exec whose container is gone too: the sandbox died under the call (the
+        container was killed, the engine restarted), which is no result of the program."""
+        container_id = self.container_id
+        state = await self._provider.call_in_thread(
+            lambda: self._provider.api.inspect_container(container_id)["State"]
+        )
+        if not state.get("Running", False):
+            raise SandboxError(
+                f"the sandbox's container died during the call ({state.get('Status', '?')})"
+            )
 
     async def _kill_leftovers(self) -> None:
         """Once no exec runs, kill what the last ones may have left (daemons, background

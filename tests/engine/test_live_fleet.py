@@ -102,9 +102,11 @@ async def test_drain_remove_and_a_killed_server_mid_rollout_lose_nothing() -> No
             async with anyio.create_task_group() as group:
                 group.start_soon(rollout, jobs, engine)
                 await until(
-                    lambda: len(records) >= 4
-                    and all(router.by_name[n].in_flight for n in "ab")
-                    and between_turns_on(router, "b")
+                    lambda: (
+                        len(records) >= 4
+                        and all(router.by_name[n].in_flight for n in "ab")
+                        and between_turns_on(router, "b")
+                    )
                 )
                 draining = router.by_name["a"].in_flight
                 killed = router.by_name["b"].in_flight
