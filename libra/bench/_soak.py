@@ -101,6 +101,7 @@ class SoakReport:
     lost: int
     duplicated: int
     restarts: int
+    leftovers: dict[str, int]  # state the engine and scheduler still hold at the end
     rss_start_mb: float
     rss_end_mb: float
     threads_start: int
@@ -119,6 +120,7 @@ class SoakReport:
             "rss_end_mb": round(self.rss_end_mb, 1),
             "threads": {"start": self.threads_start, "end": self.threads_end},
             "restarts": self.restarts,
+            "leftovers": self.leftovers,
             "fault_rate": self.fault_rate,
             "wall_s": round(self.wall_s, 1),
             "virtual_s": round(self.virtual_s, 1),
@@ -187,7 +189,7 @@ def run_soak(
         soak.run, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}
     )
     wall = time.perf_counter() - started
-    tally, restarts = soak.tally, soak.restarts
+    tally, restarts, leftovers = soak.tally, soak.restarts, soak.leftovers
     lost = len(tally.outstanding)
     del soak
     gc.collect()
@@ -197,6 +199,7 @@ def run_soak(
         lost=lost,
         duplicated=tally.duplicated,
         restarts=restarts,
+        leftovers=leftovers,
         rss_start_mb=rss_start,
         rss_end_mb=rss_mb(),
         threads_start=threads_start,
@@ -226,6 +229,7 @@ class _Soak:
         self.policy: RoutedPolicy = make_policy("cmlfq", fleet.spec(MODEL))
         self._group: anyio.abc.TaskGroup | None = None
         self._groups = self._jobs()
+        self.leftovers: dict[str, int] = {}
         self._fed_all = False
 
     async def run(self) -> float:
@@ -244,6 +248,18 @@ class _Soak:
             async with RolloutSession(engine) as session:
                 self._top_up(session)
                 await self._read(session)
+        self.leftovers = self._leftovers(engine)
+
+    def _leftovers(self, engine: Engine) -> dict[str, int]:
+        """What the engine and scheduler still hold once every record is out: all zero,
+        or something leaks a trajectory's state."""
+        router = self.policy.router
+        return {
+            "live_ids": len(engine.live_ids),
+            "tracks": len(self.policy.tracks),
+            "homes": len(router.home),
+            "calls_in_flight": sum(i.in_flight for i in router.instances),
+        }
 
     def _engine_config(self) -> EngineConfig:
         limits = self.workload.limits
@@ -372,7 +388,8 @@ def main_soak(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_json()))
     else:
         _print_summary(report)
-    return 0 if report.lost == 0 and report.duplicated == 0 else 1
+    clean = report.lost == report.duplicated == 0 and not any(report.leftovers.values())
+    return 0 if clean else 1
 
 
 def _print_summary(report: SoakReport) -> None:
@@ -381,6 +398,6 @@ def _print_summary(report: SoakReport) -> None:
           f"{report.restarts} server restarts")  # fmt: skip
     for outcome, count in sorted(report.outcomes.items(), key=lambda item: -item[1]):
         print(f"  {outcome:<40} {count:>9,}")
-    print(f"lost {report.lost}, duplicated {report.duplicated}")
+    print(f"lost {report.lost}, duplicated {report.duplicated}; left behind: {report.leftovers}")
     print(f"RSS {report.rss_start_mb:.0f} MB -> {report.rss_end_mb:.0f} MB, "
           f"threads {report.threads_start} -> {report.threads_end}")  # fmt: skip

@@ -36,6 +36,7 @@ def test_faults_and_deaths_lose_nothing_and_are_server_errors() -> None:
     assert report.outcomes["completed/model_stop"] > 0
     assert report.restarts > 0  # instances died, left the router and came back
     assert report.threads_end == report.threads_start
+    assert report.leftovers == {"live_ids": 0, "tracks": 0, "homes": 0, "calls_in_flight": 0}
 
 
 @pytest.mark.faults_long
