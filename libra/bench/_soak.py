@@ -318,7 +318,9 @@ class _Soak:
 
     def _server(self, name: str) -> EmulatorApp:
         """A fresh emulated server for instance ``name`` (its faults seeded anew)."""
-        plan = next(plan for plan in self.fleet.instances if plan.name == name)
+        index, plan = next(
+            (i, plan) for i, plan in enumerate(self.fleet.instances) if plan.name == name
+        )
         rate = self.fault_rate
         death = rate * DEATH_SHARE
         share = (rate - death) / 4
@@ -327,7 +329,8 @@ class _Soak:
             latency=self.fleet.latency(plan.tp),
             prefix_caching=self.fleet.serving.prefix_caching,
             max_model_len=_CONTEXT + 1024,
-            seed=self.seed * 1_000_003 + self.restarts * 101 + plan.node * 11 + plan.tp,
+            # Each instance, and each restart of one, draws its own faults.
+            seed=self.seed * 1_000_003 + self.restarts * 101 + index,
             error_rate=share,
             stall_rate=share,
             abort_rate=share,
