@@ -248,6 +248,7 @@ class RolloutSession:
         """Records as trajectories end; the iteration ends once the session is closed
         (or cancelled) and every record has been read."""
         while (ended := await self._outbox.get()) is not None:
+            self._read_one_of(ended[0].group_id)
             yield ended[1]
 
     async def groups(self) -> AsyncIterator[Group]:
@@ -268,6 +269,20 @@ class RolloutSession:
         taken = [record for _, record in self._outbox.items]
         self._outbox.items.clear()
         return taken
+
+    def _read_one_of(self, group_id: GroupId) -> None:
+        """A record read one by one: its group needs counting no more once all its samples
+        are read (a session that runs for days must not keep every group it saw)."""
+        left = self._group_sizes[group_id] - 1
+        if left > 0:
+            self._group_sizes[group_id] = left
+        else:
+            del self._group_sizes[group_id]
+
+    @property
+    def open_groups(self) -> int:
+        """Groups with samples submitted and not yet read."""
+        return len(self._group_sizes)
 
     @property
     def in_flight(self) -> int:
