@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 RUNS := runs
 TORCH := torch==2.13.0
 
-.PHONY: setup setup-serving setup-sandbox test lint unit demo bench clean
+.PHONY: setup setup-serving setup-sandbox test test-faults lint unit demo bench clean
 
 # The library, its dev tools and the Docker SDK.
 setup: $(VENV)/.libra-base
@@ -53,6 +53,12 @@ unit: setup-serving setup-sandbox
 	$(BIN)/python -m pytest -q
 
 test: lint unit
+
+# The fault-injection suite (servers killed or hung, tools hung, containers killed, garbage
+# from the model or the server): the short tests `make test` runs too, and the long ones
+# (a soak of 10,000 trajectories at fault rate 0.05).
+test-faults: setup-serving setup-sandbox
+	$(BIN)/python -m pytest -q -m faults --long-faults
 
 # The RL loop: a few GRPO steps on the embedded model, weights reloaded into vLLM.
 demo: setup-serving setup-sandbox

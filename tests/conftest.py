@@ -19,6 +19,23 @@ if TYPE_CHECKING:
     import docker
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long-faults",
+        action="store_true",
+        help="also run the long fault-injection tests (faults_long; `make test-faults`)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long-faults"):
+        return
+    skip = pytest.mark.skip(reason="a long fault test: run with --long-faults (make test-faults)")
+    for item in items:
+        if "faults_long" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

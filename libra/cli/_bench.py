@@ -17,6 +17,8 @@ from libra.bench._sched import add_arguments as add_sched_arguments
 from libra.bench._sched import main_sched
 from libra.bench._serve import as_json as serve_as_json
 from libra.bench._serve import bench_serve
+from libra.bench._soak import add_arguments as add_soak_arguments
+from libra.bench._soak import main_soak
 from libra.bench._train import as_json as train_as_json
 from libra.bench._train import bench_train
 
@@ -44,6 +46,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_alloc_arguments(alloc)
     alloc.set_defaults(run=main_alloc)
+    soak = benches.add_parser(
+        "soak", help="many emulated trajectories under random faults: none lost or duplicated"
+    )
+    add_soak_arguments(soak)
+    soak.set_defaults(run=main_soak)
     sandbox = benches.add_parser("sandbox", help="tool-call latency and throughput in sandboxes")
     sandbox.add_argument("--provider", choices=["docker", "bwrap"], default="docker")
     sandbox.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])

@@ -326,7 +326,10 @@ class DockerSandbox:
         """A container that stopped under a command is the sandbox's failure, not the
         command's (an out-of-memory kill inside a running container is the command's)."""
         if not await self._provider.is_running(self.container_id):
-            raise SandboxError(f"the sandbox container {self.container_id[:12]} stopped")
+            raise SandboxError(
+                f"the sandbox's container {self.container_id[:12]} died during the call "
+                "(stopped: killed, or its engine restarted)"
+            )
 
     async def _kill_leftovers(self) -> None:
         """Once no exec runs, kill what the last ones may have left (daemons, background

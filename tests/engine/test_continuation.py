@@ -185,6 +185,7 @@ async def test_on_the_chat_path_an_aborted_turn_starts_over(url: str) -> None:
     assert len(record.weight_versions) == 1  # the partial reply was dropped, not joined
 
 
+@pytest.mark.faults
 async def test_a_server_that_keeps_aborting_fails_the_trajectory_as_a_server_error(
     url: str,
 ) -> None:

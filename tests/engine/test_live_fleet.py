@@ -89,6 +89,7 @@ def between_turns_on(router: Router, name: str) -> bool:
     return len(instance.residents) > instance.in_flight
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # three server processes: one backend
 async def test_drain_remove_and_a_killed_server_mid_rollout_lose_nothing() -> None:
     jobs = jobs_for(Calc, "calc", 48)
@@ -149,6 +150,7 @@ async def test_an_emptied_fleet_waits_for_an_instance_to_join() -> None:
     assert any(r.endpoints[0] == only.name and r.endpoints[-1] == "joined" for r in records)
 
 
+@pytest.mark.faults
 async def test_no_capacity_in_time_is_a_server_error() -> None:
     config = EngineConfig(concurrency=4, capacity_wait_s=0.2)
     async with emulated_engine(config=config, latency=SHORT_TURNS, agent=THINKING) as (

@@ -75,6 +75,7 @@ async def test_samples_per_prompt_share_the_task() -> None:
     assert len({j.task_id for j in jobs}) == 2
 
 
+@pytest.mark.faults
 async def test_garbage_heavy_model_still_ends_every_trajectory() -> None:
     agent = AgentScript(garbage_rate=0.6)
     config = EngineConfig(sampling=SamplingConfig(seed=7))  # so samples of one prompt differ
@@ -85,12 +86,33 @@ async def test_garbage_heavy_model_still_ends_every_trajectory() -> None:
     assert failures, "garbage calls should come back to the model as failed tool returns"
 
 
+@pytest.mark.faults
 async def test_injected_server_errors_are_retried() -> None:
     config = EngineConfig(max_attempts=8, retry_backoff_s=0.0)
     async with emulated_engine(config=config, error_rate=0.3) as (engine, records):
         await rollout(jobs_for(Calc, "calc", 30), engine)
     check_one_record_each(records, 30)
     assert Counter(r.status for r in records)["failed"] == 0
+
+
+@pytest.mark.faults
+async def test_garbage_bodies_stalls_and_aborts_from_the_server_never_reach_the_record() -> None:
+    """Each is retried (a garbage body, a stalled call cut at its timeout) or continued (an
+    abort): every trajectory ends once, with exact tokens, and none is the model's failure."""
+    config = EngineConfig(
+        concurrency=16, max_attempts=12, retry_backoff_s=0.0, call_timeout_s=0.3,
+        call_timeout_per_token_s=0.0,
+    )  # fmt: skip
+    async with emulated_engine(
+        api="tokens", config=config, garbage_rate=0.15, stall_rate=0.05, abort_rate=0.15
+    ) as (engine, records):
+        await rollout(jobs_for(Calc, "calc", 24, seed=4), engine)
+        last_failure = engine.generations.last_failure
+    check_one_record_each(records, 24)
+    assert last_failure  # faults were injected, and retried
+    for record in records:
+        assert (record.status, record.stop_reason) == ("completed", "model_stop"), record.error
+        assert_tokens_consistent(record, Calc.tool_schemas())
 
 
 class FinishLog(LeastLoadedScheduler):
@@ -106,6 +128,7 @@ class FinishLog(LeastLoadedScheduler):
         self.failed[trajectory_id] = failed
 
 
+@pytest.mark.faults
 async def test_cancelling_a_rollout_records_every_trajectory() -> None:
     slow = LatencyModel(prefill_s_per_token=0.0, step_base_s=0.002)
     async with emulated_engine(latency=slow, config=EngineConfig(concurrency=8)) as (
@@ -147,6 +170,7 @@ async def test_rollout_over_a_real_port() -> None:
         assert_tokens_consistent(record, Calc.tool_schemas())
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_dead_server_fails_trajectories_and_a_live_one_takes_over() -> None:
     dead = Endpoint(f"http://127.0.0.1:{free_port()}", model=MODEL, name="dead")

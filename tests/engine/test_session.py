@@ -237,6 +237,21 @@ async def test_a_slow_reader_bounds_what_is_held() -> None:
     assert len({r.id for r in records}) == 40 and all(r.status != "failed" for r in records)
 
 
+async def test_reading_records_or_groups_keeps_no_count_of_the_groups_read() -> None:
+    """Found by the soak: records read one by one left their group's count behind, one
+    entry per group for as long as the session lived."""
+    async with emulated_engine() as (engine, _):
+        for view in ("records", "groups"):
+            async with RolloutSession(engine) as session:
+                session.submit(jobs_for(Calc, "calc", 12, samples_per_prompt=4, seed=5))
+                assert session.open_groups == 3
+                session.close()
+                stream = session.records() if view == "records" else session.groups()
+                read = [item async for item in stream]
+                assert session.open_groups == 0
+            assert len(read) == (12 if view == "records" else 3)
+
+
 async def test_pause_lets_the_flight_land_and_resume_starts_the_queue() -> None:
     slow = LatencyModel(prefill_s_per_token=0.0, step_base_s=0.001)
     config = EngineConfig(concurrency=2)

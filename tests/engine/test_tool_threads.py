@@ -62,6 +62,7 @@ async def test_waiting_for_a_thread_is_not_the_tool_s_time() -> None:
     assert (threads.busy, threads.abandoned) == (0, 0)
 
 
+@pytest.mark.faults
 async def test_a_hung_tool_s_thread_keeps_its_place_until_it_returns() -> None:
     threads, gate = ToolThreads(2), threading.Event()
     await hang_past_timeout(threads, gate)
@@ -73,6 +74,7 @@ async def test_a_hung_tool_s_thread_keeps_its_place_until_it_returns() -> None:
     assert threads.abandoned == 0
 
 
+@pytest.mark.faults
 async def test_the_bound_holds_with_every_thread_hung(caplog: pytest.LogCaptureFixture) -> None:
     threads, gates, results = ToolThreads(2), [threading.Event(), threading.Event()], list[str]()
     with caplog.at_level(logging.WARNING, logger="libra.engine._engine"):

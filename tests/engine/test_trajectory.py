@@ -205,6 +205,7 @@ async def test_a_bug_in_reward_or_close_shows_its_traceback_once(
     assert "libra: a bug in close of env BadReward: OSError" in shown
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("name", ["hang", "block"])
 async def test_a_tool_that_hangs_times_out(name: str) -> None:
     started = time.monotonic()
@@ -215,6 +216,7 @@ async def test_a_tool_that_hangs_times_out(name: str) -> None:
     assert time.monotonic() - started < 1.4  # the blocked thread is abandoned, not awaited
 
 
+@pytest.mark.faults
 async def test_garbage_from_the_model_ends_in_one_record() -> None:
     record = await run(["\x00\x01 ~~~ <tool_call> {{{ </tool_", "<tool_call></tool_call>", "?"])
     assert record.status == "completed"
@@ -276,6 +278,7 @@ async def on_a_hung_server(**config: object) -> TrajectoryRecord:
     return record
 
 
+@pytest.mark.faults
 async def test_a_hung_server_at_the_wall_clock_limit_is_a_server_error_not_truncation() -> None:
     """The wall falls while the turn retries calls that hung: the fleet's doing."""
     record = await on_a_hung_server(max_wall_s=1.0, max_attempts=100, retry_backoff_s=0.05)
@@ -285,6 +288,7 @@ async def test_a_hung_server_at_the_wall_clock_limit_is_a_server_error_not_trunc
     assert "failed attempts, the last: " in record.error and "(taken as hung)" in record.error
 
 
+@pytest.mark.faults
 async def test_a_hung_server_that_fails_every_attempt_is_a_server_error() -> None:
     record = await on_a_hung_server(max_attempts=2, retry_backoff_s=0.0)
     assert (record.status, record.stop_reason, record.reward) == ("failed", "server_error", None)
@@ -292,6 +296,7 @@ async def test_a_hung_server_that_fails_every_attempt_is_a_server_error() -> Non
     assert record.timings.total_s < 5  # two short timeouts, not the 600 s request cap
 
 
+@pytest.mark.faults
 async def test_the_wall_clock_limit_while_waiting_for_an_endpoint_is_a_server_error() -> None:
     config = EngineConfig(max_wall_s=0.3, capacity_wait_s=60)
     async with emulated_engine(["The answer is 7"], config=config) as (engine, out):
@@ -516,6 +521,7 @@ class Gated(Env):
         return 1.0
 
 
+@pytest.mark.faults
 async def test_a_hung_blocking_tool_times_out_and_holds_its_thread_until_it_returns() -> None:
     """With one tool thread, a hung tool times out for the model; the next trajectory's
     call waits for the thread (longer than its timeout, which has not started) and runs

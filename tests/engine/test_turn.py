@@ -85,6 +85,7 @@ HUNG_CALL_S = 0.3
 FAST = EngineConfig(call_timeout_per_token_s=0.0001, retry_backoff_s=0.0)
 
 
+@pytest.mark.faults
 async def test_a_call_to_a_hung_server_is_cancelled_and_retried_elsewhere_with_its_context() -> (
     None
 ):
@@ -112,6 +113,7 @@ async def test_a_call_to_a_hung_server_is_cancelled_and_retried_elsewhere_with_i
     assert turn.pieces[0].generation.path == "tokens" and turn.token_ids
 
 
+@pytest.mark.faults
 async def test_a_turn_whose_every_attempt_hangs_fails_with_the_reason() -> None:
     chat = Chat([Message(role="user", content="Hi")])
     config = FAST.model_copy(update={"max_attempts": 2, "call_timeout_s": HUNG_CALL_S})

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
+import anyio
 import pytest
 
 from envs_contrib.code_tests import CodeTests
@@ -107,3 +109,44 @@ async def test_code_tests_reports_failing_tests_and_a_timeout(
     assert [r.status for r in record.tool_returns] == ["timeout", "failure", "success"]
     assert path == [f"run_tests:small:{status}" for status in ("timeout", "failure", "success")]
     assert record.reward == 1.0
+
+
+@pytest.mark.faults
+async def test_a_container_killed_under_a_program_fails_the_trajectory_as_a_sandbox_error(
+    sandboxes: DockerSandboxProvider, docker_client: docker.DockerClient
+) -> None:
+    """Not the model's failure: no tool failure for it to learn from, no reward."""
+    replies = [call("run_python", "import time\ntime.sleep(60)"), "The answer is 0."]
+    async with emulated_engine(replies) as (engine, records):
+        engine.sandboxes = sandboxes
+        ours = {"name": f"libra-{sandboxes.run_id}-"}  # never another run's containers
+
+        async def kill_the_busy_container() -> None:
+            with anyio.fail_after(30):
+                find = partial(running_the_program, docker_client, ours)
+                while (busy := await anyio.to_thread.run_sync(find)) is None:  # noqa: ASYNC110 (Docker signals nothing)
+                    await anyio.sleep(0.2)
+            await anyio.to_thread.run_sync(docker_client.api.kill, busy)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(kill_the_busy_container)
+            record = await run_trajectory(
+                TrajectoryJob.seeded(SlowPythonMath, "python_math", 1), engine
+            )
+    assert records == [record]  # one record, and only one
+    assert (record.status, record.stop_reason, record.reward) == ("failed", "sandbox_error", None)
+    assert record.error is not None and "container died during the call" in record.error
+    assert record.tool_returns == []  # nothing reached the model as the tool's answer
+
+
+def running_the_program(client: docker.DockerClient, ours: dict[str, str]) -> str | None:
+    """The id of our container whose program is running, if one is by now."""
+    for container in client.containers.list(filters=ours):
+        processes = client.api.top(container.id)["Processes"] or []
+        if any("python" in " ".join(process) for process in processes):
+            return str(container.id)
+    return None
+
+
+class SlowPythonMath(PythonMath):
+    program_timeout_s: ClassVar[float] = 60.0

@@ -118,20 +118,34 @@ async def test_an_idle_container_found_stopped_is_replaced_when_handed_out(
     assert stopped_id not in {c.id for c in docker_client.containers.list(all=True)}
 
 
-async def test_a_container_killed_under_a_command_is_the_sandboxs_failure(
+@pytest.mark.faults
+async def test_a_container_killed_mid_call_is_a_sandbox_error_not_the_program_s_exit(
     provider: DockerSandboxProvider, docker_client: docker.DockerClient
 ) -> None:
-    """Not an exit status 137 the model would be blamed for."""
+    """Killed from outside (an operator, the OOM killer of the host, a daemon restart), the
+    container takes the call with it: that is no exit status of the program."""
     async with provider.sandbox(SPEC) as box:
+        killed_id = box.container_id
 
         async def kill_soon() -> None:
             await anyio.sleep(1.0)
-            await anyio.to_thread.run_sync(docker_client.api.kill, box.container_id)
+            await anyio.to_thread.run_sync(docker_client.api.kill, killed_id)
 
         async with anyio.create_task_group() as group:
             group.start_soon(kill_soon)
-            with pytest.raises(SandboxError, match="stopped"):
-                await box.exec(["sleep", "30"], timeout_s=20)
+            with pytest.raises(SandboxError, match="container died during the call"):
+                await box.exec(["sleep", "30"], timeout_s=60)
+    async with provider.sandbox(SPEC) as box:  # the pool replaced it
+        assert box.container_id != killed_id
+        assert (await box.exec(["echo", "fresh"], timeout_s=10)).stdout == "fresh\n"
+
+
+async def test_a_program_killed_inside_a_live_container_is_its_exit_status(
+    provider: DockerSandboxProvider,
+) -> None:
+    async with provider.sandbox(SPEC) as box:
+        result = await box.exec(["sh", "-c", "kill -9 $$"], timeout_s=10)
+    assert (result.exit_code, result.timed_out) == (137, False)
 
 
 async def test_reaper_removes_containers_of_dead_owners(
