@@ -160,6 +160,7 @@ def _command(pid: int) -> str:
         return ""
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_a_vllm_server_killed_mid_run_comes_back_with_the_run_s_weights(
     embedded_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -103,6 +103,7 @@ async def test_a_container_that_cannot_be_reset_is_replaced(
     assert broken_id not in {c.id for c in docker_client.containers.list(all=True)}
 
 
+@pytest.mark.faults
 async def test_an_idle_container_found_stopped_is_replaced_when_handed_out(
     provider: DockerSandboxProvider, docker_client: docker.DockerClient
 ) -> None:
@@ -199,6 +200,7 @@ def restart_docker_engine() -> None:
     subprocess.run([str(ENSURE_DOCKER)], check=True, capture_output=True)
 
 
+@pytest.mark.faults
 # Last in the module: the restart stops the containers of the module's provider too.
 @pytest.mark.slow
 # docker-py 7.2 leaks the socket of a connect the stopped engine refused

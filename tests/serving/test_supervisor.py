@@ -19,7 +19,7 @@ from libra.sched.policies import make_policy
 from libra.serving import WEIGHTS_FILE, ServerSupervisor, SupervisorConfig
 from tests._helpers import MODEL, assert_tokens_consistent
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.faults]
 
 SLOW = LatencyModel(prefill_s_per_token=1e-6, step_base_s=0.01, step_per_seq_s=1e-5)
 QUICK_PROBES = SupervisorConfig(probe_interval_s=0.2, probe_timeout_s=0.3, hung_after=2)

@@ -404,6 +404,7 @@ def _assert_one_record_per_trajectory(run_dir: Path, steps: int) -> None:
         assert by_group == [[0, 1, 2], [0, 1, 2]]
 
 
+@pytest.mark.faults
 @asyncio_only
 async def test_a_run_killed_mid_step_takes_its_finished_records_back_from_the_log(
     tiny_model: Path, tmp_path: Path
@@ -440,6 +441,7 @@ def _trainer_ranks(train_pid: int) -> list[int]:
     return [rank for trainer in trainers for rank in children_of(trainer)]
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 @asyncio_only
 async def test_a_trainer_rank_killed_mid_step_stops_the_run_and_resume_finishes_it(

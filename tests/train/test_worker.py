@@ -27,6 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 async def test_a_rank_killed_between_commands_stops_watch_and_every_later_call(
     tiny_model: Path,
@@ -43,6 +44,7 @@ async def test_a_rank_killed_between_commands_stops_watch_and_every_later_call(
     assert trainer._process.exitcode == 1  # its ranks are gone, and so is it
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 @asyncio_only
 async def test_a_rank_killed_mid_command_fails_the_call_with_its_death(
