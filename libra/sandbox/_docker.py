@@ -327,8 +327,8 @@ class DockerSandbox:
         command's (an out-of-memory kill inside a running container is the command's)."""
         if not await self._provider.is_running(self.container_id):
             raise SandboxError(
-                f"the sandbox's container {self.container_id[:12]} died during the call "
-                "(stopped: killed, or its engine restarted)"
+                "the sandbox's container died during the call "
+                f"({self.container_id[:12]} stopped: killed, or its engine restarted)"
             )
 
     async def _kill_leftovers(self) -> None:
