@@ -6,7 +6,6 @@ from libra.alloc._cost import (
     H100,
     H200,
     PRESETS,
-    Corrections,
     RolloutCost,
     TrainCost,
     TrainSpec,
@@ -44,6 +43,7 @@ from libra.alloc._protocol import (
     StepTiming,
     Workload,
 )
+from libra.fleet import Corrections  # moved down: the scheduler fits with it too
 
 __all__ = [
     "A100",

@@ -13,7 +13,8 @@ makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency,
 calls that moved to another instance, and the makespan relative to the oracle's and to
 a lower bound that no policy can beat: the larger of the longest trajectory run alone
 on the fastest instance (decode, prefill of new tokens and tool time) and the step's
-decode work at the fleet's full-batch throughput.
+decode work at the fleet's full-batch throughput, both priced with what the servers
+really play (under a mismatch preset, its truth less jitter and prefill interference).
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ import anyio
 from trio.testing import MockClock
 
 from libra import signals
-from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
+from libra.bench._sched_fleet import (
+    DEFAULT_FLEET,
+    DEFAULT_MISMATCH,
+    MISMATCH_PRESETS,
+    FleetFile,
+    load_fleet,
+    with_mismatch,
+)
 from libra.bench._sched_report import plot, print_json, print_table
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
 from libra.emulation import FleetApp as FleetApp  # re-exported: its home until it moved
@@ -132,11 +140,13 @@ class SchedReport:
     lower_bound: LowerBound
     results: list[PolicyResult]
     runs: list[PolicyRun]
+    mismatch: str = DEFAULT_MISMATCH
 
     def as_json(self) -> dict[str, Any]:
         return {
             "workload": self.workload,
             "fleet": self.fleet,
+            "mismatch": self.mismatch,
             "seed": self.seed,
             "step": self.step,
             "trajectories": self.trajectories,
@@ -412,7 +422,7 @@ def lower_bound(
 
 
 def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: float) -> float:
-    cost = fleet.step_cost(tp)
+    cost = fleet.latency(tp)  # what the servers really play
     seconds, context, fresh = 0.0, float(script.prompt_tokens), float(script.prompt_tokens)
     for turn in script.turns:
         n = turn.output_tokens
@@ -429,8 +439,8 @@ def _full_batch_throughput(
     fleet: FleetFile, tp: int, mean_context: float, mean_reservation: float
 ) -> float:
     """Tokens/s of a TP``tp`` instance running as many sequences as fit."""
-    cost = fleet.step_cost(tp)
-    fits = int(fleet.kv_capacity_tokens(tp) // max(mean_reservation, 1.0))
+    cost = fleet.latency(tp)
+    fits = int(cost.kv_capacity_tokens // max(mean_reservation, 1.0))
     batch = max(1, min(fleet.serving.max_num_seqs, fits))
     return batch / cost.step_time(batch, batch * mean_context)
 
@@ -446,6 +456,7 @@ def run_sched_bench(
     seed: int = 0,
     fleet_name: str = "",
     jobs: int = 1,
+    mismatch: str = DEFAULT_MISMATCH,
 ) -> SchedReport:
     """Every policy on the same step; ``jobs`` > 1 runs policies in parallel processes
     (each run is deterministic on its own, so the numbers do not change)."""
@@ -469,6 +480,7 @@ def run_sched_bench(
         lower_bound=bound,
         results=[_result(run, bound, oracle) for run in runs],
         runs=runs,
+        mismatch=mismatch,
     )
 
 
@@ -508,13 +520,19 @@ def main_sched(args: argparse.Namespace) -> int:
     """``libra bench sched``: run, then print the table (or JSON) and draw the plot."""
     try:
         workload = load_workload(args.workload)
-        fleet = load_fleet(args.fleet)
+        fleet = with_mismatch(load_fleet(args.fleet), args.mismatch)
         policies = parse_policies(args.policies)
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
     report = run_sched_bench(
-        workload, fleet, policies, seed=args.seed, fleet_name=fleet.name, jobs=args.jobs
+        workload,
+        fleet,
+        policies,
+        seed=args.seed,
+        fleet_name=fleet.name,
+        jobs=args.jobs,
+        mismatch=args.mismatch,
     )
     if args.json:
         print_json(report)
@@ -553,6 +571,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fleet",
         default=DEFAULT_FLEET,
         help=f"a shipped fleet or a fleet TOML file (default {DEFAULT_FLEET})",
+    )
+    presets = "; ".join(f"{name}: {text}" for name, text in MISMATCH_PRESETS.items())
+    parser.add_argument(
+        "--mismatch",
+        default=DEFAULT_MISMATCH,
+        choices=list(MISMATCH_PRESETS),
+        metavar="PRESET",
+        help="how the emulated servers really perform while the scheduler keeps the "
+        f"datasheet roofline as its cost model ({presets}; default {DEFAULT_MISMATCH})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

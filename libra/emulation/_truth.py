@@ -42,6 +42,9 @@ class ServingTruth(Section):
         0.3, description="relative slowdown of decode steps shared with a prefill"
     )
     jitter: NonNegativeFloat = Field(0.05, description="lognormal sigma of a run of steps")
+    kv_capacity: float = Field(
+        1.0, gt=0, le=1, description="share of the prior's KV capacity really available"
+    )
     start_s: NonNegativeFloat = Field(90.0, description="starting a server: load, compile, warm")
     reload_s: NonNegativeFloat = Field(15.0, description="reloading weights into a live server")
     sync_bytes_per_s: PositiveFloat = Field(
@@ -65,9 +68,22 @@ class ServingTruth(Section):
             + reduces * self.allreduce_per_seq_s,
             step_per_ctx_token_s=prior.step_per_ctx_token_s / bytes_speed,
             max_num_seqs=max_num_seqs,
-            kv_capacity_tokens=roofline.kv_capacity_tokens(tp),
+            kv_capacity_tokens=max(1, int(roofline.kv_capacity_tokens(tp) * self.kv_capacity)),
             prefill_interference=self.prefill_interference,
             jitter=self.jitter,
+        )
+
+    @classmethod
+    def calibrated(cls, gpu: Gpu) -> ServingTruth:
+        """The prior itself: every knob where the datasheet roofline puts it."""
+        return cls(
+            bandwidth=1.0,
+            mfu=1.0,
+            tp_efficiency=1.0,
+            allreduce_s=gpu.allreduce_s,
+            allreduce_per_seq_s=0.0,
+            prefill_interference=0.0,
+            jitter=0.0,
         )
 
     def tp_speedup(self, tp: int) -> float:
