@@ -65,8 +65,10 @@ from libra.engine import (
     rollout,
 )
 from libra.envs import Task, ToolResult, ToolTimeout
+from libra.fleet import StepCost
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import (
+    CMLFQ,
     DEFAULT_POLICIES,
     POLICIES,
     CMLFQConfig,
@@ -100,6 +102,8 @@ class PolicyRun:
     gpus: int
     occupancy: dict[str, Timeline]  # per bucket
     reasons: dict[str, int] = field(default_factory=dict)
+    #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
+    fitted: dict[str, StepCost] = field(default_factory=dict)
 
 
 @dataclass
@@ -347,6 +351,9 @@ def _summarise(
                 bucket_moves += bucket_of[before] != bucket_of[after]
     occupancy = _bucket_occupancy(timelines, bucket_of, [b.name for b in fleet.bucket])
     reasons = dict(policy.reasons) if isinstance(policy, RoutedPolicy) else {}
+    fitted = {}
+    if isinstance(policy, CMLFQ) and policy.fit is not None:
+        fitted = {i.name: policy.fit.cost(i) for i in policy.router.instances}
     return PolicyRun(
         policy=name,
         makespan_s=makespan,
@@ -360,6 +367,7 @@ def _summarise(
         gpus=fleet.gpus,
         occupancy=occupancy,
         reasons=reasons,
+        fitted=fitted,
     )
 
 

@@ -14,7 +14,12 @@ from libra.bench._sched import (
     run_policy,
     run_sched_bench,
 )
-from libra.bench._sched_fleet import load_fleet
+from libra.bench._sched_fleet import (
+    MISMATCH_PRESETS,
+    load_fleet,
+    mismatch_truth,
+    with_mismatch,
+)
 from libra.cli import main
 from libra.emulation.workloads import ScriptBook, load_workload
 
@@ -60,6 +65,7 @@ def test_the_command_prints_the_json_the_issue_asks_for(
     assert main([*argv, "--json", "--jobs", "1", "--seed", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"] == "data-agent" and report["lower_bound_s"] > 0
+    assert report["mismatch"] == "none"
     assert [r["policy"] for r in report["results"]] == ["least-loaded", "oracle"]
     keys = {"policy", "throughput_traj_s", "throughput_tok_s", "makespan_s", "idle_frac"}
     for result in report["results"]:
@@ -84,3 +90,43 @@ def test_bad_arguments_are_one_line_errors(tiny: Path, capsys: pytest.CaptureFix
     assert "unknown name 'nope'" in capsys.readouterr().err
     assert main(["bench", "sched", "--workload", str(tiny), "--policies", "fifo"]) == 2
     assert "unknown policies fifo" in capsys.readouterr().err
+
+
+def test_a_mismatch_preset_changes_the_servers_never_the_scheduler() -> None:
+    fleet = load_fleet()
+    tps = sorted({plan.tp for plan in fleet.instances})
+    for preset in MISMATCH_PRESETS:
+        played = with_mismatch(fleet, preset)
+        assert played.spec("m") == fleet.spec("m")  # the scheduler's inputs: the prior
+        assert played.instances == fleet.instances
+        if preset == "none":
+            assert all(played.latency(tp) == fleet.latency(tp) for tp in tps)
+        else:
+            assert any(played.latency(tp) != fleet.latency(tp) for tp in tps), preset
+    slow = with_mismatch(fleet, "slow-tp")
+    assert slow.latency(1) == fleet.latency(1)  # no all-reduce on one GPU
+    assert slow.latency(4).step_base_s > fleet.step_cost(4).step_base_s
+    small = with_mismatch(fleet, "small-kv").latency(2).kv_capacity_tokens
+    assert small < fleet.kv_capacity_tokens(2)
+    with pytest.raises(ValueError, match="unknown mismatch preset"):
+        mismatch_truth("fast", fleet.gpu)
+
+
+def test_the_fit_moves_each_instance_s_cost_towards_what_its_server_plays(tiny: Path) -> None:
+    workload, fleet = load_workload(str(tiny)), with_mismatch(load_fleet(), "slow-tp")
+    run = run_policy(workload, fleet, "cmlfq-fit", seed=0)
+    assert run.failed == 0 and run.fitted
+    plans = {plan.name: plan for plan in fleet.instances}
+    moved = 0
+    for name, fitted in run.fitted.items():
+        tp = plans[name].tp
+        prior, truth = fleet.step_cost(tp), fleet.latency(tp)
+        if fitted == prior:
+            continue  # never observed: still the prior
+        moved += 1
+        if tp == 4:  # the prior is furthest off where all-reduces weigh most
+            batch, context = 8, 8 * 6_000
+            fitted_s = fitted.step_time(batch, context)
+            truth_s, prior_s = truth.step_time(batch, context), prior.step_time(batch, context)
+            assert abs(fitted_s - truth_s) < abs(prior_s - truth_s)
+    assert moved > 0

@@ -67,8 +67,12 @@ class _Pending:
 class CostFit:
     """Per-instance corrections of the prior step cost, from the calls observed."""
 
-    def __init__(self, *, window: int = 64, min_observations: int = 4) -> None:
+    def __init__(
+        self, *, window: int = 64, min_observations: int = 4, prior_weight: float = 1e-3
+    ) -> None:
         self._window = window
+        # Weaker than the planner's pull: an instance sees many calls, of varied shapes.
+        self._prior_weight = prior_weight
         self._min_observations = min_observations
         self._fits: dict[str, Corrections] = {}
         self._costs: dict[str, StepCost] = {}
@@ -113,7 +117,9 @@ class CostFit:
         """One call of ``shape`` on ``name`` sampled ``new_tokens`` in ``seconds``."""
         fit = self._fits.get(name)
         if fit is None:
-            fit = self._fits[name] = Corrections(3, window=self._window)
+            fit = self._fits[name] = Corrections(
+                3, window=self._window, prior_weight=self._prior_weight
+            )
         fit.add(call_terms(prior, shape, new_tokens), seconds)
         if fit.observations >= self._min_observations:
             self._costs[name] = corrected(prior, fit.values)
