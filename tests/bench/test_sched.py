@@ -14,12 +14,7 @@ from libra.bench._sched import (
     run_policy,
     run_sched_bench,
 )
-from libra.bench._sched_fleet import (
-    MISMATCH_PRESETS,
-    load_fleet,
-    mismatch_truth,
-    with_mismatch,
-)
+from libra.bench._sched_fleet import load_fleet, with_mismatch
 from libra.cli import main
 from libra.emulation.workloads import ScriptBook, load_workload
 
@@ -65,7 +60,7 @@ def test_the_command_prints_the_json_the_issue_asks_for(
     assert main([*argv, "--json", "--jobs", "1", "--seed", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"] == "data-agent" and report["lower_bound_s"] > 0
-    assert report["mismatch"] == "none"
+    assert report["mismatch"] == "datasheet"  # the default
     assert [r["policy"] for r in report["results"]] == ["least-loaded", "oracle"]
     keys = {"policy", "throughput_traj_s", "throughput_tok_s", "makespan_s", "idle_frac"}
     for result in report["results"]:
@@ -92,26 +87,6 @@ def test_bad_arguments_are_one_line_errors(tiny: Path, capsys: pytest.CaptureFix
     assert "unknown policies fifo" in capsys.readouterr().err
 
 
-def test_a_mismatch_preset_changes_the_servers_never_the_scheduler() -> None:
-    fleet = load_fleet()
-    tps = sorted({plan.tp for plan in fleet.instances})
-    for preset in MISMATCH_PRESETS:
-        played = with_mismatch(fleet, preset)
-        assert played.spec("m") == fleet.spec("m")  # the scheduler's inputs: the prior
-        assert played.instances == fleet.instances
-        if preset == "none":
-            assert all(played.latency(tp) == fleet.latency(tp) for tp in tps)
-        else:
-            assert any(played.latency(tp) != fleet.latency(tp) for tp in tps), preset
-    slow = with_mismatch(fleet, "slow-tp")
-    assert slow.latency(1) == fleet.latency(1)  # no all-reduce on one GPU
-    assert slow.latency(4).step_base_s > fleet.step_cost(4).step_base_s
-    small = with_mismatch(fleet, "small-kv").latency(2).kv_capacity_tokens
-    assert small < fleet.kv_capacity_tokens(2)
-    with pytest.raises(ValueError, match="unknown mismatch preset"):
-        mismatch_truth("fast", fleet.gpu)
-
-
 def test_the_fit_moves_each_instance_s_cost_towards_what_its_server_plays(tiny: Path) -> None:
     workload, fleet = load_workload(str(tiny)), with_mismatch(load_fleet(), "slow-tp")
     run = run_policy(workload, fleet, "cmlfq-fit", seed=0)
@@ -130,3 +105,18 @@ def test_the_fit_moves_each_instance_s_cost_towards_what_its_server_plays(tiny: 
             truth_s, prior_s = truth.step_time(batch, context), prior.step_time(batch, context)
             assert abs(fitted_s - truth_s) < abs(prior_s - truth_s)
     assert moved > 0
+
+
+@pytest.mark.slow
+def test_the_calibrated_run_keeps_the_figures_of_the_readme() -> None:
+    workload, fleet = load_workload("swe-agent"), with_mismatch(load_fleet(), "none")
+    policies = ["round-robin", "least-loaded", "sorted", "cmlfq"]
+    report = run_sched_bench(workload, fleet, policies, seed=0, jobs=2, mismatch="none")
+    makespans = {r.policy: round(r.makespan_s, 1) for r in report.results}
+    assert makespans == {
+        "round-robin": 777.6,
+        "least-loaded": 525.0,
+        "sorted": 447.6,
+        "cmlfq": 419.7,
+    }
+    assert round(report.lower_bound.seconds, 1) == 266.3
