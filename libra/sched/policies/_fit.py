@@ -8,8 +8,8 @@ it cached there (the trajectory's last call ran on the same instance), the token
 sampled, and the calls in flight beside it. Each call is priced term by term with the
 prior (prefill; decode bytes: the base step and the context's KV; decode compute: per
 sequence), and per instance one multiplicative correction per term is fitted by
-:class:`~libra.fleet.Corrections`. A call's time includes its wait for a batch slot,
-which the fit reads as slower steps: the fitted cost is what a call really takes there.
+:class:`~libra.fleet.Corrections`. A call sent while its instance had no free batch slot
+is not learnt from: its wait is the load's, which the rules price apart.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ class CostFit:
         instance = route.instance
         if now is None or instance is None:
             return  # no event loop (a replayed history): nothing to time
+        if instance.in_flight > instance.capacity:
+            return  # it waits for a batch slot: its time would say more of the load than
+            # of the server, and the rules price load apart
         name, context = instance.name, request.context_tokens
         last = self._cached_until.get(request.trajectory_id)
         cached = min(last[1], context) if last is not None and last[0] == name else 0
