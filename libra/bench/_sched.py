@@ -4,7 +4,8 @@ For each policy, one RL step of the workload runs through the real engine, HTTP 
 and policy against an in-process fleet of emulated vLLM servers (continuous batching
 under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock:
 a step that would take many GPU-minutes runs in seconds, and the same seed gives the
-same numbers. Before the step, each policy is shown the protocol calls
+same numbers. The servers play the fleet's truth (a ``--mismatch`` preset: not the cost
+model the scheduler is given). Before the step, each policy is shown the protocol calls
 of the workload's earlier steps (``history_steps``), as a running system would have
 seen them; the oracles are told every trajectory's true length instead.
 

@@ -1,4 +1,4 @@
-"""What an emulated serving instance really costs: the truth the allocation benchmark plays.
+"""What an emulated serving instance really costs: the truth the benchmarks play.
 
 The planner prices layouts with the datasheet roofline (:class:`~libra.fleet.Roofline`)
 and fits corrections from what the run measures. If the emulator played that same
@@ -7,7 +7,9 @@ has. :class:`ServingTruth` builds the :class:`LatencyModel` an instance really p
 the same GPU and model, off the datasheet through knobs the planner cannot read: achieved
 bandwidth and MFU below the prior's, tensor parallelism that speeds a step up by less
 than its degree, an all-reduce whose cost grows with the batch, prefill slowing the decode
-steps it shares, seeded jitter; and what starting a server and reloading its weights take.
+steps it shares, seeded jitter, less KV room; and what starting a server and reloading
+its weights take. The scheduling benchmark plays one under ``--mismatch`` while C-MLFQ
+decides with the prior.
 """
 
 from __future__ import annotations
