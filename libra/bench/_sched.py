@@ -582,6 +582,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a shipped fleet or a fleet TOML file (default {DEFAULT_FLEET})",
     )
     presets = "; ".join(f"{name}: {text}" for name, text in MISMATCH_PRESETS.items())
+    presets = presets.replace("%", "%%")  # argparse formats help strings with %
     parser.add_argument(
         "--mismatch",
         default=DEFAULT_MISMATCH,

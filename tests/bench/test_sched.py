@@ -120,3 +120,12 @@ def test_the_calibrated_run_keeps_the_figures_of_the_readme() -> None:
         "cmlfq": 419.7,
     }
     assert round(report.lower_bound.seconds, 1) == 266.3
+
+
+def test_the_help_lists_the_mismatch_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "sched", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for preset in ("none", "datasheet", "slow-tp", "low-bandwidth", "small-kv"):
+        assert preset in out
