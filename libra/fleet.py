@@ -11,9 +11,13 @@ builds a :class:`StepCost` and a KV capacity for any TP degree.
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from libra.config import Section
@@ -86,6 +90,43 @@ class StepCost(Section):
             step_per_seq_s=1.725e-4 / tp,
             step_per_ctx_token_s=9.45e-8 / tp,
         )
+
+
+# ------------------------------------------------------------------ fitting a cost online
+
+
+class Corrections:
+    """Multiplicative corrections to the terms of a prior, fitted by ridge least squares."""
+
+    def __init__(self, terms: int, *, window: int = 64, prior_weight: float = 0.01) -> None:
+        self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._prior_weight = prior_weight
+        self.values: tuple[float, ...] = (1.0,) * terms
+
+    def add(self, prior_terms: Sequence[float], measured_s: float) -> None:
+        if measured_s <= 0 or not all(math.isfinite(term) for term in prior_terms):
+            return
+        self._rows.append((tuple(prior_terms), measured_s))
+        self.values = self._solve()
+
+    @property
+    def observations(self) -> int:
+        return len(self._rows)
+
+    def _solve(self) -> tuple[float, ...]:
+        # Each row is the prior's terms over the measured seconds: a perfect fit makes
+        # every row sum to 1 (relative error, so a long call weighs no more than a short one).
+        rows = numpy.array([[term / measured for term in terms] for terms, measured in self._rows])
+        gram = rows.T @ rows
+        # The pull to the prior is relative to what the data say of the term, so a term
+        # worth 0.1% of every measurement is pulled as hard as one worth 90%.
+        pull = self._prior_weight * numpy.diag(gram) + 1e-12
+        solution = numpy.linalg.solve(gram + numpy.diag(pull), rows.sum(axis=0) + pull)
+        # A negative correction means a term is not separable yet: floor it, keep it positive.
+        return tuple(max(float(value), 0.05) for value in solution)
+
+    def apply(self, prior_terms: Sequence[float]) -> float:
+        return sum(c * term for c, term in zip(self.values, prior_terms, strict=True))
 
 
 # ---------------------------------------------------------------- the datasheet roofline

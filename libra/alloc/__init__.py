@@ -6,7 +6,6 @@ from libra.alloc._cost import (
     H100,
     H200,
     PRESETS,
-    Corrections,
     RolloutCost,
     TrainCost,
     TrainSpec,
@@ -45,6 +44,7 @@ from libra.alloc._protocol import (
     Workload,
 )
 from libra.alloc._tail import TailRule, lend_tail, tail_borrow
+from libra.fleet import Corrections  # moved down: the scheduler fits with it too
 
 __all__ = [
     "A100",

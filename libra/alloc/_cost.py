@@ -12,16 +12,14 @@ kept in a sliding window, so the fit follows drift.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from libra.alloc._protocol import CallTiming, StepTiming, Workload
 from libra.config import Section
-from libra.fleet import Gpu, Roofline, StepCost
+from libra.fleet import Corrections, Gpu, Roofline, StepCost
 
 # Datasheet figures (dense bf16, HBM bandwidth, 80 GB SXM parts; H200 carries 141 GB).
 A100 = Gpu(name="A100", memory_bytes=80e9, hbm_bytes_per_s=2.0e12, dense_bf16_flops=312e12)
@@ -32,40 +30,6 @@ H200 = Gpu(name="H200", memory_bytes=141e9, hbm_bytes_per_s=4.8e12, dense_bf16_f
 PRESETS: dict[str, Gpu] = {gpu.name: gpu for gpu in (A100, A800, H100, H200)}
 #: NVLink bytes per second per GPU, where the leads give it.
 NVLINK_BYTES_PER_S: dict[str, float] = {"A100": 600e9, "A800": 400e9}
-
-
-class Corrections:
-    """Multiplicative corrections to the terms of a prior, fitted by ridge least squares."""
-
-    def __init__(self, terms: int, *, window: int = 64, prior_weight: float = 0.01) -> None:
-        self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
-        self._prior_weight = prior_weight
-        self.values: tuple[float, ...] = (1.0,) * terms
-
-    def add(self, prior_terms: Sequence[float], measured_s: float) -> None:
-        if measured_s <= 0 or not all(math.isfinite(term) for term in prior_terms):
-            return
-        self._rows.append((tuple(prior_terms), measured_s))
-        self.values = self._solve()
-
-    @property
-    def observations(self) -> int:
-        return len(self._rows)
-
-    def _solve(self) -> tuple[float, ...]:
-        # Each row is the prior's terms over the measured seconds: a perfect fit makes
-        # every row sum to 1 (relative error, so a long call weighs no more than a short one).
-        rows = numpy.array([[term / measured for term in terms] for terms, measured in self._rows])
-        gram = rows.T @ rows
-        # The pull to the prior is relative to what the data say of the term, so a term
-        # worth 0.1% of every measurement is pulled as hard as one worth 90%.
-        pull = self._prior_weight * numpy.diag(gram) + 1e-12
-        solution = numpy.linalg.solve(gram + numpy.diag(pull), rows.sum(axis=0) + pull)
-        # A negative correction means a term is not separable yet: floor it, keep it positive.
-        return tuple(max(float(value), 0.05) for value in solution)
-
-    def apply(self, prior_terms: Sequence[float]) -> float:
-        return sum(c * term for c, term in zip(self.values, prior_terms, strict=True))
 
 
 # ------------------------------------------------------------------------------ rollout

@@ -4,7 +4,8 @@ For each policy, one RL step of the workload runs through the real engine, HTTP 
 and policy against an in-process fleet of emulated vLLM servers (continuous batching
 under the fleet's cost model, prefix caching, priority queues), on trio's virtual clock:
 a step that would take many GPU-minutes runs in seconds, and the same seed gives the
-same numbers. Before the step, each policy is shown the protocol calls
+same numbers. The servers play the fleet's truth (a ``--mismatch`` preset: not the cost
+model the scheduler is given). Before the step, each policy is shown the protocol calls
 of the workload's earlier steps (``history_steps``), as a running system would have
 seen them; the oracles are told every trajectory's true length instead.
 
@@ -13,7 +14,8 @@ makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency,
 calls that moved to another instance, and the makespan relative to the oracle's and to
 a lower bound that no policy can beat: the larger of the longest trajectory run alone
 on the fastest instance (decode, prefill of new tokens and tool time) and the step's
-decode work at the fleet's full-batch throughput.
+decode work at the fleet's full-batch throughput, both priced with what the servers
+really play (under a mismatch preset, its truth less jitter and prefill interference).
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ import anyio
 from trio.testing import MockClock
 
 from libra import signals
-from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
+from libra.bench._sched_fleet import (
+    DEFAULT_FLEET,
+    DEFAULT_MISMATCH,
+    MISMATCH_PRESETS,
+    FleetFile,
+    load_fleet,
+    with_mismatch,
+)
 from libra.bench._sched_report import plot, print_json, print_table
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
 from libra.emulation import FleetApp as FleetApp  # re-exported: its home until it moved
@@ -57,8 +66,10 @@ from libra.engine import (
     rollout,
 )
 from libra.envs import Task, ToolResult, ToolTimeout
+from libra.fleet import StepCost
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import (
+    CMLFQ,
     DEFAULT_POLICIES,
     POLICIES,
     CMLFQConfig,
@@ -92,6 +103,8 @@ class PolicyRun:
     gpus: int
     occupancy: dict[str, Timeline]  # per bucket
     reasons: dict[str, int] = field(default_factory=dict)
+    #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
+    fitted: dict[str, StepCost] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,11 +145,13 @@ class SchedReport:
     lower_bound: LowerBound
     results: list[PolicyResult]
     runs: list[PolicyRun]
+    mismatch: str = DEFAULT_MISMATCH
 
     def as_json(self) -> dict[str, Any]:
         return {
             "workload": self.workload,
             "fleet": self.fleet,
+            "mismatch": self.mismatch,
             "seed": self.seed,
             "step": self.step,
             "trajectories": self.trajectories,
@@ -337,6 +352,9 @@ def _summarise(
                 bucket_moves += bucket_of[before] != bucket_of[after]
     occupancy = _bucket_occupancy(timelines, bucket_of, [b.name for b in fleet.bucket])
     reasons = dict(policy.reasons) if isinstance(policy, RoutedPolicy) else {}
+    fitted = {}
+    if isinstance(policy, CMLFQ) and policy.fit is not None:
+        fitted = {i.name: policy.fit.cost(i) for i in policy.router.instances}
     return PolicyRun(
         policy=name,
         makespan_s=makespan,
@@ -350,6 +368,7 @@ def _summarise(
         gpus=fleet.gpus,
         occupancy=occupancy,
         reasons=reasons,
+        fitted=fitted,
     )
 
 
@@ -412,7 +431,7 @@ def lower_bound(
 
 
 def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: float) -> float:
-    cost = fleet.step_cost(tp)
+    cost = fleet.latency(tp)  # what the servers really play
     seconds, context, fresh = 0.0, float(script.prompt_tokens), float(script.prompt_tokens)
     for turn in script.turns:
         n = turn.output_tokens
@@ -429,8 +448,8 @@ def _full_batch_throughput(
     fleet: FleetFile, tp: int, mean_context: float, mean_reservation: float
 ) -> float:
     """Tokens/s of a TP``tp`` instance running as many sequences as fit."""
-    cost = fleet.step_cost(tp)
-    fits = int(fleet.kv_capacity_tokens(tp) // max(mean_reservation, 1.0))
+    cost = fleet.latency(tp)
+    fits = int(cost.kv_capacity_tokens // max(mean_reservation, 1.0))
     batch = max(1, min(fleet.serving.max_num_seqs, fits))
     return batch / cost.step_time(batch, batch * mean_context)
 
@@ -446,6 +465,7 @@ def run_sched_bench(
     seed: int = 0,
     fleet_name: str = "",
     jobs: int = 1,
+    mismatch: str = DEFAULT_MISMATCH,
 ) -> SchedReport:
     """Every policy on the same step; ``jobs`` > 1 runs policies in parallel processes
     (each run is deterministic on its own, so the numbers do not change)."""
@@ -469,6 +489,7 @@ def run_sched_bench(
         lower_bound=bound,
         results=[_result(run, bound, oracle) for run in runs],
         runs=runs,
+        mismatch=mismatch,
     )
 
 
@@ -508,13 +529,19 @@ def main_sched(args: argparse.Namespace) -> int:
     """``libra bench sched``: run, then print the table (or JSON) and draw the plot."""
     try:
         workload = load_workload(args.workload)
-        fleet = load_fleet(args.fleet)
+        fleet = with_mismatch(load_fleet(args.fleet), args.mismatch)
         policies = parse_policies(args.policies)
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
     report = run_sched_bench(
-        workload, fleet, policies, seed=args.seed, fleet_name=fleet.name, jobs=args.jobs
+        workload,
+        fleet,
+        policies,
+        seed=args.seed,
+        fleet_name=fleet.name,
+        jobs=args.jobs,
+        mismatch=args.mismatch,
     )
     if args.json:
         print_json(report)
@@ -553,6 +580,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fleet",
         default=DEFAULT_FLEET,
         help=f"a shipped fleet or a fleet TOML file (default {DEFAULT_FLEET})",
+    )
+    presets = "; ".join(f"{name}: {text}" for name, text in MISMATCH_PRESETS.items())
+    presets = presets.replace("%", "%%")  # argparse formats help strings with %
+    parser.add_argument(
+        "--mismatch",
+        default=DEFAULT_MISMATCH,
+        choices=list(MISMATCH_PRESETS),
+        metavar="PRESET",
+        help="how the emulated servers really perform while the scheduler keeps the "
+        f"datasheet roofline as its cost model ({presets}; default {DEFAULT_MISMATCH})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -4,8 +4,11 @@ A fleet file (TOML; shipped ones live in ``libra/emulation/workloads/fleets/``) 
 model constants, the instances on each node by TP degree, and the buckets. From them
 :class:`FleetFile` derives both halves of the benchmark: each emulated server's
 :class:`~libra.emulation.LatencyModel` (the "truth" the emulator plays) and the
-scheduler's :class:`~libra.sched.FleetSpec` with the same per-instance cost (a
-perfectly calibrated scheduler; a real deployment fits it to measurements).
+scheduler's :class:`~libra.sched.FleetSpec`, whose per-instance cost is always the
+datasheet roofline (the scheduler's prior). Without a ``truth`` the emulator plays that
+same roofline (a perfectly calibrated scheduler); a :class:`~libra.emulation.ServingTruth`
+(a mismatch preset, :func:`with_mismatch`) makes the servers play something else, through
+knobs the scheduler never sees.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import pydantic
 from pydantic import Field, PositiveInt, model_validator
 
 from libra.config import Section
-from libra.emulation import LatencyModel
+from libra.emulation import LatencyModel, ServingTruth
 from libra.emulation.workloads import WorkloadError, package_file, read_toml
 from libra.fleet import BucketSpec, FleetSpec, Gpu, InstanceSpec, Model, Roofline, StepCost
 
@@ -54,6 +57,9 @@ class FleetFile(Section):
     serving: Serving = Serving()
     node: list[Node] = Field(min_length=1)
     bucket: list[BucketFile] = Field(min_length=1)
+    truth: ServingTruth | None = Field(
+        None, description="how the emulated servers really perform; none: the prior itself"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FleetFile:
@@ -97,7 +103,9 @@ class FleetFile(Section):
         return self.roofline.step_cost(tp)
 
     def latency(self, tp: int) -> LatencyModel:
-        """The emulated server of a TP``tp`` instance."""
+        """The emulated server of a TP``tp`` instance: what it really plays."""
+        if self.truth is not None:
+            return self.truth.latency(self.gpu, self.model, tp, self.serving.max_num_seqs)
         return LatencyModel(
             **self.step_cost(tp).model_dump(),
             max_num_seqs=self.serving.max_num_seqs,
@@ -139,6 +147,43 @@ class FleetFile(Section):
 
 
 DEFAULT_FLEET = "a100-qwen3-14b-2x4"
+
+# ------------------------------------------------------------------ mismatch presets
+
+MISMATCH_PRESETS: dict[str, str] = {
+    "none": "the servers play the scheduler's own roofline (a perfectly calibrated run)",
+    "datasheet": "bandwidth 0.82x, MFU 0.7x, TP efficiency 0.88 per doubling, all-reduce "
+    "20 us + 0.15 us per sequence, prefill slows shared decode steps 30%, jitter 5%",
+    "slow-tp": "all-reduce 40 us instead of 5 us, TP efficiency 0.8 per doubling",
+    "low-bandwidth": "bandwidth and MFU 30% below the datasheet",
+    "small-kv": "half the KV capacity the roofline gives",
+}
+#: The servers are never what the datasheet says: the benchmark grades a scheduler that
+#: has to live with that unless asked for the calibrated run.
+DEFAULT_MISMATCH = "datasheet"
+
+
+def mismatch_truth(preset: str, gpu: Gpu) -> ServingTruth | None:
+    """What the servers really play under ``preset`` (None: the prior itself)."""
+    if preset not in MISMATCH_PRESETS:
+        choices = ", ".join(MISMATCH_PRESETS)
+        raise ValueError(f"unknown mismatch preset {preset!r}; choose from {choices}")
+    calibrated = ServingTruth.calibrated(gpu)
+    knobs: dict[str, dict[str, float]] = {
+        "slow-tp": {"allreduce_s": 40e-6, "tp_efficiency": 0.8},
+        "low-bandwidth": {"bandwidth": 0.7, "mfu": 0.7},
+        "small-kv": {"kv_capacity": 0.5},
+    }
+    if preset == "none":
+        return None
+    if preset == "datasheet":
+        return ServingTruth()
+    return calibrated.model_copy(update=knobs[preset])
+
+
+def with_mismatch(fleet: FleetFile, preset: str) -> FleetFile:
+    """``fleet`` whose servers play ``preset``'s truth; the scheduler's inputs unchanged."""
+    return fleet.model_copy(update={"truth": mismatch_truth(preset, fleet.gpu)})
 
 
 def load_fleet(name_or_path: str = DEFAULT_FLEET) -> FleetFile:

@@ -29,7 +29,8 @@ _COLUMNS = (
 def title(report: SchedReport) -> str:
     bound = report.lower_bound
     return (
-        f"libra bench sched: {report.workload} on {report.fleet}, "
+        f"libra bench sched: {report.workload} on {report.fleet} "
+        f"(mismatch {report.mismatch}), "
         f"{report.trajectories} trajectories, seed {report.seed}; lower bound "
         f"{bound.seconds:.1f} s (longest alone {bound.chain_s:.1f} s, "
         f"work at full batch {bound.work_s:.1f} s)"

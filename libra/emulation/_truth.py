@@ -1,4 +1,4 @@
-"""What an emulated serving instance really costs: the truth the allocation benchmark plays.
+"""What an emulated serving instance really costs: the truth the benchmarks play.
 
 The planner prices layouts with the datasheet roofline (:class:`~libra.fleet.Roofline`)
 and fits corrections from what the run measures. If the emulator played that same
@@ -7,7 +7,9 @@ has. :class:`ServingTruth` builds the :class:`LatencyModel` an instance really p
 the same GPU and model, off the datasheet through knobs the planner cannot read: achieved
 bandwidth and MFU below the prior's, tensor parallelism that speeds a step up by less
 than its degree, an all-reduce whose cost grows with the batch, prefill slowing the decode
-steps it shares, seeded jitter; and what starting a server and reloading its weights take.
+steps it shares, seeded jitter, less KV room; and what starting a server and reloading
+its weights take. The scheduling benchmark plays one under ``--mismatch`` while C-MLFQ
+decides with the prior.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class ServingTruth(Section):
         0.3, description="relative slowdown of decode steps shared with a prefill"
     )
     jitter: NonNegativeFloat = Field(0.05, description="lognormal sigma of a run of steps")
+    kv_capacity: float = Field(
+        1.0, gt=0, le=1, description="share of the prior's KV capacity really available"
+    )
     start_s: NonNegativeFloat = Field(90.0, description="starting a server: load, compile, warm")
     reload_s: NonNegativeFloat = Field(15.0, description="reloading weights into a live server")
     sync_bytes_per_s: PositiveFloat = Field(
@@ -65,9 +70,22 @@ class ServingTruth(Section):
             + reduces * self.allreduce_per_seq_s,
             step_per_ctx_token_s=prior.step_per_ctx_token_s / bytes_speed,
             max_num_seqs=max_num_seqs,
-            kv_capacity_tokens=roofline.kv_capacity_tokens(tp),
+            kv_capacity_tokens=max(1, int(roofline.kv_capacity_tokens(tp) * self.kv_capacity)),
             prefill_interference=self.prefill_interference,
             jitter=self.jitter,
+        )
+
+    @classmethod
+    def calibrated(cls, gpu: Gpu) -> ServingTruth:
+        """The prior itself: every knob where the datasheet roofline puts it."""
+        return cls(
+            bandwidth=1.0,
+            mfu=1.0,
+            tp_efficiency=1.0,
+            allreduce_s=gpu.allreduce_s,
+            allreduce_per_seq_s=0.0,
+            prefill_interference=0.0,
+            jitter=0.0,
         )
 
     def tp_speedup(self, tp: int) -> float:

@@ -14,7 +14,7 @@ from libra.bench._sched import (
     run_policy,
     run_sched_bench,
 )
-from libra.bench._sched_fleet import load_fleet
+from libra.bench._sched_fleet import load_fleet, with_mismatch
 from libra.cli import main
 from libra.emulation.workloads import ScriptBook, load_workload
 
@@ -60,6 +60,7 @@ def test_the_command_prints_the_json_the_issue_asks_for(
     assert main([*argv, "--json", "--jobs", "1", "--seed", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"] == "data-agent" and report["lower_bound_s"] > 0
+    assert report["mismatch"] == "datasheet"  # the default
     assert [r["policy"] for r in report["results"]] == ["least-loaded", "oracle"]
     keys = {"policy", "throughput_traj_s", "throughput_tok_s", "makespan_s", "idle_frac"}
     for result in report["results"]:
@@ -84,3 +85,47 @@ def test_bad_arguments_are_one_line_errors(tiny: Path, capsys: pytest.CaptureFix
     assert "unknown name 'nope'" in capsys.readouterr().err
     assert main(["bench", "sched", "--workload", str(tiny), "--policies", "fifo"]) == 2
     assert "unknown policies fifo" in capsys.readouterr().err
+
+
+def test_the_fit_moves_each_instance_s_cost_towards_what_its_server_plays(tiny: Path) -> None:
+    workload, fleet = load_workload(str(tiny)), with_mismatch(load_fleet(), "slow-tp")
+    run = run_policy(workload, fleet, "cmlfq-fit", seed=0)
+    assert run.failed == 0 and run.fitted
+    plans = {plan.name: plan for plan in fleet.instances}
+    moved = 0
+    for name, fitted in run.fitted.items():
+        tp = plans[name].tp
+        prior, truth = fleet.step_cost(tp), fleet.latency(tp)
+        if fitted == prior:
+            continue  # never observed: still the prior
+        moved += 1
+        if tp == 4:  # the prior is furthest off where all-reduces weigh most
+            batch, context = 8, 8 * 6_000
+            fitted_s = fitted.step_time(batch, context)
+            truth_s, prior_s = truth.step_time(batch, context), prior.step_time(batch, context)
+            assert abs(fitted_s - truth_s) < abs(prior_s - truth_s)
+    assert moved > 0
+
+
+@pytest.mark.slow
+def test_the_calibrated_run_keeps_the_figures_of_the_readme() -> None:
+    workload, fleet = load_workload("swe-agent"), with_mismatch(load_fleet(), "none")
+    policies = ["round-robin", "least-loaded", "sorted", "cmlfq"]
+    report = run_sched_bench(workload, fleet, policies, seed=0, jobs=2, mismatch="none")
+    makespans = {r.policy: round(r.makespan_s, 1) for r in report.results}
+    assert makespans == {
+        "round-robin": 777.6,
+        "least-loaded": 525.0,
+        "sorted": 447.6,
+        "cmlfq": 419.7,
+    }
+    assert round(report.lower_bound.seconds, 1) == 266.3
+
+
+def test_the_help_lists_the_mismatch_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "sched", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # unwrapped
+    for preset in ("none", "datasheet", "slow-tp", "low-bandwidth", "small-kv"):
+        assert preset in out

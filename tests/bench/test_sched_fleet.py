@@ -1,4 +1,5 @@
-"""The bench's fleet file: instances derived from the cost model, and validation."""
+"""The bench's fleet file: instances derived from the cost model, validation, and the
+mismatch presets."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from libra.bench._sched_fleet import load_fleet
+from libra.bench._sched_fleet import MISMATCH_PRESETS, load_fleet, mismatch_truth, with_mismatch
 from libra.emulation.workloads import WorkloadError
 from tests._helpers import write
 
@@ -35,3 +36,23 @@ def _shipped_fleet() -> Path:
     from libra.emulation.workloads import package_file
 
     return package_file("a100-qwen3-14b-2x4", folder="fleets")
+
+
+def test_a_mismatch_preset_changes_the_servers_never_the_scheduler() -> None:
+    fleet = load_fleet()
+    tps = sorted({plan.tp for plan in fleet.instances})
+    for preset in MISMATCH_PRESETS:
+        played = with_mismatch(fleet, preset)
+        assert played.spec("m") == fleet.spec("m")  # the scheduler's inputs: the prior
+        assert played.instances == fleet.instances
+        if preset == "none":
+            assert all(played.latency(tp) == fleet.latency(tp) for tp in tps)
+        else:
+            assert any(played.latency(tp) != fleet.latency(tp) for tp in tps), preset
+    slow = with_mismatch(fleet, "slow-tp")
+    assert slow.latency(1) == fleet.latency(1)  # no all-reduce on one GPU
+    assert slow.latency(4).step_base_s > fleet.step_cost(4).step_base_s
+    small = with_mismatch(fleet, "small-kv").latency(2).kv_capacity_tokens
+    assert small < fleet.kv_capacity_tokens(2)
+    with pytest.raises(ValueError, match="unknown mismatch preset"):
+        mismatch_truth("fast", fleet.gpu)

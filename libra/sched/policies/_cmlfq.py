@@ -44,10 +44,12 @@ from typing import ClassVar, Literal
 from pydantic import Field, PositiveInt
 
 from libra.config import Section
+from libra.fleet import StepCost
 from libra.sched._buckets import Bucket, Instance, Router
-from libra.sched._protocol import RouteRequest
+from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
 from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track
+from libra.sched.policies._fit import CostFit
 from libra.sched.policies._predict import OraclePredictor, Predictor, TreePredictor
 from libra.sched.policies._prefix_tree import PrefixForest, Residual, TreeConfig
 
@@ -69,6 +71,11 @@ class CMLFQConfig(Section):
         "the rule places them too, from the tree's root estimate",
     )
     tie_tolerance: float = Field(0.02, ge=0, description="relative cost difference that ties")
+    fit_costs: bool = Field(
+        False,
+        description="decide with each instance's step cost fitted online from the calls "
+        "it observes (starting from the fleet's prior); else with the prior",
+    )
     tree: TreeConfig = TreeConfig()
     signals: SignalMap = SignalMap()
 
@@ -86,6 +93,32 @@ class CMLFQ(RoutedPolicy):
         self.config = config or CMLFQConfig()
         super().__init__(router, signals=self.config.signals)
         self.predictor: Predictor = predictor or TreePredictor(PrefixForest(self.config.tree))
+        self.fit: CostFit | None = CostFit() if self.config.fit_costs else None
+
+    # --------------------------------------------------------- observing the costs
+
+    def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
+        route = super().route(request, exclude)
+        if self.fit is not None:
+            self.fit.sent(request, route)
+        return route
+
+    def release(self, route: Route, *, outcome: CallOutcome, new_tokens: int) -> None:
+        if self.fit is not None and route.instance is not None:
+            prior = route.instance.cost
+            self.fit.released(route, outcome=outcome, new_tokens=new_tokens, prior=prior)
+        super().release(route, outcome=outcome, new_tokens=new_tokens)
+
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
+        if self.fit is not None:
+            self.fit.forget(trajectory_id)
+        super().on_finish(trajectory_id, prompt_id, output_tokens=output_tokens, failed=failed)
+
+    def cost(self, instance: Instance) -> StepCost:
+        """The step cost decisions use: fitted when fitting, else the prior."""
+        return self.fit.cost(instance) if self.fit is not None else instance.cost
 
     @property
     def forest(self) -> PrefixForest | None:
@@ -209,14 +242,14 @@ class CMLFQ(RoutedPolicy):
         its last call ran)."""
         if previous is None or instance is previous:
             return 0.0
-        return instance.cost.prefill_time(track.context)
+        return self.cost(instance).prefill_time(track.context)
 
     def _decode_cost(
         self, instance: Instance, track: Track, estimate: Residual, previous: Instance | None
     ) -> float:
         """The reference's cost: decode seconds of the residual on this TP, alone."""
         tokens = estimate.mean
-        per_token = instance.cost.step_time(1, track.context + tokens / 2)
+        per_token = self.cost(instance).step_time(1, track.context + tokens / 2)
         return tokens * per_token + self._move_cost(instance, track, previous)
 
     def _loads(self, track: Track) -> dict[Instance, _Load]:
@@ -252,7 +285,7 @@ class CMLFQ(RoutedPolicy):
         context = load.context + track.context
         size = load.count + 1
         fits = _batch_that_fits(instance, size, context)
-        step = instance.cost.step_time(fits, context * fits / size)
+        step = self.cost(instance).step_time(fits, context * fits / size)
         drain = work * step / fits
         chain = longest * step * size / fits
         return max(drain, chain) + self._move_cost(instance, track, previous)
@@ -327,6 +360,18 @@ class LibraCMLFQ(CMLFQ):
         if config is not None and not isinstance(config, CMLFQConfig):
             raise TypeError(f"cmlfq takes a CMLFQConfig, not {type(config).__name__}")
         return cls(router, config)
+
+
+class FittedCMLFQ(CMLFQ):
+    """Libra's C-MLFQ deciding with step costs fitted online (``fit_costs``): how much the
+    fit buys when the servers are not what the fleet's prior says."""
+
+    name: ClassVar[str] = "cmlfq-fit"
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        config = options.config if isinstance(options.config, CMLFQConfig) else CMLFQConfig()
+        return cls(router, config.model_copy(update={"fit_costs": True}))
 
 
 class Oracle(CMLFQ):
