@@ -326,6 +326,7 @@ def test_policies_register_by_name_in_the_order_reports_list_them() -> None:
         "cmlfq-ref",
         "cmlfq-cost",
         "cmlfq",
+        "cmlfq-fit",
         "oracle",
         "oracle-finish",
     )
