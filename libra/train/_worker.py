@@ -176,6 +176,7 @@ def _trainer_main(
     reports: Connection,
     model_dir: Path,
     config: TrainerConfig,
+    cores: tuple[tuple[int, ...], ...] | None = None,
 ) -> None:
     """The trainer's process: it dies with the loop, and its ranks die with it. When a
     rank ends abnormally it stops the others, and says which on ``reports``."""
@@ -183,7 +184,7 @@ def _trainer_main(
 
     die_with_parent(parent)
     try:
-        spawn(world_size, _serve_rank, conn, model_dir, config)
+        spawn(world_size, _serve_rank, conn, model_dir, config, cores)
     except ProcessExitedException as exited:
         how = exited.signal_name or f"exit code {exited.exit_code}"
         reports.send(RankExit(exited.error_index, f"died ({how})", died=True))
@@ -208,11 +209,21 @@ class RankExit:
         return f"trainer rank {self.rank} {self.how}"
 
 
-def _serve_rank(conn: Connection, model_dir: Path, config: TrainerConfig) -> None:
+def _serve_rank(
+    conn: Connection,
+    model_dir: Path,
+    config: TrainerConfig,
+    cores: tuple[tuple[int, ...], ...] | None = None,
+) -> None:
     """One rank: load the model, then run commands until told to stop (None) or the
-    loop's end of the pipe closes."""
+    loop's end of the pipe closes. With ``cores`` (one set per rank) the rank runs on its
+    own set only, with as many torch threads."""
     import torch.distributed as dist
 
+    if cores is not None:
+        mine = cores[int(os.environ["RANK"])]
+        os.sched_setaffinity(0, mine)
+        config = config.model_copy(update={"cpu_threads": len(mine)})
     trainer = FSDPTrainer(model_dir, config)
     main = trainer.dist.is_main
     if main:
@@ -258,8 +269,19 @@ class TrainerProcess:
     stops the run too. Both raise :class:`TrainerError` with ``trainer rank N died ...``.
     """
 
-    def __init__(self, model_dir: Path, config: TrainerConfig, *, world_size: int = 1):
+    def __init__(
+        self,
+        model_dir: Path,
+        config: TrainerConfig,
+        *,
+        world_size: int = 1,
+        cores: Sequence[tuple[int, ...]] | None = None,
+    ):
+        """``cores``: each rank's CPU cores (one set per rank), or None: not pinned."""
+        if cores is not None and len(cores) != world_size:
+            raise ValueError(f"{len(cores)} core sets for {world_size} ranks")
         self.model_dir, self.config, self.world_size = model_dir, config, world_size
+        pinned = tuple(tuple(ranks) for ranks in cores) if cores is not None else None
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._reports, reporter = context.Pipe(duplex=False)
@@ -267,7 +289,7 @@ class TrainerProcess:
         # when this end of the pipe says stop or closes.
         self._process = context.Process(
             target=_trainer_main,
-            args=(os.getpid(), world_size, child, reporter, model_dir, config),
+            args=(os.getpid(), world_size, child, reporter, model_dir, config, pinned),
             name="libra-trainer",
         )
         self._child, self._reporter = child, reporter

@@ -111,3 +111,14 @@ class Fail:
 
     def run(self, trainer: object) -> None:
         raise ValueError("a bug in the command")
+
+
+@dataclass(frozen=True)
+class FullParameters:
+    """Every parameter's whole value, on CPU (collective), from rank 0."""
+
+    def run(self, trainer: object) -> dict[str, torch.Tensor]:
+        from libra.train import FSDPTrainer
+
+        assert isinstance(trainer, FSDPTrainer)
+        return trainer.full_parameters()

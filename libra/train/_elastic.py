@@ -1,0 +1,239 @@
+"""An elastic trainer: its world of FSDP ranks grows and shrinks between optimizer steps,
+and the run's parameters and optimizer state go on exactly.
+
+Each rank is one *worker* (a set of CPU cores here, an accelerator elsewhere), pinned to
+its cores. A world change is a restart at a step boundary, in two halves:
+
+1. :meth:`ElasticTrainer.prepare` starts the next world's ranks (a fresh process group on
+   a fresh rendezvous port): they load the model folder while the current ranks go on
+   training, so fetching the model costs the run nothing;
+2. :meth:`ElasticTrainer.switch` waits for the current command to end (the step
+   boundary), has the current ranks write their sharded parameters, optimizer state, LR
+   schedule and step count with ``torch.distributed.checkpoint`` to a scratch folder, and
+   the next world's ranks read them back resharded for their world size; then one
+   gradient-shaped all-reduce in which every rank contributes zeros proves the new group
+   in step (:class:`ZeroSync`), and the old ranks exit. The next command runs on the new
+   world: a batch is split over :attr:`ElasticTrainer.world_size` ranks.
+
+This is not a hybrid gradient group that a joiner enters while the others keep stepping:
+the step boundary waits for the handover (the ranks' state written and read back), which
+on a small model is seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Self, TypeVar
+
+import anyio
+
+from libra.train._checkpoint import load_trainer_state, save_trainer_state
+from libra.train._fsdp import TrainerConfig
+from libra.train._worker import TrainerCommand, TrainerError, TrainerProcess
+
+if TYPE_CHECKING:
+    from libra.train._fsdp import FSDPTrainer
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------ commands
+
+
+@dataclass(frozen=True, slots=True)
+class SaveState:
+    """Write the trainer's whole state (sharded) under ``folder``."""
+
+    folder: Path
+
+    def run(self, trainer: FSDPTrainer) -> None:
+        import torch.distributed as dist
+
+        save_trainer_state(trainer, self.folder)
+        dist.barrier()  # rank 0 answers once every rank's files are written
+
+
+@dataclass(frozen=True, slots=True)
+class LoadState:
+    """Read what :class:`SaveState` wrote, resharded for this world; the step count."""
+
+    folder: Path
+
+    def run(self, trainer: FSDPTrainer) -> int:
+        import torch.distributed as dist
+
+        load_trainer_state(trainer, self.folder)
+        dist.barrier()  # rank 0 answers once every rank has read: the folder may go
+        return trainer.steps_done
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroSync:
+    """One all-reduce of gradient-shaped zeros over every rank's parameter shards, and of
+    the step counts: the new group is whole and in step. Returns the step count."""
+
+    def run(self, trainer: FSDPTrainer) -> int:
+        import torch
+        import torch.distributed as dist
+
+        # A reduce-scatter's worth per parameter: the same size on every rank, whatever
+        # the uneven shards each holds.
+        world = trainer.dist.world_size
+        size = sum(-(-p.numel() // world) for p in trainer.model.parameters())
+        grads = torch.zeros(max(size, 1), device=trainer.dist.device)
+        dist.all_reduce(grads)
+        steps = torch.tensor(
+            [trainer.steps_done, -trainer.steps_done], dtype=torch.long, device=grads.device
+        )
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        if bool(grads.any()) or int(steps[0]) != -int(steps[1]):
+            raise RuntimeError("the new group is not in step: its ranks disagree")
+        return trainer.steps_done
+
+
+# ------------------------------------------------------------------------ the trainer
+
+
+@dataclass(frozen=True, slots=True)
+class Resize:
+    """One world change, as measured: ``prepare_s`` the next world's ranks took to load
+    (overlapping training), ``switch_s`` the handover at the step boundary."""
+
+    members: tuple[int, ...]
+    prepare_s: float
+    switch_s: float
+
+
+class ElasticTrainer:
+    """The trainer's ranks on ``members`` (worker ids, rank order) of ``cores`` (each
+    worker's CPU cores); its world changes by :meth:`prepare` then :meth:`switch`::
+
+        async with ElasticTrainer(model_dir, config, cores, members=(0,)) as trainer:
+            await trainer.call(Train(batch, grpo, temperature))
+            await trainer.prepare((0, 1))  # while training goes on
+            await trainer.switch()  # at the next step boundary
+
+    Commands and switches are serialized: a switch waits for the command under way.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        config: TrainerConfig,
+        cores: Mapping[int, tuple[int, ...]] | None = None,
+        *,
+        members: Sequence[int] = (0,),
+    ) -> None:
+        self.model_dir, self.config = model_dir, config
+        self.cores = dict(cores) if cores is not None else None
+        self._current = self._process(tuple(members))
+        self._members = tuple(members)
+        self._next: tuple[tuple[int, ...], TrainerProcess, float] | None = None
+        self._lock = anyio.Lock()
+        self._watching: anyio.CancelScope | None = None
+        self.resizes: list[Resize] = []
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The workers training now, in rank order."""
+        return self._members
+
+    @property
+    def world_size(self) -> int:
+        return len(self._members)
+
+    @property
+    def preparing(self) -> tuple[int, ...] | None:
+        """The members of the world being prepared, if one is."""
+        return self._next[0] if self._next is not None else None
+
+    def _process(self, members: tuple[int, ...]) -> TrainerProcess:
+        if not members or len(set(members)) != len(members):
+            raise ValueError(f"a trainer's world is one or more distinct workers, not {members}")
+        cores = [self.cores[m] for m in members] if self.cores is not None else None
+        return TrainerProcess(self.model_dir, self.config, world_size=len(members), cores=cores)
+
+    async def __aenter__(self) -> Self:
+        await self._current.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.discard()
+            await self._current.__aexit__(exc_type, exc, traceback)
+
+    async def ready(self) -> None:
+        await self._current.ready()
+
+    async def call(self, command: TrainerCommand[T]) -> T:
+        """Run ``command`` on every rank of the current world; rank 0's result."""
+        async with self._lock:
+            return await self._current.call(command)
+
+    async def watch(self) -> None:
+        """As :meth:`TrainerProcess.watch`, following the world through its changes."""
+        while True:
+            with anyio.CancelScope() as scope:
+                self._watching = scope
+                await self._current.watch()
+            self._watching = None
+
+    # ------------------------------------------------------------------ resizing
+
+    async def prepare(self, members: Sequence[int]) -> None:
+        """Start the ranks of a world of ``members`` and wait until they have loaded the
+        model; the current world keeps training. A world prepared before is discarded."""
+        wanted = tuple(members)
+        if self._next is not None and self._next[0] == wanted:
+            return
+        await self.discard()
+        started = time.perf_counter()
+        process = self._process(wanted)
+        await process.__aenter__()
+        self._next = (wanted, process, 0.0)
+        try:
+            await process.ready()
+        except BaseException:
+            await self.discard()
+            raise
+        self._next = (wanted, process, time.perf_counter() - started)
+
+    async def discard(self) -> None:
+        """Stop the world being prepared, if any (a join that is called off)."""
+        if self._next is not None:
+            _, process, _ = self._next
+            self._next = None
+            with anyio.CancelScope(shield=True):
+                await process.__aexit__(None, None, None)
+
+    async def switch(self) -> int:
+        """At the next step boundary, move the state to the prepared world and make it
+        the current one; the step count it holds. Without a prepared world: an error."""
+        if self._next is None:
+            raise RuntimeError("no world is prepared to switch to")
+        async with self._lock:
+            members, process, prepare_s = self._next
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix="libra-elastic-") as scratch:
+                await self._current.call(SaveState(Path(scratch)))
+                await process.call(LoadState(Path(scratch)))
+            steps = await process.call(ZeroSync())
+            self._next = None
+            old, self._current, self._members = self._current, process, members
+            if self._watching is not None:
+                self._watching.cancel()  # before the old ranks exit: their end is no death
+            with anyio.CancelScope(shield=True), contextlib.suppress(TrainerError):
+                await old.__aexit__(None, None, None)
+            self.resizes.append(Resize(members, prepare_s, time.perf_counter() - started))
+            return steps

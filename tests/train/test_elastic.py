@@ -1,0 +1,100 @@
+"""The elastic trainer: its world grows 1 -> 2 and shrinks 2 -> 1 between steps, the
+parameters crossing each change exactly, and each step after a change is the step a
+trainer of fixed size takes on the same batch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from libra.train import (
+    Batch,
+    GRPOConfig,
+    Sample,
+    TrainConfig,
+    TrainerConfig,
+    TrainerProcess,
+    build_batch,
+)
+from libra.train._elastic import ElasticTrainer
+from libra.train._worker import Train
+from tests._helpers import tiny_llama
+from tests.train._ranks import FullParameters
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
+GRPO = GRPOConfig()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def samples(seed: int) -> list[Sample]:
+    """Two groups of four samples of varied lengths and rewards, prompts masked out."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for index in range(8):
+        prompt, response = 5 + index % 3, 4 + 3 * index
+        ids = torch.randint(0, 320, (prompt + response,), generator=generator).tolist()
+        out.append(
+            Sample(
+                id=f"s{seed}-{index}",
+                group=f"g{seed}-{index % 2}",
+                status="completed",
+                tokens="exact",
+                reward=float(index),
+                token_ids=tuple(ids),
+                loss_mask=(0,) * prompt + (1,) * response,
+                logprobs=(0.0,) * prompt + (-5.0,) * response,
+                weight_version=0,
+            )
+        )
+    return out
+
+
+def batch(seed: int, ranks: int) -> Batch:
+    train = TrainConfig(micro_batch_tokens=40)
+    return build_batch(samples(seed), current_version=0, grpo=GRPO, train=train, ranks=ranks)
+
+
+def assert_close(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], rtol=1e-5, atol=1e-6)
+
+
+def assert_equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        assert torch.equal(left[name], right[name]), name
+
+
+# Each world is processes loading the model: one event loop's run (trio passed too) is enough.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_world_grows_and_shrinks_between_steps_and_training_goes_on_exactly(
+    tiny_model: Path,
+) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    workers = {0: (cores[0],), 1: (cores[-1],)}  # one core each (the same one on one core)
+    async with (
+        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
+        ElasticTrainer(tiny_model, CONFIG, workers, members=(0,)) as elastic,
+    ):
+        for seed, members in enumerate([(0,), (0, 1), (0,)]):
+            if members != elastic.members:
+                before = await elastic.call(FullParameters())
+                await elastic.prepare(members)
+                assert elastic.members != members  # the old world trains meanwhile
+                assert await elastic.switch() == seed  # the step count came along
+                assert elastic.world_size == len(members)
+                assert_equal(await elastic.call(FullParameters()), before)
+            await fixed.call(Train(batch(seed, ranks=1), GRPO, 1.0))
+            await elastic.call(Train(batch(seed, ranks=elastic.world_size), GRPO, 1.0))
+            assert_close(await elastic.call(FullParameters()), await fixed.call(FullParameters()))
+    assert [resize.members for resize in elastic.resizes] == [(0, 1), (0,)]
