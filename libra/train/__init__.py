@@ -21,6 +21,7 @@ from libra.train._checkpoint import (
     resume,
     truncate_metrics,
 )
+from libra.train._cluster import Allocation, AllocConfig, LocalCluster, open_local_cluster
 from libra.train._config import (
     Aggregation,
     FailureRule,
@@ -29,6 +30,7 @@ from libra.train._config import (
     StaleRule,
     TrainConfig,
 )
+from libra.train._elastic import ElasticTrainer, LoadState, Resize, SaveState, ZeroSync
 from libra.train._fsdp import (
     DistContext,
     FSDPTrainer,
@@ -88,16 +90,21 @@ from libra.train._worker import (
 __all__ = [
     "METRICS_FILE",
     "Aggregation",
+    "AllocConfig",
+    "Allocation",
     "AttachError",
     "Batch",
     "Checkpoint",
     "CheckpointHook",
     "DistContext",
+    "ElasticTrainer",
     "Export",
     "FSDPTrainer",
     "FailureRule",
     "GRPOConfig",
     "Layout",
+    "LoadState",
+    "LocalCluster",
     "LogprobGap",
     "Logprobs",
     "LogprobsMode",
@@ -107,10 +114,12 @@ __all__ = [
     "NothingToResume",
     "Persistent",
     "RankExit",
+    "Resize",
     "RestoreCheckpoint",
     "RolloutLog",
     "RunState",
     "Sample",
+    "SaveState",
     "StaleRule",
     "StepMetrics",
     "StepRecord",
@@ -124,6 +133,7 @@ __all__ = [
     "TrainerError",
     "TrainerProcess",
     "WriteCheckpoint",
+    "ZeroSync",
     "aggregation_weights",
     "build_batch",
     "check_attached",
@@ -137,6 +147,7 @@ __all__ = [
     "iter_metrics",
     "keep_reusable",
     "logprob_gap",
+    "open_local_cluster",
     "open_run",
     "plan_micro_batches",
     "problems_of",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -181,6 +181,13 @@ class ElasticTrainer:
         async with self._lock:
             return await self._current.call(command)
 
+    async def call_sized(self, make: Callable[[int], TrainerCommand[T] | None]) -> T | None:
+        """Run the command ``make`` builds for the world size it will run on (a batch is
+        split over that many ranks): no switch comes between the two. None: nothing."""
+        async with self._lock:
+            command = make(self.world_size)
+            return None if command is None else await self._current.call(command)
+
     async def watch(self) -> None:
         """As :meth:`TrainerProcess.watch`, following the world through its changes."""
         while True:
@@ -223,17 +230,23 @@ class ElasticTrainer:
         if self._next is None:
             raise RuntimeError("no world is prepared to switch to")
         async with self._lock:
-            members, process, prepare_s = self._next
-            started = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="libra-elastic-") as scratch:
-                await self._current.call(SaveState(Path(scratch)))
-                await process.call(LoadState(Path(scratch)))
-            steps = await process.call(ZeroSync())
-            self._next = None
-            old, self._current, self._members = self._current, process, members
-            if self._watching is not None:
-                self._watching.cancel()  # before the old ranks exit: their end is no death
-            with anyio.CancelScope(shield=True), contextlib.suppress(TrainerError):
-                await old.__aexit__(None, None, None)
-            self.resizes.append(Resize(members, prepare_s, time.perf_counter() - started))
-            return steps
+            with anyio.CancelScope(shield=True):  # half a handover would lose the state
+                steps = await self._hand_over()
+        return steps
+
+    async def _hand_over(self) -> int:
+        assert self._next is not None
+        members, process, prepare_s = self._next
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="libra-elastic-") as scratch:
+            await self._current.call(SaveState(Path(scratch)))
+            await process.call(LoadState(Path(scratch)))
+        steps = await process.call(ZeroSync())
+        self._next = None
+        old, self._current, self._members = self._current, process, members
+        if self._watching is not None:
+            self._watching.cancel()  # before the old ranks exit: their end is no death
+        with contextlib.suppress(TrainerError):
+            await old.__aexit__(None, None, None)
+        self.resizes.append(Resize(members, prepare_s, time.perf_counter() - started))
+        return steps

@@ -49,7 +49,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -57,6 +57,7 @@ import anyio
 import httpx
 from rich.console import Console
 
+from libra.alloc import AllocationLoop, HybridPool, Layout, PoolConfig, start_layout
 from libra.engine import (
     Group,
     RolloutSession,
@@ -67,12 +68,13 @@ from libra.engine import (
 )
 from libra.envs import Env, GroupId, load_env
 from libra.envs import env_name as registered_name
-from libra.fleet import Endpoint
+from libra.fleet import Endpoint, FleetSpec
 from libra.launch import open_engine, scheduler_forest
 from libra.sched import Scheduler
 from libra.serving import (
     EMBEDDED_MODEL_NAME,
     VLLMServer,
+    VLLMServerConfig,
     WeightSync,
     WeightSyncError,
     prepare_model,
@@ -80,6 +82,8 @@ from libra.serving import (
 from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
+from libra.train._cluster import Allocation, LocalCluster, open_local_cluster, rule_planner
+from libra.train._elastic import ElasticTrainer
 from libra.train._gateway import Gateway, find_gateway
 from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
@@ -125,9 +129,15 @@ class StepRecord:
     lr: float | None = None
     reused: int = 0  # trajectories read back from the log of a killed run, not sampled
     retried: int = 0  # runs again of failed trajectories (train.failures = "retry")
+    #: With ``[alloc]``: the allocation loop's decision after the step and where the
+    #: workers are (absent from the line otherwise).
+    alloc: dict[str, object] | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=False)
+        line = asdict(self)
+        if line["alloc"] is None:
+            del line["alloc"]
+        return json.dumps(line, sort_keys=False)
 
 
 class CheckpointHook(Protocol):
@@ -206,6 +216,9 @@ class ServedWeights:
 
     folder: Path | None = None
     version: int = 0
+    #: Held while new weights load into the fleet: an instance starting meanwhile takes
+    #: them once the load is over.
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     def __call__(self) -> tuple[Path | None, int]:
         return self.folder, self.version
@@ -219,13 +232,14 @@ class TrainRun:
     run_dir: Path
     env_cls: type[Env]
     env_name: str
-    trainer: TrainerProcess
+    trainer: TrainerProcess | ElasticTrainer
     session: RolloutSession
     endpoints: list[Endpoint]
     scheduler: Scheduler
     log: RolloutLog
     served: ServedWeights = field(default_factory=ServedWeights)
     gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
+    allocation: Allocation | None = None  # [alloc]: the pool and the loop that moves it
     version: int = 0  # the weights the trainer holds: v0 before the first step
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
     # Records of groups not complete yet, and the ids of the groups submitted, by group.
@@ -328,18 +342,24 @@ class TrainRun:
         self.log.finish(step)
         step_records = [r for group in groups for r in group.records]
         samples = [Sample.from_record(r) for r in step_records]
-        batch = build_batch(
-            samples,
-            current_version=self.version,
-            grpo=self.config.grpo,
-            train=self.config.train,
-            ranks=self.config.world_size,
-        )
+        built: list[Batch] = []
+
+        def train_on(ranks: int) -> Train | None:  # split over the ranks that train it
+            built.append(
+                build_batch(
+                    samples,
+                    current_version=self.version,
+                    grpo=self.config.grpo,
+                    train=self.config.train,
+                    ranks=ranks,
+                )
+            )
+            grpo, temperature = self.config.grpo, self.config.trainer_temperature
+            return Train(built[-1], grpo, temperature) if built[-1].micro_batches else None
+
         started = time.perf_counter()
-        result: TrainResult | None = None
-        if batch.micro_batches:
-            command = Train(batch, self.config.grpo, self.config.trainer_temperature)
-            result = await self.trainer.call(command)
+        result: TrainResult | None = await self.trainer.call_sized(train_on)
+        batch = built[-1]
         train_s = time.perf_counter() - started
         export_s, sync_s = await self._publish(self.version + 1)
         self.version += 1
@@ -352,7 +372,12 @@ class TrainRun:
         if self.config.mode == "sync":
             self.submit(step + 1)
         seconds = (rollout_s, train_s, export_s, sync_s)
-        return _step_record(step, self, groups, batch, result, gap, seconds)
+        record = _step_record(step, self, groups, batch, result, gap, seconds)
+        if self.allocation is not None:
+            timing = (rollout_s, train_s + export_s + sync_s)  # all the rollout waits for
+            decided = self.allocation.after_step(step, timing, batch.trained_tokens, step_records)
+            record = replace(record, alloc=decided)
+        return record
 
     async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
         while len(self.groups[step]) < self.config.prompts_per_step:
@@ -431,6 +456,10 @@ class TrainRun:
         """Load ``folder`` into every endpoint as ``version``; the seconds it took. A
         server that is down (or goes down meanwhile) is skipped: its supervisor gives it
         these weights when it restarts."""
+        async with self.served.lock:
+            return await self._load_locked(folder, version)
+
+    async def _load_locked(self, folder: Path, version: int) -> float:
         self.served.folder, self.served.version = folder, version
         self.session.pause()
         started = time.perf_counter()
@@ -441,7 +470,9 @@ class TrainRun:
                 return 0.0
             if self.gateway is not None:
                 return await self._load_through_gateway(self.gateway, folder, version)
-            live = [e for e in self.endpoints if self._serving(e.name)]
+            # The router's, not the run's first ones: the pool adds and removes instances.
+            endpoints = self.scheduler.router.endpoints().values()
+            live = [e for e in endpoints if self._serving(e.name)]
             sync = WeightSync(live, self.config.sync, self.session.engine.http)
             try:
                 await sync.sync(folder, version)
@@ -542,12 +573,33 @@ async def open_run(
     rollout = config.rollout
     gateway = await _gateway_of(config)
     async with AsyncExitStack() as stack:
-        trainer = await stack.enter_async_context(
-            TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
-        )  # it loads the model while the servers start
+        weights = ServedWeights()
+        trainer: TrainerProcess | ElasticTrainer
+        cluster: LocalCluster | None = None
         server, model = config.server, rollout.model
         own: dict[str, VLLMServer] = {}
-        if server == "embedded":
+        if config.alloc is not None and config.alloc.enabled:
+            served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
+            cluster = await stack.enter_async_context(
+                open_local_cluster(
+                    config.alloc,
+                    config.trainer,
+                    model_dir,
+                    base=served,
+                    server=_own_server_config(config),
+                    weights=weights,
+                    weights_lock=weights.lock,
+                )
+            )  # its trainer loads the model while the servers start
+            trainer = cluster.trainer
+            fleet = await _start_workers(cluster, config.alloc.layout(), _pool_config(config))
+            rollout = rollout.model_copy(update={"fleet": fleet})
+            server, model = None, EMBEDDED_MODEL_NAME
+        else:
+            trainer = await stack.enter_async_context(
+                TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
+            )  # it loads the model while the servers start
+        if cluster is None and server == "embedded":
             served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
             console = Console(stderr=True)
             with console.status(f"starting vLLM (dev mode) on {served}"):
@@ -561,7 +613,6 @@ async def open_run(
             await check_attached(server.split(","), config.logprobs_mode)
         rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
         warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
-        weights = ServedWeights()
         assembled = await stack.enter_async_context(
             open_engine(
                 rollout,
@@ -591,6 +642,8 @@ async def open_run(
             weights,
             gateway,
         )
+        if cluster is not None:
+            run.allocation = await _allocation(stack, config, cluster, scheduler)
         async with anyio.create_task_group() as group:
             group.start_soon(trainer.watch)
             group.start_soon(run.read_records)
@@ -609,13 +662,50 @@ async def _gateway_of(config: TrainRunConfig) -> Gateway | None:
 
 def _own_server(config: TrainRunConfig, served: Path) -> VLLMServer:
     """vLLM on ``served`` in dev mode (reloads), with the logprobs the trainer expects."""
+    return VLLMServer(
+        served, served_model_name=EMBEDDED_MODEL_NAME, config=_own_server_config(config)
+    )
+
+
+def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:
     extra: tuple[str, ...] = ("--logprobs-mode", config.logprobs_mode)
     if config.export_dtype is not None:
         extra += ("--dtype", config.export_dtype)
-    vllm_config = config.vllm.model_copy(
+    return config.vllm.model_copy(
         update={"dev_mode": True, "extra_args": (*config.vllm.extra_args, *extra)}
     )
-    return VLLMServer(served, served_model_name=EMBEDDED_MODEL_NAME, config=vllm_config)
+
+
+# ---------------------------------------------------------------------- [alloc]
+
+
+def _pool_config(config: TrainRunConfig) -> PoolConfig:
+    assert config.alloc is not None
+    return config.alloc.pool.model_copy(update={"model": EMBEDDED_MODEL_NAME})
+
+
+async def _start_workers(cluster: LocalCluster, layout: Layout, pool: PoolConfig) -> FleetSpec:
+    """Every serving unit's vLLM, started at once: the run's fleet."""
+    console = Console(stderr=True)
+    with console.status(f"starting {len(layout.units())} vLLM servers (dev mode)"):
+        fleet = await start_layout(cluster, layout, pool)
+    for name, vllm in cluster.servers.items():
+        console.print(f"{name}: vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
+    return fleet
+
+
+async def _allocation(
+    stack: AsyncExitStack, config: TrainRunConfig, cluster: LocalCluster, scheduler: Scheduler
+) -> Allocation:
+    """The pool over the run's router (its moves end before the engine closes) and the
+    loop that decides after each step."""
+    assert config.alloc is not None
+    layout, pool_config = config.alloc.layout(), _pool_config(config)
+    pool = await stack.enter_async_context(
+        HybridPool(cluster, scheduler.router, layout, pool_config)
+    )
+    planner = rule_planner(cluster.base, config.alloc.gpu)
+    return Allocation(cluster, pool, AllocationLoop(planner, pool, config.alloc.loop))
 
 
 def iter_metrics(run_dir: Path) -> Iterator[dict[str, object]]:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from libra.launch import RolloutConfig
 from libra.serving import VLLMServerConfig, WeightSyncConfig
+from libra.train._cluster import AllocConfig
 from libra.train._config import GRPOConfig, TrainConfig
 from libra.train._fsdp import TrainerConfig
 from libra.train._logprobs import LogprobsMode
@@ -87,6 +88,11 @@ class TrainRunConfig(BaseModel):
     world_size: PositiveInt = Field(
         1, description="trainer ranks: processes on CPU (gloo), GPUs on CUDA (nccl)"
     )
+    alloc: AllocConfig | None = Field(
+        None,
+        description="local workers moved between serving and training by the allocation "
+        "loop (the trainer starts on alloc.training, not world_size); None: off",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
@@ -95,7 +101,13 @@ class TrainRunConfig(BaseModel):
             raise ValueError(f"rollout.{', rollout.'.join(owned)}: the loop sets these per step")
         if self.grpo.kl_coef > 0:
             raise ValueError("grpo.kl_coef > 0 needs a reference model, which the loop lacks")
+        if self.allocating and self.server != "embedded":
+            raise ValueError("alloc: the pool serves the run's own model: rollout.server=embedded")
         return self
+
+    @property
+    def allocating(self) -> bool:
+        return self.alloc is not None and self.alloc.enabled
 
     @property
     def server(self) -> str | None:

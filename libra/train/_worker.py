@@ -21,7 +21,7 @@ import contextlib
 import multiprocessing
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
@@ -333,6 +333,11 @@ class TrainerProcess:
             raise await self._ended() from None
         result: T = await self._answer()
         return result
+
+    async def call_sized(self, make: Callable[[int], TrainerCommand[T] | None]) -> T | None:
+        """Run the command ``make`` builds for this world's size (None: nothing)."""
+        command = make(self.world_size)
+        return None if command is None else await self.call(command)
 
     async def watch(self) -> None:
         """Return never while the ranks live; raise :class:`TrainerError` as soon as

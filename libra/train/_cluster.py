@@ -1,0 +1,313 @@
+"""The local cluster: workers are sets of this machine's CPU cores (a core set stands for
+an accelerator), serving instances are vLLM servers bound to their workers' cores, and
+training is the :class:`ElasticTrainer`, one rank per training worker, pinned to its
+worker's cores. It is what the allocation pool drives (a ``libra.alloc.Cluster``).
+
+Training operations, per worker (a unit of several workers joins one resize at a time):
+
+- ``fetch_state``: the next world (the current ranks and this worker) starts and loads
+  the model while the current world trains;
+- ``zero_sync``: at the next step boundary the state moves to the new world, resharded,
+  and its ranks exchange one gradient of zeros (see ``_elastic``);
+- ``activate``: the worker takes its share of the next batch (a batch is split over the
+  trainer's world as it is then: nothing is left to do but check it is in);
+- ``leave_training``: a world without the worker is prepared and switched to; a worker
+  whose join is under way calls it off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from pydantic import Field, model_validator
+
+from libra.alloc import (
+    PRESETS,
+    AllocationLoop,
+    HybridPool,
+    Layout,
+    LoopConfig,
+    Move,
+    PoolConfig,
+    RooflinePlanner,
+    StepTiming,
+    Workload,
+)
+from libra.config import Section
+from libra.engine import TrajectoryRecord
+from libra.fleet import Model, Roofline
+from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig
+from libra.train._elastic import ElasticTrainer
+from libra.train._fsdp import TrainerConfig
+
+CurrentWeights = Callable[[], tuple[Path | None, int]]
+
+
+class AllocConfig(Section):
+    """``[alloc]``: the run's workers, which of them move, and the loop that moves them."""
+
+    enabled: bool = False
+    workers: tuple[tuple[int, ...], ...] = Field(
+        (),
+        description="each worker's CPU cores (a core may be in several sets on a small "
+        "machine); empty: one worker per core this process may run on",
+    )
+    training: tuple[int, ...] = Field((0,), description="core-training workers (trainer ranks)")
+    rollout: tuple[tuple[int, ...], ...] = Field(
+        ((1,),), description="core-rollout units: the workers of one vLLM server each"
+    )
+    hybrid: tuple[tuple[int, ...], ...] = Field(
+        (), description="hybrid units: they serve, and the loop lends them to training"
+    )
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    gpu: str = Field("H100", description="the preset the planner prices a re-plan on")
+
+    @model_validator(mode="after")
+    def _units_are_workers(self) -> AllocConfig:
+        if self.enabled:
+            self.layout().check(len(self.core_sets()))
+            if not self.training:
+                raise ValueError("alloc.training: the trainer needs at least one worker")
+            if not self.rollout:
+                raise ValueError("alloc.rollout: one unit serves whatever the loop lends")
+        return self
+
+    def core_sets(self) -> tuple[tuple[int, ...], ...]:
+        if self.workers:
+            return self.workers
+        return tuple((core,) for core in sorted(os.sched_getaffinity(0)))
+
+    def layout(self) -> Layout:
+        return Layout(training=self.training, rollout=self.rollout, hybrid=self.hybrid)
+
+
+@dataclass
+class LocalCluster:
+    """``cores[w]``: worker ``w``'s CPU cores. Instances serve ``served_model_name``,
+    started on ``base`` (the run's v0 folder) and loaded with ``weights()`` (the run's
+    current folder and version) before they answer; ``weights_lock`` is held by whoever
+    loads new weights into the fleet, so an instance never joins it one version behind."""
+
+    cores: Sequence[tuple[int, ...]]
+    trainer: ElasticTrainer
+    base: Path
+    served_model_name: str
+    server: VLLMServerConfig
+    weights: CurrentWeights
+    weights_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    servers: dict[str, VLLMServer] = field(default_factory=dict)
+    #: Seconds each operation took, in order: ``(what, worker or instance, seconds)``.
+    timings: list[tuple[str, str, float]] = field(default_factory=list)
+    _joining: set[int] = field(default_factory=set)
+    _resizing: anyio.Lock = field(default_factory=anyio.Lock)
+
+    @property
+    def workers(self) -> int:
+        return len(self.cores)
+
+    # ---------------------------------------------------------------- serving
+
+    async def start_instance(self, name: str, workers: tuple[int, ...]) -> str:
+        if name in self.servers:
+            raise ValueError(f"instance {name!r} is running already")
+        started = time.perf_counter()
+        cores = sorted({core for worker in workers for core in self.cores[worker]})
+        config = self.server.model_copy(
+            update={
+                "cpu_threads_bind": ",".join(str(core) for core in cores),
+                "threads": len(cores),
+                "dev_mode": True,  # it is given each new version by reload
+            }
+        )
+        server = VLLMServer(self.base, served_model_name=self.served_model_name, config=config)
+        await server.astart()
+        try:
+            async with self.weights_lock:  # no sync is under way: the version is final
+                folder, _ = self.weights()
+                if folder is not None and folder != self.base:
+                    await server.areload_weights_from(folder)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await server.astop()
+            raise
+        self.servers[name] = server
+        self.timings.append(("start", name, time.perf_counter() - started))
+        return server.url
+
+    async def stop_instance(self, name: str) -> None:
+        server = self.servers.pop(name, None)
+        if server is not None:
+            started = time.perf_counter()
+            await server.astop()  # its whole process tree
+            self.timings.append(("stop", name, time.perf_counter() - started))
+
+    async def close(self) -> None:
+        """Stop every instance still running."""
+        with anyio.CancelScope(shield=True):
+            for name in list(self.servers):
+                await self.stop_instance(name)
+
+    # ---------------------------------------------------------------- training
+
+    async def fetch_state(self, worker: int) -> None:
+        if worker in self.trainer.members:
+            return  # a core-training worker: in the world from the start
+        self._joining.add(worker)
+        started = time.perf_counter()
+        async with self._resizing:
+            await self.trainer.prepare(self._world_with_joiners())
+        self.timings.append(("fetch_state", f"w{worker}", time.perf_counter() - started))
+
+    async def zero_sync(self, worker: int) -> None:
+        if worker in self.trainer.members:
+            return  # switched in with another worker of its unit
+        started = time.perf_counter()
+        async with self._resizing:
+            if worker not in (self.trainer.preparing or ()):
+                raise RuntimeError(f"worker {worker} has no world prepared to join")
+            await self.trainer.switch()
+        self._joining -= set(self.trainer.members)
+        self.timings.append(("zero_sync", f"w{worker}", time.perf_counter() - started))
+
+    async def activate(self, worker: int) -> None:
+        if worker not in self.trainer.members:
+            raise RuntimeError(f"worker {worker} is not in the trainer's world")
+
+    async def leave_training(self, worker: int) -> None:
+        self._joining.discard(worker)
+        started = time.perf_counter()
+        async with self._resizing:
+            if worker in (self.trainer.preparing or ()):
+                await self.trainer.discard()
+            if worker not in self.trainer.members:
+                return
+            remaining = tuple(m for m in self.trainer.members if m != worker)
+            if not remaining:
+                raise RuntimeError("the trainer's last worker cannot leave")
+            await self.trainer.prepare(remaining)
+            await self.trainer.switch()
+        self.timings.append(("leave", f"w{worker}", time.perf_counter() - started))
+
+    def _world_with_joiners(self) -> tuple[int, ...]:
+        members = self.trainer.members
+        return members + tuple(sorted(self._joining - set(members)))
+
+
+@asynccontextmanager
+async def open_local_cluster(
+    alloc: AllocConfig,
+    trainer: TrainerConfig,
+    model_dir: Path,
+    *,
+    base: Path,
+    server: VLLMServerConfig,
+    weights: CurrentWeights,
+    weights_lock: anyio.Lock,
+) -> AsyncIterator[LocalCluster]:
+    """The trainer's ranks on ``alloc.training`` (loading while the caller goes on) and a
+    cluster with no instance yet; on exit every instance and rank is stopped."""
+    cores = alloc.core_sets()
+    members = alloc.training
+    async with ElasticTrainer(model_dir, trainer, dict(enumerate(cores)), members=members) as ranks:
+        cluster = LocalCluster(
+            cores, ranks, base, EMBEDDED_MODEL_NAME, server, weights, weights_lock
+        )
+        try:
+            yield cluster
+        finally:
+            await cluster.close()
+
+
+# ------------------------------------------------------------------ the loop's side
+
+
+@dataclass
+class Allocation:
+    """The run's pool and allocation loop: after each step, one decision, logged."""
+
+    cluster: LocalCluster
+    pool: HybridPool
+    loop: AllocationLoop
+
+    def after_step(
+        self,
+        step: int,
+        seconds: tuple[float, float],
+        tokens: int,
+        records: Sequence[TrajectoryRecord],
+    ) -> dict[str, object]:
+        """Feed the loop the step's timing and workload; what it decided and where the
+        workers are, for the step's metrics line."""
+        rollout_s, train_s = seconds
+        timing = StepTiming(
+            step=step,
+            rollout_s=rollout_s,
+            train_s=train_s,
+            train_tokens=tokens,
+            train_workers=self.cluster.trainer.world_size,
+            rollout_workers=self.pool.workers_in("rollout"),
+        )
+        workload = Workload(
+            trajectories=len(records),
+            output_tokens=tuple(sum(r.loss_mask) for r in records) or (0,),
+            context_tokens=tuple(len(r.token_ids) for r in records) or (0,),
+        )
+        decision = self.loop.on_step(timing, workload)
+        return {
+            "decision": decision.action,
+            "reason": decision.reason,
+            "ratio": round(decision.ratio, 4),
+            "pressure": round(decision.pressure, 4),
+            "moving": [f"{m.direction} {m.unit}" for m in decision.moves],
+            "training": list(self.cluster.trainer.members),
+            "serving": sorted(self.cluster.servers),
+            "moves": [_move_line(m) for m in self.pool.moves],  # every one so far
+        }
+
+
+def _move_line(move: Move) -> dict[str, object]:
+    seconds = None if move.ended is None else round(move.ended - move.started, 3)
+    line: dict[str, object] = {
+        "unit": move.unit,
+        "direction": move.direction,
+        "outcome": move.outcome,
+        "seconds": seconds,
+    }
+    if move.error:
+        line["error"] = move.error
+    return line
+
+
+def rule_planner(model_dir: Path, gpu: str) -> RooflinePlanner:
+    """A roofline planner for the model in ``model_dir`` on ``gpu`` (a preset's name):
+    what the loop re-plans with when its trigger fires."""
+    return RooflinePlanner(Roofline(PRESETS[gpu], model_shape(model_dir)))
+
+
+def model_shape(model_dir: Path) -> Model:
+    """The served model's shape, from its Hugging Face config and weight headers."""
+    from safetensors import safe_open
+
+    hf = json.loads((model_dir / "config.json").read_text())
+    parameters = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(shard, "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                parameters += math.prod(tensors.get_slice(name).get_shape())
+    heads = int(hf["num_attention_heads"])
+    return Model(
+        name=model_dir.name,
+        parameters=float(max(parameters, 1)),
+        layers=int(hf["num_hidden_layers"]),
+        kv_heads=int(hf.get("num_key_value_heads", heads)),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+    )
