@@ -32,6 +32,7 @@ from pydantic import Field, model_validator
 from libra.alloc import (
     PRESETS,
     AllocationLoop,
+    CallTiming,
     HybridPool,
     Layout,
     LoopConfig,
@@ -44,7 +45,9 @@ from libra.alloc import (
 from libra.config import Section
 from libra.engine import TrajectoryRecord
 from libra.fleet import Model, Roofline
+from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig
+from libra.signals import ToolSignal
 from libra.train._elastic import ElasticTrainer
 from libra.train._fsdp import TrainerConfig
 
@@ -311,3 +314,44 @@ def model_shape(model_dir: Path) -> Model:
         kv_heads=int(hf.get("num_key_value_heads", heads)),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
     )
+
+
+class TimedScheduler:
+    """The run's scheduler, unchanged, that also times every generation call from its
+    route to its release and tells ``observe`` (the allocation loop) how it went: what
+    the loop learns rollout costs from. Cached tokens are not known here (0)."""
+
+    def __init__(self, inner: Scheduler, observe: Callable[[CallTiming], None]) -> None:
+        self.inner, self.observe = inner, observe
+        self._sent: dict[int, tuple[float, int, int]] = {}  # id(route) -> when, prompt, calls
+
+    @property
+    def router(self) -> Router:
+        return self.inner.router
+
+    def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
+        route = self.inner.route(request, exclude)
+        calls = route.instance.in_flight if route.instance is not None else 1
+        self._sent[id(route)] = (time.perf_counter(), request.context_tokens, max(calls, 1))
+        return route
+
+    def release(self, route: Route, *, outcome: CallOutcome, new_tokens: int) -> None:
+        self.inner.release(route, outcome=outcome, new_tokens=new_tokens)
+        sent = self._sent.pop(id(route), None)
+        if sent is None or outcome != "ok":
+            return
+        when, prompt, calls = sent
+        tp = route.instance.spec.tp if route.instance is not None else 1
+        seconds = time.perf_counter() - when
+        self.observe(CallTiming(route.endpoint.name, tp, prompt, 0, new_tokens, seconds, calls))
+
+    def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
+        self.inner.on_tool_return(trajectory_id, signal)
+
+    def on_finish(
+        self, trajectory_id: str, prompt_id: str, *, output_tokens: int, failed: bool = False
+    ) -> None:
+        self.inner.on_finish(trajectory_id, prompt_id, output_tokens=output_tokens, failed=failed)
+
+    def calls_in_flight(self) -> dict[str, int]:
+        return self.inner.calls_in_flight()

@@ -82,7 +82,13 @@ from libra.serving import (
 from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
-from libra.train._cluster import Allocation, LocalCluster, open_local_cluster, rule_planner
+from libra.train._cluster import (
+    Allocation,
+    LocalCluster,
+    TimedScheduler,
+    open_local_cluster,
+    rule_planner,
+)
 from libra.train._elastic import ElasticTrainer
 from libra.train._gateway import Gateway, find_gateway
 from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
@@ -376,7 +382,7 @@ class TrainRun:
         if self.allocation is not None:
             timing = (rollout_s, train_s + export_s + sync_s)  # all the rollout waits for
             decided = self.allocation.after_step(step, timing, batch.trained_tokens, step_records)
-            record = replace(record, alloc=decided)
+            record = replace(record, alloc={"trained_on": batch.ranks, **decided})
         return record
 
     async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
@@ -644,6 +650,9 @@ async def open_run(
         )
         if cluster is not None:
             run.allocation = await _allocation(stack, config, cluster, scheduler)
+            # Every call's timing goes to the loop (the run keeps the scheduler itself).
+            engine = assembled.engine
+            engine.scheduler = TimedScheduler(scheduler, run.allocation.loop.observe_call)
         async with anyio.create_task_group() as group:
             group.start_soon(trainer.watch)
             group.start_soon(run.read_records)

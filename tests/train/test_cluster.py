@@ -1,0 +1,131 @@
+"""The local cluster in ``libra train``: ``[alloc]`` loads from TOML, and (slow) a real
+run on the embedded model lends its hybrid worker's cores from a vLLM server to a new
+trainer rank without losing a trajectory."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from libra.config import load_config
+from libra.train import METRICS_FILE, StepRecord, TrainRun, TrainRunConfig, train
+from tests._helpers import BREVITY
+
+pytestmark = pytest.mark.anyio
+
+NEVER = 1e9  # a re-plan trigger that never fires: the ratio rule alone decides
+
+
+def alloc_section(cores: list[int]) -> dict[str, Any]:
+    """Three workers on the machine's cores (one core may be in two sets): 0 trains,
+    1 serves for good, 2 serves until the loop lends it to training."""
+    return {
+        "enabled": True,
+        "workers": [[cores[0]], [cores[-1]], [cores[-1]]],
+        "training": [0],
+        "rollout": [[1]],
+        "hybrid": [[2]],
+        "loop": {
+            # Borrow as soon as training (with its export and sync) outlasts the
+            # rollout; never release (a restart of vLLM would outlast the test).
+            "borrow_ratio": 1.0001,
+            "release_ratio": 1e-9,
+            "max_pressure": NEVER,
+            "trigger": {
+                "every_steps": 1_000_000,
+                "ratio_high": NEVER,
+                "ratio_low": 1e-9,
+                "queue_pressure": NEVER,
+                "length_drift": NEVER,
+            },
+        },
+        "pool": {"fetch_timeout_s": 600, "drain_timeout_s": 60},
+    }
+
+
+def test_the_alloc_section_loads_back_from_the_run_s_toml(tmp_path: Path) -> None:
+    data = {
+        "rollout": {"env": BREVITY, "server": "embedded"},
+        "run_dir": str(tmp_path / "run"),
+        "alloc": alloc_section([0, 1]),
+    }
+    config = TrainRunConfig.model_validate(data)
+    (tmp_path / "config.toml").write_text(config.to_toml())
+    again = load_config(TrainRunConfig, tmp_path / "config.toml")
+    assert again.alloc == config.alloc
+    assert config.alloc is not None and config.alloc.layout().hybrid == ((2,),)
+    with pytest.raises(ValueError, match=r"rollout\.server=embedded"):
+        TrainRunConfig.model_validate({**data, "rollout": {"env": BREVITY}})
+    with pytest.raises(ValueError, match="at most once"):
+        bad = {**alloc_section([0, 1]), "hybrid": [[1]]}
+        TrainRunConfig.model_validate({**data, "alloc": bad})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    cores = sorted(os.sched_getaffinity(0))
+    config = TrainRunConfig.model_validate(
+        {
+            "rollout": {
+                "env": BREVITY,
+                "server": "embedded",
+                "engine": {"sampling": {"max_tokens_per_turn": 8, "temperature": 0.7}},
+            },
+            "steps": 3,
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "run_dir": str(run_dir),
+            "checkpoint_every": 0,
+            "trainer": {"lr": 1e-4},
+            "train": {"micro_batch_tokens": 1024},
+            "vllm": {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1},
+            "alloc": alloc_section(cores),
+        }
+    )
+    timings: list[tuple[str, str, float]] = []
+
+    async def after(run: TrainRun, record: StepRecord) -> None:
+        # The next step's rollout (submitted already) runs beside the move; its training
+        # waits for it here, so that the test knows which world trains it.
+        assert run.allocation is not None
+        await run.allocation.pool.settled()
+        timings[:] = run.allocation.cluster.timings
+        for resize in run.allocation.cluster.trainer.resizes:
+            timings.append(("prepare", str(resize.members), resize.prepare_s))
+            timings.append(("switch", str(resize.members), resize.switch_s))
+
+    records = await train(config, checkpoint=after)
+    print("timings:", timings)  # the figures a report quotes (pytest -s)
+
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2] == [r.step for r in records]
+    allocs = [line["alloc"] for line in lines]
+    print("alloc:", json.dumps(allocs, indent=1))
+    # Step 0's rollout includes vLLM's first calls: training outlasts it from step 0 or 1.
+    lent = next(step for step, alloc in enumerate(allocs) if alloc["decision"] == "borrow")
+    assert lent < 2 and allocs[lent]["moving"] == ["borrow w2"]
+    assert allocs[lent]["trained_on"] == 1 and allocs[lent]["training"] == [0]
+    assert [move["outcome"] for move in allocs[2]["moves"]] == ["done"]
+    assert allocs[2]["training"] == [0, 2] and allocs[2]["serving"] == ["w1"]
+    # The trainer's world grew: the steps after the move split their batch over two ranks.
+    assert [alloc["trained_on"] for alloc in allocs[lent + 1 :]] == [2] * (2 - lent)
+    for step, line in enumerate(lines):
+        logged = (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
+        ids = Counter(json.loads(record)["id"] for record in logged)
+        assert len(ids) == 4 and set(ids.values()) == {1}  # each trajectory, one record
+        assert line["trajectories"] == 4 and "failed" not in line["statuses"], line
+        assert line["samples_trained"] + sum(line["dropped"].values()) == 4
+    assert [kind for kind, _, _ in timings if kind in ("stop", "fetch_state", "zero_sync")] == [
+        "stop",
+        "fetch_state",
+        "zero_sync",
+    ]
