@@ -21,7 +21,13 @@ from libra.train._checkpoint import (
     resume,
     truncate_metrics,
 )
-from libra.train._cluster import Allocation, AllocConfig, LocalCluster, open_local_cluster
+from libra.train._cluster import (
+    Allocation,
+    AllocConfig,
+    LocalCluster,
+    TimedScheduler,
+    open_local_cluster,
+)
 from libra.train._config import (
     Aggregation,
     FailureRule,
@@ -123,6 +129,7 @@ __all__ = [
     "StaleRule",
     "StepMetrics",
     "StepRecord",
+    "TimedScheduler",
     "Train",
     "TrainConfig",
     "TrainResult",

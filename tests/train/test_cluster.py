@@ -10,11 +10,25 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from libra.alloc import CallTiming
 from libra.config import load_config
-from libra.train import METRICS_FILE, StepRecord, TrainRun, TrainRunConfig, train
-from tests._helpers import BREVITY
+from libra.engine import jobs_for, rollout
+from libra.serving import VLLMServerConfig
+from libra.train import (
+    METRICS_FILE,
+    LocalCluster,
+    StepRecord,
+    TimedScheduler,
+    TrainerConfig,
+    TrainRun,
+    TrainRunConfig,
+    open_local_cluster,
+    train,
+)
+from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama
 
 pytestmark = pytest.mark.anyio
 
@@ -64,6 +78,60 @@ def test_the_alloc_section_loads_back_from_the_run_s_toml(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="at most once"):
         bad = {**alloc_section([0, 1]), "hybrid": [[1]]}
         TrainRunConfig.model_validate({**data, "alloc": bad})
+
+
+async def test_the_timed_scheduler_reports_every_call_and_routes_as_before() -> None:
+    seen: list[CallTiming] = []
+    async with emulated_engine() as (engine, records):
+        engine.scheduler = TimedScheduler(engine.scheduler, seen.append)
+        await rollout(jobs_for(Brevity, "brevity", 6), engine)
+    assert len(records) == 6 and all(r.status == "completed" for r in records)
+    assert len(seen) == sum(len(r.endpoints) for r in records)
+    assert sum(call.new_tokens for call in seen) == sum(sum(r.loss_mask) for r in records)
+    assert {call.instance for call in seen} == {e for r in records for e in r.endpoints}
+    # (The prompt is counted where the engine holds its tokens: not on the chat API.)
+    assert all(call.seconds >= 0 and call.concurrent >= 1 and call.tp == 1 for call in seen)
+
+
+# Each world is processes loading a model: one event loop's run is enough.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_operations(
+    tmp_path: Path,
+) -> None:
+    model = tiny_llama(tmp_path / "model")
+    cores = sorted(os.sched_getaffinity(0))
+    alloc = TrainRunConfig.model_validate(
+        {"rollout": {"env": BREVITY, "server": "embedded"}, "alloc": alloc_section(cores)}
+    ).alloc
+    assert alloc is not None
+    trainer = TrainerConfig(backend="gloo")
+    async with open_local_cluster(
+        alloc,
+        trainer,
+        model,
+        base=model,
+        server=VLLMServerConfig(),
+        weights=lambda: (None, 0),
+        weights_lock=anyio.Lock(),
+    ) as cluster:
+        await join(cluster, 0)  # a core-training worker is in from the start: nothing to do
+        assert cluster.trainer.resizes == []
+        await join(cluster, 2)
+        assert list(cluster.trainer.members) == [0, 2]
+        await cluster.leave_training(2)
+        assert list(cluster.trainer.members) == [0]
+        await cluster.fetch_state(2)  # a join called off before it switched
+        await cluster.leave_training(2)
+        assert list(cluster.trainer.members) == [0] and cluster.trainer.preparing is None
+        with pytest.raises(RuntimeError, match="not in the trainer"):
+            await cluster.activate(2)
+    kinds = [kind for kind, _, _ in cluster.timings]
+    assert kinds == ["fetch_state", "zero_sync", "leave", "fetch_state"]
+
+
+async def join(cluster: LocalCluster, worker: int) -> None:
+    for operation in (cluster.fetch_state, cluster.zero_sync, cluster.activate):
+        await operation(worker)
 
 
 @pytest.mark.slow
