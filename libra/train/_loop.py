@@ -23,7 +23,11 @@ rollout session for the whole run. Then, per step ``k``:
    ``v{k+1}`` and by the trainer holding it;
 6. write the step's line to ``metrics.jsonl`` (:class:`StepRecord`), write a checkpoint
    (every ``checkpoint_every`` steps), call the checkpoint hook (:class:`CheckpointHook`)
-   with the run and the line.
+   with the run and the line;
+7. with ``[alloc]`` (``_cluster``), the step's line also holds what the allocation loop
+   decided from the step's timing (and every call's, taken as it ended): a hybrid unit
+   that moves between serving and training does so beside the next step, and the
+   trainer's world changes at a step boundary (``_elastic``).
 
 ``resume=True`` starts from the run folder's newest checkpoint instead of step 0: the
 trainer's state is restored (and ``metrics.jsonl`` cut back to what it held then), the
