@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 RUNS := runs
 TORCH := torch==2.13.0
 
-.PHONY: setup setup-serving setup-sandbox test test-faults lint unit demo bench clean
+.PHONY: setup setup-serving setup-sandbox test test-faults lint unit demo bench bench-docs clean
 
 # The library, its dev tools and the Docker SDK.
 setup: $(VENV)/.libra-base
@@ -71,6 +71,11 @@ bench: setup-serving setup-sandbox
 	$(BIN)/libra bench serve
 	$(BIN)/libra bench sandbox
 	$(BIN)/libra bench sched
+
+# The README's benchmark tables: every documented benchmark run again here, its output
+# saved under docs/bench/, the tables rewritten from it (`make test` checks they match).
+bench-docs: setup-serving setup-sandbox
+	$(BIN)/libra bench docs --run all
 
 clean:
 	rm -rf $(VENV) $(RUNS) .mypy_cache .ruff_cache .pytest_cache

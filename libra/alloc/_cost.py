@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
@@ -104,6 +105,13 @@ def _mid_decode_context(request: Request) -> float:
     return request.context_tokens - request.output_tokens / 2
 
 
+#: How the routing treats the longest trajectory, which bounds the rollout from below:
+#: ``alone`` when it gets a lane of its own (C-MLFQ demotes the long ones to instances
+#: where they run nearly alone), ``in_batch`` when it shares full batches with everyone
+#: (least-loaded spreads calls without regard to length).
+LongestDecodes = Literal["alone", "in_batch"]
+
+
 class RolloutCost:
     """Seconds rollout takes on a layout of instances, from the roofline plus fitted
     corrections per TP size (terms: prefill, decode bytes, decode compute).
@@ -120,8 +128,10 @@ class RolloutCost:
         max_num_seqs: int = 256,
         window: int = 64,
         placement_samples: int | None = 128,
+        longest_decodes: LongestDecodes = "alone",
     ) -> None:
         self.roofline = roofline
+        self.longest_decodes = longest_decodes
         self.max_num_seqs = max_num_seqs
         self.placement_samples = placement_samples
         self._window = window
@@ -182,21 +192,26 @@ class RolloutCost:
         cost = self.step_cost(instance.tp)
         corrections = self.corrections(instance.tp)
         batched = corrections.apply(_terms(cost, instance.prefill_tokens, steps, batch, context))
-        return max(batched, self._chain_seconds(instance.tp, instance.longest))
+        return max(batched, self._chain_seconds(instance, batch, context))
 
-    def _chain_seconds(self, tp: int, request: Request | None) -> float:
+    def _chain_seconds(self, instance: _Instance, batch: float, context: float) -> float:
         """The longest trajectory end to end: its turns one after another, each waiting
-        for its tools (the instance serves the others meanwhile), decoded as if alone."""
+        for its tools (the instance serves the others meanwhile), each decode step shared
+        with the instance's mean ``batch`` of ``context`` tokens, or alone (see
+        :data:`LongestDecodes`)."""
+        request = instance.longest
         if request is None:
             return 0.0
+        if self.longest_decodes == "alone":
+            batch, context = 1.0, _mid_decode_context(request)
         terms = _terms(
-            self.step_cost(tp),
+            self.step_cost(instance.tp),
             request.prefill_tokens,
             request.output_tokens,
-            1.0,
-            _mid_decode_context(request),
+            batch,
+            context,
         )
-        return self.corrections(tp).apply(terms) + request.tool_s
+        return self.corrections(instance.tp).apply(terms) + request.tool_s
 
     def longest_alone(self, tp: int, workload: Workload) -> float:
         """The longest request alone on an instance of ``tp``: no layout beats it."""

@@ -19,7 +19,14 @@ from typing import Any
 
 from pydantic import Field, PositiveInt
 
-from libra.alloc._cost import RolloutCost, TrainCost, TrainSpec, mean, train_tokens
+from libra.alloc._cost import (
+    LongestDecodes,
+    RolloutCost,
+    TrainCost,
+    TrainSpec,
+    mean,
+    train_tokens,
+)
 from libra.alloc._protocol import CallTiming, Plan, Prediction, StepTiming, Workload
 from libra.config import Section
 from libra.fleet import Roofline
@@ -35,6 +42,11 @@ class PlannerConfig(Section):
         64, description="length quantiles placed when pricing a layout (each stands for its share)"
     )
     train: TrainSpec = Field(default_factory=TrainSpec)
+    longest_decodes: LongestDecodes = Field(
+        "alone",
+        description="the routing's treatment of the longest trajectory: 'alone' (C-MLFQ) "
+        "or 'in_batch' (least-loaded, round-robin)",
+    )
 
 
 def tp_partitions(workers: int, sizes: tuple[int, ...], limit: int) -> Iterator[tuple[int, ...]]:
@@ -81,6 +93,7 @@ class RooflinePlanner:
             roofline,
             max_num_seqs=self.config.max_num_seqs,
             placement_samples=self.config.placement_samples,
+            longest_decodes=self.config.longest_decodes,
         )
         self.train = TrainCost(roofline.gpu, roofline.model.parameters, self.config.train)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from libra.alloc import (
     CallTiming,
+    LongestDecodes,
     Plan,
     PlanLog,
     PlannerConfig,
@@ -156,9 +157,10 @@ def strategies(
             found.append(Strategy(static_name(share), plan))
     colocated = Plan(workers, (1,) * workers, reason="colocated")
     found.append(Strategy("colocated", colocated, colocated=True))
-    found.append(PlannerStrategy("planner", Plan(0, ()), planner=_planner(gpu, model, 1.0)))
-    for label, scale in (("planner-prior+30%", 1.3), ("planner-prior-30%", 0.7)):
-        found.append(PlannerStrategy(label, Plan(0, ()), planner=_planner(gpu, model, scale)))
+    # Each planner is told how its run routes (its own config, not the emulator's truth).
+    for label, scale in (("planner", 1.0), ("planner-prior+30%", 1.3), ("planner-prior-30%", 0.7)):
+        planner = _planner(gpu, model, scale, "in_batch")
+        found.append(PlannerStrategy(label, Plan(0, ()), planner=planner))
     found.append(
         PlannerStrategy(
             "libra-no-pool", Plan(0, ()), policy="cmlfq", planner=_planner(gpu, model, 1.0)
@@ -181,7 +183,9 @@ def static_name(share: float) -> str:
     return f"static-{train}:{4 - train}"
 
 
-def _planner(gpu: Gpu, model: Model, scale: float) -> RooflinePlanner:
+def _planner(
+    gpu: Gpu, model: Model, scale: float, longest_decodes: LongestDecodes = "alone"
+) -> RooflinePlanner:
     """A planner whose prior believes the GPU ``scale`` times as fast as its datasheet."""
     believed = gpu.model_copy(
         update={
@@ -189,5 +193,5 @@ def _planner(gpu: Gpu, model: Model, scale: float) -> RooflinePlanner:
             "dense_bf16_flops": gpu.dense_bf16_flops * scale,
         }
     )
-    config = PlannerConfig(allowed_tps=(1, 2, 4))
+    config = PlannerConfig(allowed_tps=(1, 2, 4), longest_decodes=longest_decodes)
     return RooflinePlanner(Roofline(believed, model), config)

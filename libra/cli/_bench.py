@@ -11,6 +11,8 @@ from rich.table import Table
 
 from libra.bench._alloc_report import add_arguments as add_alloc_arguments
 from libra.bench._alloc_report import main_alloc
+from libra.bench._docs import add_arguments as add_docs_arguments
+from libra.bench._docs import main_docs
 from libra.bench._engine import as_json, run_engine_bench
 from libra.bench._sandbox import bench_sandbox
 from libra.bench._sched import add_arguments as add_sched_arguments
@@ -75,6 +77,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--micro-batch-tokens", type=int, default=1024)
     train.add_argument("--json", action="store_true", help="print JSON instead of a table")
     train.set_defaults(run=run_train)
+    docs = benches.add_parser(
+        "docs", help="write the README's benchmark tables from saved runs (docs/bench/)"
+    )
+    add_docs_arguments(docs)
+    docs.set_defaults(run=main_docs)
 
 
 def run_engine(args: argparse.Namespace) -> int:

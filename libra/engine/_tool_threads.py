@@ -68,11 +68,16 @@ class ToolThreads:
         """Calls waiting for a thread."""
         return self._places.statistics().tasks_waiting
 
-    async def run(self, func: Callable[[], T], timeout_s: float) -> T:
+    async def run(
+        self, func: Callable[[], T], timeout_s: float, *, on_place: Callable[[], None] | None = None
+    ) -> T:
         """``func()`` in a thread, within ``timeout_s`` once it has one (``TimeoutError``
-        past it). A thread that outlives its call keeps its place until it returns."""
+        past it); ``on_place()`` is called then (the tool's time starts). A thread that
+        outlives its call keeps its place until it returns."""
         slot = _Slot()
         await self._places.acquire_on_behalf_of(slot)
+        if on_place is not None:
+            on_place()
         try:
             with anyio.fail_after(timeout_s):
                 return await anyio.to_thread.run_sync(

@@ -207,14 +207,14 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float, engine: Engine) 
     """Run one call and reduce what came of it, once, to what is recorded and signalled.
     A tool that raised other than ``ToolError`` has a bug: the model reads the error, the
     record names the exception, its author sees the traceback (once)."""
-    started = anyio.current_time()
+    stopwatch = _Stopwatch()
     exception: str | None = None
     try:
-        outcome = await _outcome(env, call, timeout_s, engine.tool_threads)
+        outcome = await _outcome(env, call, timeout_s, engine.tool_threads, stopwatch)
     except _ToolBug as bug:
         engine.env_bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
         outcome, exception = ToolResult.failure(_describe(bug.error)), type(bug.error).__name__
-    latency = anyio.current_time() - started
+    latency = stopwatch.elapsed()
     reported: ToolStatus | None
     if isinstance(outcome, ToolResult):
         content, reported = outcome.content, outcome.status
@@ -225,6 +225,20 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float, engine: Engine) 
     return ToolReturn(call.id, signal.tool, content, signal.status, latency, exception)
 
 
+class _Stopwatch:
+    """A tool call's own time: from the call, or from when a blocking tool got its thread
+    (waiting for one is the engine's time, not the tool's)."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.started = anyio.current_time()
+
+    def elapsed(self) -> float:
+        return anyio.current_time() - self.started
+
+
 class _ToolBug(Exception):
     """A tool raised ``error``, which is not a ``ToolError``."""
 
@@ -233,7 +247,7 @@ class _ToolBug(Exception):
 
 
 async def _outcome(
-    env: Env, call: ToolCall, timeout_s: float, threads: ToolThreads
+    env: Env, call: ToolCall, timeout_s: float, threads: ToolThreads, stopwatch: _Stopwatch
 ) -> ToolResult | str:
     """What the call produced: a result whose status is known, or plain text. Every
     failure becomes an error message the model can read. A blocking tool's timeout starts
@@ -254,7 +268,9 @@ async def _outcome(
             with anyio.fail_after(timeout_s):
                 output = await method(**arguments)
         else:  # a thread, so a blocking tool cannot stall the event loop
-            output = await threads.run(partial(method, **arguments), timeout_s)
+            output = await threads.run(
+                partial(method, **arguments), timeout_s, on_place=stopwatch.restart
+            )
     except TimeoutError:
         return ToolResult.of_error(ToolTimeout.after(call.name, timeout_s))
     except ToolError as exc:  # a ToolTimeout too: the tool ran out of its own time

@@ -472,7 +472,8 @@ class DockerSandboxProvider:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Remove every container of this provider, idle or lent."""
+        """Remove every container of this provider, idle or lent, and any of its run that
+        it never learned about (created by a request that timed out on our side)."""
         self._closed = True
         doomed = list(self._live)
         self._idle.clear()
@@ -480,6 +481,14 @@ class DockerSandboxProvider:
             async with anyio.create_task_group() as group:
                 for container_id in doomed:
                     group.start_soon(self._destroy, container_id)
+            if self._client is not None:
+                with contextlib.suppress(SandboxError):
+                    await self.call_in_thread(self._remove_unknown_of_run)
+
+    def _remove_unknown_of_run(self) -> None:
+        label = f"{LABEL_RUN}={self.run_id}"
+        for container in self.client.containers.list(all=True, filters={"label": label}):
+            self._destroy_blocking(container.id)
 
     @property
     def client(self) -> docker.DockerClient:
@@ -626,6 +635,9 @@ class DockerSandboxProvider:
         except docker.errors.APIError as error:
             self._destroy_named(name)
             raise SandboxError(f"cannot start a sandbox from {spec.image!r}: {error}") from error
+        except BaseException:  # a request that timed out may have created it all the same
+            self._destroy_named(name)
+            raise
         container.reload()
         if container.status != "running":
             logs = container.logs(tail=20).decode(errors="replace")
@@ -709,10 +721,12 @@ class DockerSandboxProvider:
             await self.call_in_thread(functools.partial(self._destroy_blocking, container_id))
 
     def _destroy_named(self, name: str) -> None:
-        """Remove a container that was created but could not start."""
+        """Remove a container that was created but could not start (if the engine answers:
+        else :meth:`aclose` or the next run's reaper finds it by its labels)."""
         import docker.errors
+        import requests
 
-        with contextlib.suppress(docker.errors.DockerException):
+        with contextlib.suppress(docker.errors.DockerException, requests.RequestException):
             container_id = self.api.inspect_container(name)["Id"]
             self._destroy_blocking(container_id)
 

@@ -234,9 +234,19 @@ class VLLMServer:
         if guard is None:
             return
         self._read_server_pid()
-        # The API server's own exit, when its pid is known: the guard outlives it by the
-        # time it takes to stop what the server left behind.
-        await wait_exited(self._server_pid or guard.pid)
+        server = self._server_pid
+        if server is None:
+            await wait_exited(guard.pid)
+            return
+        # The API server's own exit: the guard outlives it by the time it takes to stop
+        # what the server left behind. Or the guard's death under a live server: nothing
+        # would stop that tree any more (not even our own death), so it is stopped now
+        # and the server counts as exited.
+        async with anyio.create_task_group() as group:
+            for pid in (server, guard.pid):
+                group.start_soon(_cancel_when_exited, pid, group.cancel_scope)
+        if guard.poll() is not None:
+            self._kill_everything()
 
     async def __aenter__(self) -> Self:
         await self.astart()
@@ -508,6 +518,11 @@ def _reload_from(weights_path: str | Path) -> dict[str, object]:
     # started with; /collective_rpc passes kwargs through as strings.
     path = str(Path(weights_path).resolve())
     return {"method": "reload_weights", "kwargs": {"weights_path": path}}
+
+
+async def _cancel_when_exited(pid: int, scope: anyio.CancelScope) -> None:
+    await wait_exited(pid)
+    scope.cancel()
 
 
 def _wait_for_exit(process: subprocess.Popen[bytes], timeout_s: float) -> bool:

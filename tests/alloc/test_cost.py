@@ -138,3 +138,16 @@ def test_the_longest_trajectorys_tools_are_on_the_critical_path() -> None:
     assert model.makespan((2, 1, 1), short_tools) == seconds  # hidden behind the long one
     assert model.makespan((2, 1, 1), long_tools) >= 300.0 + model.longest_alone(2, bare)
     assert model.makespan((2, 1, 1), long_tools) > seconds
+
+
+def test_a_longest_trajectory_sharing_every_batch_takes_longer_than_alone() -> None:
+    """Under least-loaded routing the longest trajectory decodes in full batches: its
+    chain, with its tools, is priced at the instance's mean batch, not alone."""
+    outputs, contexts = (20_000, *[2_000] * 255), (40_000, *[6_000] * 255)
+    workload = Workload(256, outputs, contexts, tool_s=(120.0, *[0.0] * 255))
+    alone = RolloutCost(Roofline(A100, QWEN3_14B))
+    in_batch = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
+    assert in_batch.makespan((1, 1), workload) > alone.makespan((1, 1), workload)
+    # Its tools wait on top of its decode steps: the batched bound alone misses them.
+    bare = replace(workload, tool_s=())
+    assert in_batch.makespan((1, 1), workload) > in_batch.makespan((1, 1), bare)

@@ -553,5 +553,6 @@ async def test_a_hung_blocking_tool_times_out_and_holds_its_thread_until_it_retu
     assert records[1].messages[-2].content == "Error: open_gate timed out after 0.3 s"
     assert records[2].tool_returns[0].status == "success"
     assert records[2].messages[-2].content == "opened"
+    assert records[2].tool_returns[0].latency_s < 0.3  # its 0.5 s wait for a thread is not its time
     assert all(r.status == "completed" for r in out)
     assert (engine.tool_threads.busy, engine.tool_threads.abandoned) == (0, 0)

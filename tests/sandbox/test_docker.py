@@ -175,6 +175,21 @@ async def test_reaper_removes_containers_of_dead_owners(
             orphan.remove(force=True)
 
 
+async def test_close_removes_a_container_of_its_run_that_it_never_learned_about(
+    docker_client: docker.DockerClient,
+) -> None:
+    """A create request that timed out on our side may still have made its container:
+    closing the provider finds it by the run's label."""
+    async with DockerSandboxProvider(client=docker_client, reap_stale=False) as provider:
+        async with provider.sandbox(SPEC) as box:
+            assert (await box.exec(["true"], timeout_s=10)).exit_code == 0
+        labels = {"libra.sandbox": "1", "libra.run": provider.run_id}
+        unknown = docker_client.containers.create("libra/python", ["sleep", "inf"], labels=labels)
+    remaining = docker_client.containers.list(all=True, filters={"label": "libra.run"})
+    assert unknown.id not in {c.id for c in remaining}
+    assert not [c for c in remaining if c.labels["libra.run"] == provider.run_id]
+
+
 async def test_a_missing_image_says_how_to_build_it(docker_client: docker.DockerClient) -> None:
     async with DockerSandboxProvider(client=docker_client, reap_stale=False) as provider:
         with pytest.raises(SandboxError, match="build-image libra/does-not-exist"):

@@ -260,6 +260,7 @@ async def test_fake_server_async_context_manager(fake_python: Path, tmp_path: Pa
     assert _wait_until_gone([pid]) == []
 
 
+@pytest.mark.faults
 @pytest.mark.anyio
 async def test_a_killed_server_is_seen_at_once_and_restarts_on_its_address(
     fake_python: Path, tmp_path: Path
@@ -276,6 +277,25 @@ async def test_a_killed_server_is_seen_at_once_and_restarts_on_its_address(
         assert server.url == url and server.pid != pid
         async with httpx.AsyncClient() as client:
             assert (await client.get(f"{url}/health")).status_code == 200
+
+
+@pytest.mark.faults
+@pytest.mark.anyio
+async def test_a_killed_guard_stops_its_server_and_counts_as_its_exit(
+    fake_python: Path, tmp_path: Path
+) -> None:
+    server = VLLMServer("/models/m", config=_fake_config(fake_python, tmp_path))
+    async with server:
+        pid, guard = server.pid, server._guard
+        assert pid is not None and guard is not None
+        os.kill(guard.pid, signal.SIGKILL)
+        with anyio.fail_after(2):  # the guard's exit, not a poll
+            await server.wait_exited()
+        assert _wait_until_gone([pid]) == []  # no tree left that nothing would stop
+        await server.astop()
+        await server.astart()
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{server.url}/health")).status_code == 200
 
 
 @pytest.mark.anyio

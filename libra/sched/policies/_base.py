@@ -27,7 +27,9 @@ from libra.sched._signals import SignalMap
 from libra.sched.policies._prefix_tree import Residual
 from libra.signals import ToolSignal
 
-DECISION_LOG_SIZE = 100_000
+# The most recent decisions, for tests and debugging (the counts per reason are kept
+# whole in `reasons`): 10,000 are ~2.5 MB; a run of days must not grow with them.
+DECISION_LOG_SIZE = 10_000
 
 Truth = Callable[[str], int]
 """A trajectory's true total output (what the oracles are fed), by trajectory id."""
