@@ -92,7 +92,7 @@ class Admin:
         if not healthy:
             raise ServerUnavailable("no healthy model server to render the chat")
         endpoint = healthy[0].endpoint
-        return await self.engine.client.tokenize(
+        return await self.engine.renderer.render(
             endpoint, messages, tools, add_generation_prompt=add
         )
 
