@@ -183,6 +183,7 @@ def _uvicorn_config(app: Callable[..., object], config: ServeConfig) -> uvicorn.
         log_level="warning",
         access_log=False,  # a log of requests would hold their headers' neighbours
         backlog=4096,
+        proxy_headers=False,  # the gateway reads no client address: no per-request middleware
         timeout_keep_alive=60,
     )
 

@@ -126,7 +126,7 @@ class Session:
         self.reward: float | None = None
         self.done = False  # the client said it is over
         self.busy = False  # a turn is being generated
-        self.idle = anyio.Event()  # set when the turn in progress ends
+        self.idle: anyio.Event | None = None  # set when the turn in progress ends (if waited for)
         self.started_at = self.last_used = self.replied_at = anyio.current_time()
 
     @property

@@ -66,6 +66,7 @@ log = logging.getLogger("libra.gateway")
 
 #: Ends the gateway imposed on a live session: its length says nothing of its task's.
 _CUT_SHORT = frozenset({"evicted", "shutdown"})
+_SAMPLINGS_KEPT = 1024
 
 
 class Sessions:
@@ -86,6 +87,11 @@ class Sessions:
         # identical replies: each follow-up takes one, the latest first).
         self._by_digest: dict[Digest, list[Session]] = {}
         self._counter = itertools.count(1)
+        # Validated sampling settings by the request's values: validating each request's
+        # anew was a measurable share of a turn's cost, and clients repeat theirs.
+        self._samplings: dict[
+            tuple[float | None, float | None, int | None, int | None], SamplingConfig
+        ] = {}
         self._group: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> Sessions:
@@ -123,8 +129,9 @@ class Sessions:
             return await self._generate(session, turn, digests, sampling)
         finally:
             session.busy = False
-            session.idle.set()
-            session.idle = anyio.Event()
+            if session.idle is not None:  # a request waits for this one to end
+                session.idle.set()
+                session.idle = None
             if session.key in self._by_id:
                 self._touch(session)
                 if session.done:
@@ -218,6 +225,8 @@ class Sessions:
             if session is None:
                 session = self._open(turn, digests, sampling)
             elif session.busy:  # keyed, and its last request is still being answered
+                if session.idle is None:
+                    session.idle = anyio.Event()
                 await session.idle.wait()
                 continue
             elif not session.extended_by(turn.messages, digests):
@@ -316,6 +325,15 @@ class Sessions:
 
     def _sampling(self, turn: ChatTurn) -> SamplingConfig:
         """The request's sampling parameters, the config's where it gives none."""
+        key = (turn.temperature, turn.top_p, turn.max_tokens, turn.seed)
+        sampling = self._samplings.get(key)
+        if sampling is None:
+            if len(self._samplings) >= _SAMPLINGS_KEPT:
+                self._samplings.clear()
+            sampling = self._samplings[key] = self._validated_sampling(turn)
+        return sampling
+
+    def _validated_sampling(self, turn: ChatTurn) -> SamplingConfig:
         default = self.config.sampling
         try:
             return SamplingConfig(
