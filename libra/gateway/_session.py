@@ -22,6 +22,7 @@ from typing import Any, Literal
 import anyio
 
 from libra import openai
+from libra._clock import now
 from libra.engine import (
     SamplingConfig,
     Timings,
@@ -127,7 +128,7 @@ class Session:
         self.done = False  # the client said it is over
         self.busy = False  # a turn is being generated
         self.idle: anyio.Event | None = None  # set when the turn in progress ends (if waited for)
-        self.started_at = self.last_used = self.replied_at = anyio.current_time()
+        self.started_at = self.last_used = self.replied_at = now()
 
     @property
     def env_name(self) -> str:
@@ -155,7 +156,7 @@ class Session:
             for call in message.tool_calls or ():
                 self.call_names[call.id] = call.function.name
         last_reply = max((i for i, m in enumerate(new) if m.role == "assistant"), default=-1)
-        waited = anyio.current_time() - self.replied_at
+        waited = now() - self.replied_at
         results = [m for m in new[last_reply + 1 :] if m.role == "tool"]
         if results:
             self.timings.tool_s += waited
@@ -217,7 +218,7 @@ class Session:
         reply = openai.Message(role="assistant", content=content, tool_calls=calls or None)
         self.seen = len(request) + 1
         self.digest = digests_of([reply], digests[-1] if digests else _EMPTY)[0]
-        self.replied_at = anyio.current_time()
+        self.replied_at = now()
         return ChatReply(
             session=self.client_key or self.key,
             content=content,
@@ -259,7 +260,7 @@ class Session:
         (``env/<digest of the messages before the first reply>``), so sessions that
         start alike share a ``task_id`` and a ``group_id`` (at step 0: the gateway knows
         no RL steps; ``weight_versions`` say which weights sampled what)."""
-        self.timings.total_s = anyio.current_time() - self.started_at
+        self.timings.total_s = now() - self.started_at
         task = TaskId(self.env, self.prompt_key)
         return record_of(
             self,

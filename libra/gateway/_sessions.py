@@ -38,6 +38,7 @@ import anyio.abc
 import pydantic
 
 from libra import openai
+from libra._clock import now
 from libra.engine import (
     ContextFull,
     Engine,
@@ -203,7 +204,7 @@ class Sessions:
 
     def expire(self) -> int:
         """End every session idle for longer than the TTL; how many ended."""
-        deadline = anyio.current_time() - self.config.session_ttl_s
+        deadline = now() - self.config.session_ttl_s
         expired = []
         for session in self._by_id.values():
             if session.last_used > deadline:
@@ -254,7 +255,7 @@ class Sessions:
         return session
 
     def _expired(self, session: Session) -> bool:
-        idle = anyio.current_time() - session.last_used
+        idle = now() - session.last_used
         return not session.busy and idle > self.config.session_ttl_s
 
     def _open(self, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig) -> Session:
@@ -283,7 +284,7 @@ class Sessions:
                 del self._by_digest[session.digest]
 
     def _touch(self, session: Session) -> None:
-        session.last_used = anyio.current_time()
+        session.last_used = now()
         self._by_id.move_to_end(session.key)
 
     # ------------------------------------------------------------------ generating

@@ -23,6 +23,7 @@ from typing import Literal
 
 import anyio
 
+from libra._clock import now
 from libra.fleet import Endpoint, FleetSpec, InstanceSpec, StepCost
 from libra.sched._protocol import CallOutcome, NoEndpointAvailable, Route, RouteRequest
 
@@ -34,7 +35,7 @@ Listener = Callable[["Instance"], None]
 def event_loop_clock() -> float:
     """anyio's clock inside an event loop (virtual under a mock clock), else monotonic."""
     try:
-        return anyio.current_time()
+        return now()
     except RuntimeError:
         return time.monotonic()
 
