@@ -12,7 +12,11 @@ no request ever reaches an upstream server's own admin endpoints.
 
 A chat request's session is named by the ``X-Libra-Session`` header, else its
 ``metadata["libra_session"]``, else its ``user`` (else the core finds it by prefix);
-the answer carries the session id back in the same header. Streaming (``stream:
+the answer carries the session id back in the same header. A ``/v1/completions``
+request with that header is the next turn of the client's session (a token-level
+client's multi-turn trajectory: C-MLFQ sees its turns, tokens and tool reports as one),
+which ends when idle for the session TTL or reported ``done``; the answer carries the
+header back. Without it a completion is a one-off. Streaming (``stream:
 true``) answers with server-sent events in OpenAI's chunk format: the core returns a
 whole turn, which is then sent as deltas (the role, the content, each tool call's id
 and name then its arguments, the finish reason, the usage if asked for, ``[DONE]``): a
@@ -92,6 +96,7 @@ ADMIN_HEADER = "X-Libra-Admin"
 _ADMIN_MARKER = (ADMIN_HEADER.lower().encode(), b"1")
 _T = TypeVar("_T")
 _Headers = list[tuple[bytes, bytes]]
+_HeaderPairs = tuple[tuple[bytes, bytes], ...]
 
 
 @dataclass(slots=True)
@@ -355,7 +360,9 @@ class GatewayApp:
         completion = decode_completion(request.body)
         self._check_model(completion.model)
         upstream = upstream_completion(completion, completion.model)
-        call = partial(self.core.complete, upstream)
+        key = header(request.scope, _SESSION)
+        session = key.decode("latin-1") if key is not None else None
+        call = partial(self.core.complete, upstream, session)
         result = public_completion(
             await self._in_core("completions", request.watch, call),
             completion.model,
@@ -363,14 +370,17 @@ class GatewayApp:
         )
         usage = result.usage
         self.metrics.counted(usage.prompt_tokens, usage.completion_tokens)
-        return self._completion_response(completion, result)
+        headers = ((_SESSION, _header_value(session)),) if session is not None else ()
+        return self._completion_response(completion, result, headers)
 
-    def _completion_response(self, request: CompletionRequest, result: CompletionOut) -> _Response:
+    def _completion_response(
+        self, request: CompletionRequest, result: CompletionOut, headers: _HeaderPairs
+    ) -> _Response:
         if request.stream:
             options = request.stream_options
             include_usage = bool(options is not None and options.include_usage)
-            return self._events(completion_chunks(result, include_usage), ())
-        return self._json(result)
+            return self._events(completion_chunks(result, include_usage), headers)
+        return self._json(result, headers)
 
     async def _in_core(
         self, route: str, watch: _Watch | None, call: Callable[[], Awaitable[_T]]

@@ -27,8 +27,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -48,7 +50,7 @@ from libra.engine import (
     TrajectoryRecord,
     generate_turn,
 )
-from libra.gateway._admin import Admin
+from libra.gateway._admin import Admin, CompletionSession
 from libra.gateway._config import GatewayConfig
 from libra.gateway._protocol import ChatReply, ChatTurn, FleetStatus
 from libra.gateway._recording import Recorder
@@ -87,6 +89,8 @@ class Sessions:
         # Idle sessions by their client view (several when identical conversations got
         # identical replies: each follow-up takes one, the latest first).
         self._by_digest: dict[Digest, list[Session]] = {}
+        # Keyed /v1/completions sessions by the client's key, least recently used first.
+        self._completions: OrderedDict[str, CompletionSession] = OrderedDict()
         self._counter = itertools.count(1)
         # Validated sampling settings by the request's values: validating each request's
         # anew was a measurable share of a turn's cost, and clients repeat theirs.
@@ -115,6 +119,8 @@ class Sessions:
         finally:
             for session in list(self._by_id.values()):
                 self._end(session, "truncated", "shutdown")
+            for client_key in list(self._completions):
+                self._end_completion(client_key, "shutdown")
             self.recorder.close()
 
     # ------------------------------------------------------------------ GatewayCore
@@ -146,9 +152,49 @@ class Sessions:
     ) -> list[int]:
         return await self.admin.tokenize(messages, tools, add_generation_prompt)
 
-    async def complete(self, request: openai.CompletionRequest) -> openai.Completion:
+    async def complete(
+        self, request: openai.CompletionRequest, session: str | None = None
+    ) -> openai.Completion:
+        """A ``/v1/completions`` call: of the client's session ``session`` (the scheduler
+        sees its calls as one trajectory's turns, until it idles out or is reported
+        done), or else a one-off the scheduler forgets at once."""
         await self.admin.unpaused()
-        return await self.admin.complete(request, f"c{next(self._counter)}")
+        if session is not None:
+            live = self._completion_session(session, request)
+            try:
+                return await self.admin.complete(request, live)
+            finally:
+                live.last_used = now()
+                if session in self._completions:
+                    self._completions.move_to_end(session)
+        key = f"c{next(self._counter)}"
+        try:
+            return await self.admin.complete(request, CompletionSession(key, key))
+        finally:
+            self.engine.scheduler.on_finish(key, key, output_tokens=0, failed=True)
+
+    def _completion_session(
+        self, client_key: str, request: openai.CompletionRequest
+    ) -> CompletionSession:
+        live = self._completions.get(client_key)
+        if live is not None and now() - live.last_used > self.config.session_ttl_s:
+            self._end_completion(client_key, "idle_ttl")
+            live = None
+        if live is None:
+            key = new_session_key(next(self._counter))
+            live = CompletionSession(key, _prompt_key(request.prompt), last_used=now())
+            self._completions[client_key] = live
+        return live
+
+    def _end_completion(self, client_key: str, reason: str) -> None:
+        live = self._completions.pop(client_key, None)
+        if live is not None:
+            self.engine.scheduler.on_finish(
+                live.key,
+                live.prompt_key,
+                output_tokens=live.output_tokens,
+                failed=reason in _CUT_SHORT,
+            )
 
     async def report(
         self,
@@ -162,6 +208,9 @@ class Sessions:
         ``KeyError``): a tool outcome becomes a signal, a reward is kept for the record,
         ``done`` ends it now (or once the turn in progress ends)."""
         found = self._by_key.get(session) or self._by_id.get(session)
+        if found is None and session in self._completions:
+            self._report_completions(session, tool, done)
+            return
         if found is None:
             raise KeyError(f"no live session {session!r}")
         if tool is not None:
@@ -174,6 +223,18 @@ class Sessions:
             found.done = True
             if not found.busy:
                 self._end(found, "completed", "done")
+
+    def _report_completions(
+        self, client_key: str, tool: tuple[str, ToolStatus] | None, done: bool
+    ) -> None:
+        """A report on a ``/v1/completions`` session: its tool outcome reaches the
+        scheduler, ``done`` ends it (a reward has no record to go to: the client keeps
+        its own)."""
+        if tool is not None:
+            key = self._completions[client_key].key
+            self.engine.scheduler.on_tool_return(key, signal_of(tool[0], "", tool[1]))
+        if done:
+            self._end_completion(client_key, "done")
 
     async def pause(self) -> None:
         await self.admin.pause()
@@ -194,8 +255,8 @@ class Sessions:
         return self.recorder.records()
 
     def __len__(self) -> int:
-        """Live sessions."""
-        return len(self._by_id)
+        """Live sessions (chat and keyed ``/v1/completions`` ones)."""
+        return len(self._by_id) + len(self._completions)
 
     @property
     def indexed(self) -> int:
@@ -213,7 +274,14 @@ class Sessions:
                 expired.append(session)
         for session in expired:
             self._end(session, "completed", "idle_ttl")
-        return len(expired)
+        idle = []
+        for client_key, live in self._completions.items():
+            if live.last_used > deadline:
+                break  # the rest were used later
+            idle.append(client_key)
+        for client_key in idle:
+            self._end_completion(client_key, "idle_ttl")
+        return len(expired) + len(idle)
 
     # -------------------------------------------------------------- finding sessions
 
@@ -373,3 +441,9 @@ class Sessions:
             await anyio.sleep(self.config.sweep_every_s)
             if ended := self.expire():
                 log.debug("%d idle sessions ended", ended)
+
+
+def _prompt_key(prompt: str | list[int]) -> str:
+    """The task a ``/v1/completions`` session is an instance of: its first prompt."""
+    data = prompt.encode() if isinstance(prompt, str) else array("q", prompt).tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
