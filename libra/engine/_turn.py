@@ -357,6 +357,7 @@ def _turn_sampling(d: Dialogue, config: EngineConfig, route: Route, turn: Turn) 
         seed=seed,
         priority=route.priority,
         stop=d.stop_strings,
+        session=d.key,
     )
 
 

@@ -38,6 +38,7 @@ from libra.train._fsdp import (
     spawn,
     split_by_tokens,
 )
+from libra.train._gateway import GatewaySyncError
 from libra.train._logprobs import (
     LogprobGap,
     LogprobsMode,
@@ -97,6 +98,7 @@ __all__ = [
     "FSDPTrainer",
     "FailureRule",
     "GRPOConfig",
+    "GatewaySyncError",
     "Layout",
     "LogprobGap",
     "Logprobs",

@@ -80,7 +80,7 @@ from libra.serving import (
 from libra.train._attach import check_attached
 from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
-from libra.train._gateway import Gateway, find_gateway
+from libra.train._gateway import SESSION_HEADER, Gateway, find_gateway
 from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._run import TrainRunConfig
@@ -577,6 +577,9 @@ async def open_run(
         await trainer.ready()
         env_name = registered_name(rollout.env, env_cls)
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
+        if gateway is not None:  # its scheduler sees each trajectory's turns as one
+            for endpoint in endpoints:
+                endpoint.session_header = SESSION_HEADER
         scheduler = assembled.engine.scheduler
         run = TrainRun(
             config,
