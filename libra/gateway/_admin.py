@@ -31,6 +31,7 @@ class CompletionSession:
     output_tokens: int = 0
     last_endpoint: Endpoint | None = None
     last_used: float = 0.0
+    in_flight: int = 0  # calls being answered (it does not idle out meanwhile)
 
 
 class Admin:

@@ -9,7 +9,10 @@
   digest (``_session.py``). Otherwise a new session starts.
   A keyed request whose messages do not extend its session (the client edited history,
   or re-sent an old request) ends that session and starts a new one under the key.
-  Requests on one keyed session take turns.
+  Requests on one keyed session take turns. A ``/v1/completions`` request with a key is
+  the next turn of that client's completion session (``CompletionSession``: what the
+  scheduler needs of a token-level client's trajectory, no messages); without one it
+  is a one-off.
 - **Tool results are signals.** The ``role: "tool"`` messages after the session's last
   reply are reduced as the engine reduces tool returns (``signal_of``) and fed to the
   scheduler before the turn is routed, so C-MLFQ promotes and demotes external agents.
@@ -161,9 +164,11 @@ class Sessions:
         await self.admin.unpaused()
         if session is not None:
             live = self._completion_session(session, request)
+            live.in_flight += 1
             try:
                 return await self.admin.complete(request, live)
             finally:
+                live.in_flight -= 1
                 live.last_used = now()
                 if session in self._completions:
                     self._completions.move_to_end(session)
@@ -177,7 +182,8 @@ class Sessions:
         self, client_key: str, request: openai.CompletionRequest
     ) -> CompletionSession:
         live = self._completions.get(client_key)
-        if live is not None and now() - live.last_used > self.config.session_ttl_s:
+        idle_s = now() - live.last_used if live is not None else 0.0
+        if live is not None and not live.in_flight and idle_s > self.config.session_ttl_s:
             self._end_completion(client_key, "idle_ttl")
             live = None
         if live is None:
@@ -278,7 +284,8 @@ class Sessions:
         for client_key, live in self._completions.items():
             if live.last_used > deadline:
                 break  # the rest were used later
-            idle.append(client_key)
+            if not live.in_flight:
+                idle.append(client_key)
         for client_key in idle:
             self._end_completion(client_key, "idle_ttl")
         return len(expired) + len(idle)

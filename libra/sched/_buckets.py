@@ -16,7 +16,6 @@ removed here while trajectories run (:meth:`Router.apply` moves to a new
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,11 +32,8 @@ Listener = Callable[["Instance"], None]
 
 
 def event_loop_clock() -> float:
-    """anyio's clock inside an event loop (virtual under a mock clock), else monotonic."""
-    try:
-        return now()
-    except RuntimeError:
-        return time.monotonic()
+    """The event loop's clock (virtual under trio's mock clock), else monotonic."""
+    return now()
 
 
 class Latch:
