@@ -47,6 +47,10 @@ class Endpoint:
     #: What a generation call waits for its answer here before its per-token allowance;
     #: None: the engine's ``call_timeout_s``.
     call_timeout_s: float | None = None
+    #: A header each generation call names its trajectory in (a ``libra serve``
+    #: gateway's ``X-Libra-Session``: its scheduler then sees the trajectory's calls as
+    #: one, turn after turn); None: none is sent.
+    session_header: str | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")

@@ -37,6 +37,7 @@ from libra.launch import (
     SCHEDULERS,
     SchedulerName,
     build_scheduler,
+    local_templates,
     open_fleet,
     save_scheduler_state,
 )
@@ -136,7 +137,7 @@ async def serve(config: ServeConfig, keys: Keys) -> None:
     )
     async with opening as fleet:
         scheduler = build_scheduler(config.policy, fleet.spec, config.cmlfq, config.scheduler_state)
-        engine = Engine(fleet.http, scheduler, config=config.engine)
+        engine = Engine(fleet.http, scheduler, config=config.engine, templates=local_templates())
         gateway = config.gateway
         if config.record is not None:
             gateway = gateway.model_copy(update={"record_path": config.record})
@@ -182,6 +183,7 @@ def _uvicorn_config(app: Callable[..., object], config: ServeConfig) -> uvicorn.
         log_level="warning",
         access_log=False,  # a log of requests would hold their headers' neighbours
         backlog=4096,
+        proxy_headers=False,  # the gateway reads no client address: no per-request middleware
         timeout_keep_alive=60,
     )
 

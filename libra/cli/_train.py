@@ -21,6 +21,7 @@ from libra.engine import RolloutStats
 from libra.train import (
     METRICS_FILE,
     AttachError,
+    GatewaySyncError,
     NothingToResume,
     StepRecord,
     TrainerError,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)
     try:
         anyio.run(_train, config, console, progress, args.resume)
-    except (NothingToResume, AttachError) as error:
+    except (NothingToResume, AttachError, GatewaySyncError) as error:
         print(f"libra: error: {error}", file=sys.stderr)
         return 1
     except TrainerError as error:  # before the loop's task groups started
@@ -81,9 +82,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except BaseExceptionGroup as group:  # the loop's task groups wrap the trainer's failure
         failed = group.subgroup(TrainerError)
-        if failed is None:
+        if failed is not None:
+            hint = resume_hint(config.run_dir)
+            print(f"libra: error: {_leaf(failed)}\n{hint}", file=sys.stderr)
+            return 1
+        sync = group.subgroup(GatewaySyncError)  # the gateway's fleet did not load them
+        if sync is None:
             raise
-        print(f"libra: error: {_leaf(failed)}\n{resume_hint(config.run_dir)}", file=sys.stderr)
+        print(f"libra: error: {_leaf(sync)}", file=sys.stderr)
         return 1
     plot = plot_run(config.run_dir)
     console.print(f"metrics in {config.run_dir / METRICS_FILE}; plot in {plot}")

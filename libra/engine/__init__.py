@@ -32,7 +32,7 @@ from libra.engine._records import (
 from libra.engine._rollout import jobs_for, jobs_of, rollout
 from libra.engine._session import Group, RolloutSession
 from libra.engine._stats import RolloutStats
-from libra.engine._tokens import TemplateRenderer, TokenLog
+from libra.engine._tokens import ChatTemplate, TemplateRenderer, TokenLog
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
 from libra.engine._turn import (
     CallTimedOut,
@@ -53,6 +53,7 @@ __all__ = [
     "AiohttpTransport",
     "BaseTransport",
     "CallTimedOut",
+    "ChatTemplate",
     "ContextFull",
     "Dialogue",
     "Engine",

@@ -155,7 +155,7 @@ class OpenAIClient:
             stop=turn.stop,
         )
         response = await self._post(
-            endpoint, "/v1/chat/completions", request, openai.ChatCompletion
+            endpoint, "/v1/chat/completions", request, openai.ChatCompletion, turn.session
         )
         choice = _first(response.choices)
         logprobs = choice.logprobs.content if choice.logprobs else None
@@ -188,7 +188,9 @@ class OpenAIClient:
             priority=turn.priority,
             stop=turn.stop,
         )
-        response = await self._post(endpoint, "/v1/completions", request, openai.Completion)
+        response = await self._post(
+            endpoint, "/v1/completions", request, openai.Completion, turn.session
+        )
         choice = _first(response.choices)
         if choice.token_ids is None:
             raise RequestRejected(f"{endpoint.name} returned no token ids from /v1/completions")
@@ -257,8 +259,17 @@ class OpenAIClient:
 
         return await self._renders_tools.get(endpoint.url, probe)
 
-    async def _post(self, endpoint: Endpoint, path: str, body: object, into: type[T]) -> T:
+    async def _post(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        body: object,
+        into: type[T],
+        session: str | None = None,
+    ) -> T:
         headers = {**_JSON, **endpoint.headers} if endpoint.headers else _JSON
+        if endpoint.session_header is not None and session is not None:
+            headers = {**headers, endpoint.session_header: session}
         try:
             status, content = await self.http.post(
                 endpoint.url + path, msgspec.json.encode(body), headers, self.timeout_s

@@ -104,3 +104,4 @@ class TurnSampling:
     seed: int | None
     priority: int | None
     stop: list[str] | None = None
+    session: str | None = None  # the trajectory's key (sent where the endpoint asks)

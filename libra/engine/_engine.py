@@ -3,14 +3,14 @@ and the limits (a rollout's trajectories and a gateway's sessions alike)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
 from libra.engine._client import OpenAIClient
 from libra.engine._config import EngineConfig
 from libra.engine._http import HTTPTransport
 from libra.engine._records import TrajectoryRecord
-from libra.engine._tokens import TemplateRenderer
+from libra.engine._tokens import ChatTemplate, TemplateRenderer
 from libra.engine._tool_threads import ToolThreads
 from libra.engine._watch import GenerationWatch
 from libra.envs import EnvBugs, SandboxProvider, TrajectoryId
@@ -33,6 +33,9 @@ class Engine:
     #: Sees every record the engine makes, whichever session ran it (a log, a test);
     #: the consumer of a rollout reads its session's stream instead.
     on_record: Callable[[TrajectoryRecord], None] | None = None
+    #: Chat templates that run in-process: one that renders as a server does replaces
+    #: that server's ``/tokenize`` round trips (``TemplateRenderer``).
+    templates: Sequence[ChatTemplate] = ()
     client: OpenAIClient = field(init=False)
     renderer: TemplateRenderer = field(init=False)
     #: Exceptions raised by env code: each place and type's first traceback on stderr.
@@ -48,4 +51,4 @@ class Engine:
     def __post_init__(self) -> None:
         self.tool_threads = ToolThreads(self.config.tool_threads)
         self.client = OpenAIClient(self.http, timeout_s=self.config.request_timeout_s)
-        self.renderer = TemplateRenderer(self.client)
+        self.renderer = TemplateRenderer(self.client, self.templates)

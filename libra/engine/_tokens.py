@@ -11,12 +11,18 @@ The new messages are rendered with the server's own chat template (``/tokenize``
 a fixed two-message base conversation, and the base's tokens are cut off right after
 its end-of-turn token, so the template's separator after that token is kept. A turn that
 a stop string ended gets the end-of-turn token the model did not sample.
+
+Each rendering is a ``/tokenize`` round trip, unless the engine was given a
+:class:`ChatTemplate` that runs in-process (the emulator's, a local tokenizer's) and that
+template renders a set of probe conversations exactly as the server does: it is then
+used for that server instead (checked once per server and model).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from libra import openai
 from libra.engine._client import OpenAIClient, ProbeCache, RequestRejected
@@ -28,6 +34,36 @@ _BASE = [
     openai.Message(role="assistant", content="."),
 ]
 _OTHER = [_BASE[0], openai.Message(role="assistant", content="!")]
+_PROBE_TOOL = openai.tool_schema("probe", "a probe", {"type": "object", "properties": {}})
+_PROBE_CALL = openai.ToolCall(id="call_1", function=openai.FunctionCall("probe", "{}"))
+#: What a local template must render exactly as the server does before it replaces
+#: ``/tokenize``: each role, a tool call and its result, with and without ``tools``.
+_PROBES: list[tuple[list[openai.Message], list[dict[str, Any]], bool]] = [
+    (_BASE, [], False),
+    (_OTHER, [], False),
+    ([openai.Message(role="user", content="hi")], [], True),
+    (
+        [
+            openai.Message(role="system", content="Be brief."),
+            openai.Message(role="user", content="Ünïcode, <b>markup</b> and {json}?"),
+            openai.Message(role="assistant", content="Let me see.", tool_calls=[_PROBE_CALL]),
+            openai.Message(role="tool", content='{"ok": true}', tool_call_id="call_1"),
+        ],
+        [_PROBE_TOOL],
+        True,
+    ),
+]
+
+
+class ChatTemplate(Protocol):
+    """A chat template and tokenizer that run in-process."""
+
+    def render_chat(
+        self,
+        messages: Sequence[openai.Message],
+        tools: Sequence[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> list[int]: ...
 
 
 class TokenLog:
@@ -78,16 +114,56 @@ class TokenLog:
 
 
 class TemplateRenderer:
-    """Renders messages into token ids with a server's chat template (``/tokenize``)."""
+    """Renders messages into token ids with a server's chat template: ``/tokenize``, or
+    one of ``local`` that renders as the server does (see the module)."""
 
-    def __init__(self, client: OpenAIClient) -> None:
+    def __init__(self, client: OpenAIClient, local: Sequence[ChatTemplate] = ()) -> None:
         self.client = client
+        self.local = list(local)
         self._templates: ProbeCache[tuple[str, str], _TurnEnd] = ProbeCache()
+        self._local_of: ProbeCache[tuple[str, str], ChatTemplate | None] = ProbeCache()
 
     async def prompt(
         self, endpoint: Endpoint, messages: list[openai.Message], tools: list[dict[str, Any]]
     ) -> list[int]:
-        return await self.client.tokenize(endpoint, messages, tools, add_generation_prompt=True)
+        return await self.render(endpoint, messages, tools, add_generation_prompt=True)
+
+    async def render(
+        self,
+        endpoint: Endpoint,
+        messages: list[openai.Message],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        """``messages`` as the server's template renders them, in-process if it can be."""
+        local = await self.local_template(endpoint) if self.local else None
+        if local is not None:
+            return local.render_chat(messages, tools or None, add_generation_prompt)
+        return await self.client.tokenize(
+            endpoint, messages, tools, add_generation_prompt=add_generation_prompt
+        )
+
+    async def local_template(self, endpoint: Endpoint) -> ChatTemplate | None:
+        """The first local template that renders the probes as ``endpoint`` does."""
+
+        async def probe() -> ChatTemplate | None:
+            try:
+                served = [
+                    await self.client.tokenize(endpoint, m, t, add_generation_prompt=g)
+                    for m, t, g in _PROBES
+                ]
+            except RequestRejected:  # no /tokenize: nothing to compare with
+                return None
+            for template in self.local:
+                if all(
+                    template.render_chat(m, t or None, g) == ids
+                    for (m, t, g), ids in zip(_PROBES, served, strict=True)
+                ):
+                    return template
+            return None
+
+        return await self._local_of.get((endpoint.url, endpoint.model), probe)
 
     async def continuation(
         self, endpoint: Endpoint, new_messages: list[openai.Message], last_sampled: int
@@ -99,9 +175,7 @@ class TemplateRenderer:
         the template closes turns (a context token: the model did not sample it).
         """
         template = await self._turn_end(endpoint)
-        full = await self.client.tokenize(
-            endpoint, [*_BASE, *new_messages], add_generation_prompt=True
-        )
+        full = await self.render(endpoint, [*_BASE, *new_messages], add_generation_prompt=True)
         if full[: len(template.base)] != template.base:
             raise RequestRejected(
                 f"{endpoint.name}: the chat template is not prefix-stable, so tool results"
@@ -112,8 +186,8 @@ class TemplateRenderer:
 
     async def _turn_end(self, endpoint: Endpoint) -> _TurnEnd:
         async def probe() -> _TurnEnd:
-            base = await self.client.tokenize(endpoint, _BASE, add_generation_prompt=False)
-            other = await self.client.tokenize(endpoint, _OTHER, add_generation_prompt=False)
+            base = await self.render(endpoint, _BASE, add_generation_prompt=False)
+            other = await self.render(endpoint, _OTHER, add_generation_prompt=False)
             return _TurnEnd.of(endpoint, base, other)
 
         return await self._templates.get((endpoint.url, endpoint.model), probe)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import anyio
 
 from libra import openai
+from libra._clock import now
 from libra.engine._client import Generation, RequestRejected, ServerUnavailable
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
 from libra.engine._engine import Engine
@@ -236,10 +237,10 @@ class _CapacityWait:
             raise NoCapacity(f"no endpoint for {why}{after}")
         if self.trouble.unresolved is None:
             self.trouble.unresolved = f"waiting for a usable endpoint ({why})"
-        started = anyio.current_time()
+        started = now()
         with anyio.move_on_after(self.budget_s):
             await router.membership.wait()
-        self.budget_s -= anyio.current_time() - started
+        self.budget_s -= now() - started
 
 
 async def _route(
@@ -289,14 +290,14 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     endpoint, client = route.endpoint, engine.client
     if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
         d.describe_tools_in_system_message()
-    started = anyio.current_time()
+    started = now()
     if d.tokens.source == "exact" and await client.speaks_tokens(endpoint):
         await render_pending(d, engine.renderer, endpoint)  # the budget sees the whole prompt
     sampling = _turn_sampling(d, engine.config, route, turn)
     generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
     if generation.path == "chat":
         d.tokens.absorb_prompt(generation.prompt_token_ids)
-    d.timings.generation_s += anyio.current_time() - started
+    d.timings.generation_s += now() - started
     d.last_endpoint = endpoint
     return generation
 
@@ -356,6 +357,7 @@ def _turn_sampling(d: Dialogue, config: EngineConfig, route: Route, turn: Turn) 
         seed=seed,
         priority=route.priority,
         stop=d.stop_strings,
+        session=d.key,
     )
 
 

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import anyio
 
+from libra._clock import now
+
 log = logging.getLogger("libra.engine")
 
 
@@ -31,7 +33,7 @@ class GenerationWatch:
     def call(self) -> Iterator[None]:
         """One generation call in flight for the ``with`` block."""
         if self.in_flight == 0:
-            self.busy_since = anyio.current_time()
+            self.busy_since = now()
         self.in_flight += 1
         try:
             yield
@@ -39,7 +41,7 @@ class GenerationWatch:
             self.in_flight -= 1
 
     def returned(self) -> None:
-        self.last_return = anyio.current_time()
+        self.last_return = now()
 
     def failed(self, error: str) -> None:
         self.last_failure = error

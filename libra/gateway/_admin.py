@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -17,6 +18,20 @@ from libra.sched import CallOutcome, NoEndpointAvailable, RouteRequest
 from libra.serving import WeightSync
 
 log = logging.getLogger("libra.gateway")
+
+
+@dataclass(slots=True)
+class CompletionSession:
+    """What the scheduler is told of a ``/v1/completions`` client's calls: one key for a
+    client's whole multi-turn trajectory (``X-Libra-Session``), else one per call."""
+
+    key: str  # the scheduler's
+    prompt_key: str  # the task: the session's first prompt
+    turns: int = 0
+    output_tokens: int = 0
+    last_endpoint: Endpoint | None = None
+    last_used: float = 0.0
+    in_flight: int = 0  # calls being answered (it does not idle out meanwhile)
 
 
 class Admin:
@@ -63,41 +78,52 @@ class Admin:
             paused=self.paused,
         )
 
-    async def complete(self, request: openai.CompletionRequest, key: str) -> openai.Completion:
-        """One routed ``/v1/completions`` call (retried elsewhere on a server failure);
-        the scheduler forgets ``key`` after it, having learnt nothing from it."""
-        scheduler = self.engine.scheduler
+    async def complete(
+        self, request: openai.CompletionRequest, session: CompletionSession
+    ) -> openai.Completion:
+        """One routed ``/v1/completions`` call of ``session`` (retried elsewhere on a
+        server failure), which then counts the turn, its tokens and its endpoint."""
         prompt = request.prompt
         context = len(prompt) if isinstance(prompt, list) else len(prompt) // 4
-        ask = RouteRequest(key, key, 0, context, env=self.config.env)
+        ask = RouteRequest(
+            session.key,
+            session.prompt_key,
+            session.turns,
+            context,
+            session.last_endpoint,
+            generated_tokens=session.output_tokens,
+            env=self.config.env,
+        )
         failed: set[str] = set()
-        try:
-            for _ in range(self.engine.config.max_attempts - 1):
-                try:
-                    return await self._complete_once(request, ask, failed)
-                except ServerUnavailable:
-                    await anyio.sleep(self.engine.config.retry_backoff_s)
-            return await self._complete_once(request, ask, failed)
-        finally:
-            scheduler.on_finish(key, key, output_tokens=0, failed=True)
+        for _ in range(self.engine.config.max_attempts - 1):
+            try:
+                return await self._complete_once(request, ask, failed, session)
+            except ServerUnavailable:
+                await anyio.sleep(self.engine.config.retry_backoff_s)
+        return await self._complete_once(request, ask, failed, session)
 
     async def tokenize(
         self, messages: list[openai.Message], tools: list[dict[str, object]] | None, add: bool
     ) -> list[int]:
         """``messages`` rendered by a healthy upstream's chat template (vLLM's
-        ``/tokenize``): the fleet serves one model, so any of them renders as all would."""
+        ``/tokenize``, or in-process by a local template that renders as it does): the
+        fleet serves one model, so any of them renders as all would."""
         router = self.engine.scheduler.router
         now = router.clock()
         healthy = [i for i in router.instances if i.state == "active" and not i.is_down(now)]
         if not healthy:
             raise ServerUnavailable("no healthy model server to render the chat")
         endpoint = healthy[0].endpoint
-        return await self.engine.client.tokenize(
+        return await self.engine.renderer.render(
             endpoint, messages, tools, add_generation_prompt=add
         )
 
     async def _complete_once(
-        self, request: openai.CompletionRequest, ask: RouteRequest, failed: set[str]
+        self,
+        request: openai.CompletionRequest,
+        ask: RouteRequest,
+        failed: set[str],
+        session: CompletionSession,
     ) -> openai.Completion:
         scheduler = self.engine.scheduler
         try:
@@ -114,6 +140,9 @@ class Admin:
             completion = await self.engine.client.completion(route.endpoint, upstream)
             outcome = "ok"
             produced = completion.usage.completion_tokens if completion.usage else 0
+            session.turns += 1
+            session.output_tokens += produced
+            session.last_endpoint = route.endpoint
             return completion
         except ServerUnavailable:
             outcome = "failed"

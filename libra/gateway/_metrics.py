@@ -9,13 +9,21 @@ C-MLFQ does) promotions and demotions between buckets.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from libra.sched import Router
 
@@ -40,94 +48,99 @@ class Totals:
     started: float = field(default_factory=time.monotonic)
 
 
+class Count:
+    """A counter or gauge kept as a plain number, exported when scraped:
+    prometheus-client's own take a lock on every update."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self) -> None:
+        self.value -= 1
+
+
+class Latencies:
+    """A histogram of seconds over ``_LATENCY_BUCKETS``, exported when scraped."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        bounds = [*map(floatToGoString, _LATENCY_BUCKETS), "+Inf"]
+        return list(zip(bounds, itertools.accumulate(self.counts), strict=True))
+
+
 @dataclass
 class RouteMetrics:
-    """One route's labelled metrics (a label lookup costs more than the update)."""
+    """One route's metrics."""
 
     name: str
-    in_progress: Gauge
-    disconnects: Counter
-    latency: Histogram
-    core_latency: Histogram
-    statuses: dict[int, Counter] = field(default_factory=dict)
+    in_progress: Count = field(default_factory=Count)
+    disconnects: Count = field(default_factory=Count)
+    latency: Latencies = field(default_factory=Latencies)
+    core_latency: Latencies = field(default_factory=Latencies)
+    statuses: dict[int, Count] = field(default_factory=dict)
+
+
+@dataclass
+class BucketMetrics:
+    """Generation requests to one endpoint in one bucket, and their tokens."""
+
+    requests: Count = field(default_factory=Count)
+    prompt_tokens: Count = field(default_factory=Count)
+    completion_tokens: Count = field(default_factory=Count)
 
 
 class GatewayMetrics:
     """The metrics of one gateway, in a registry of its own (several apps per process in
-    tests each count their own)."""
+    tests each count their own). Requests update plain numbers; the registry reads them
+    when scraped."""
 
     def __init__(self, router: Router | None = None, reasons: Reasons | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.totals = Totals()
-        registry = self.registry
-        self.requests = Counter(
-            "libra_gateway_requests", "Requests answered, by route and status",
-            ["route", "status"], registry=registry,
-        )  # fmt: skip
-        self.bucket_requests = Counter(
-            "libra_gateway_bucket_requests", "Generation requests by bucket and endpoint",
-            ["bucket", "endpoint"], registry=registry,
-        )  # fmt: skip
-        self.tokens = Counter(
-            "libra_gateway_tokens", "Tokens by bucket and kind (prompt, completion)",
-            ["bucket", "kind"], registry=registry,
-        )  # fmt: skip
-        self.latency = Histogram(
-            "libra_gateway_request_seconds", "Whole requests, by route",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.core_latency = Histogram(
-            "libra_gateway_core_seconds", "Time in the core (generation), by route",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.in_progress = Gauge(
-            "libra_gateway_requests_in_progress", "Requests being answered, by route",
-            ["route"], registry=registry,
-        )  # fmt: skip
-        self.disconnects = Counter(
-            "libra_gateway_disconnects", "Requests whose client left before the answer",
-            ["route"], registry=registry,
-        )  # fmt: skip
         self._routes: dict[str, RouteMetrics] = {}
-        self._buckets: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
+        self._buckets: dict[tuple[str, str], BucketMetrics] = {}
+        self.registry.register(_CountsCollector(self._routes, self._buckets))
         if router is not None:
-            registry.register(_FleetCollector(router, reasons))
+            self.registry.register(_FleetCollector(router, reasons))
 
     def route(self, name: str) -> RouteMetrics:
-        """The metrics of one route, their labels looked up once."""
+        """The metrics of one route."""
         metrics = self._routes.get(name)
         if metrics is None:
-            metrics = self._routes[name] = RouteMetrics(
-                name,
-                self.in_progress.labels(name),
-                self.disconnects.labels(name),
-                self.latency.labels(name),
-                self.core_latency.labels(name),
-            )
+            metrics = self._routes[name] = RouteMetrics(name)
         return metrics
 
     def answered(self, route: RouteMetrics, status: int, seconds: float) -> None:
         counter = route.statuses.get(status)
         if counter is None:
-            counter = route.statuses[status] = self.requests.labels(route.name, str(status))
-        counter.inc()
+            counter = route.statuses[status] = Count()
+        counter.value += 1
         route.latency.observe(seconds)
         self.totals.requests += 1
         if status >= 400:
             self.totals.errors += 1
 
     def generated(self, bucket: str, endpoint: str, prompt: int, completion: int) -> None:
-        counters = self._buckets.get((bucket, endpoint))
-        if counters is None:
-            counters = self._buckets[bucket, endpoint] = (
-                self.bucket_requests.labels(bucket, endpoint),
-                self.tokens.labels(bucket, "prompt"),
-                self.tokens.labels(bucket, "completion"),
-            )
-        requests, prompt_tokens, completion_tokens = counters
-        requests.inc()
-        prompt_tokens.inc(prompt)
-        completion_tokens.inc(completion)
+        counts = self._buckets.get((bucket, endpoint))
+        if counts is None:
+            counts = self._buckets[bucket, endpoint] = BucketMetrics()
+        counts.requests.value += 1
+        counts.prompt_tokens.value += prompt
+        counts.completion_tokens.value += completion
         self.counted(prompt, completion)
 
     def counted(self, prompt: int, completion: int) -> None:
@@ -139,6 +152,68 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
+class _CountsCollector(Collector):
+    """The requests' own counts, as Prometheus metrics."""
+
+    def __init__(
+        self, routes: dict[str, RouteMetrics], buckets: dict[tuple[str, str], BucketMetrics]
+    ) -> None:
+        self.routes = routes
+        self.buckets = buckets
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._per_route()
+        requests = CounterMetricFamily(
+            "libra_gateway_bucket_requests", "Generation requests by bucket and endpoint",
+            labels=["bucket", "endpoint"],
+        )  # fmt: skip
+        tokens = CounterMetricFamily(
+            "libra_gateway_tokens", "Tokens by bucket and kind (prompt, completion)",
+            labels=["bucket", "kind"],
+        )  # fmt: skip
+        totals: dict[tuple[str, str], float] = {}
+        for (bucket, endpoint), counts in self.buckets.items():
+            requests.add_metric([bucket, endpoint], counts.requests.value)
+            for kind, count in (
+                ("prompt", counts.prompt_tokens),
+                ("completion", counts.completion_tokens),
+            ):
+                totals[bucket, kind] = totals.get((bucket, kind), 0.0) + count.value
+        for labels, value in totals.items():
+            tokens.add_metric(list(labels), value)
+        yield requests
+        yield tokens
+
+    def _per_route(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "libra_gateway_requests", "Requests answered, by route and status",
+            labels=["route", "status"],
+        )  # fmt: skip
+        latency = HistogramMetricFamily(
+            "libra_gateway_request_seconds", "Whole requests, by route", labels=["route"]
+        )
+        core_latency = HistogramMetricFamily(
+            "libra_gateway_core_seconds", "Time in the core (generation), by route",
+            labels=["route"],
+        )  # fmt: skip
+        in_progress = GaugeMetricFamily(
+            "libra_gateway_requests_in_progress", "Requests being answered, by route",
+            labels=["route"],
+        )  # fmt: skip
+        disconnects = CounterMetricFamily(
+            "libra_gateway_disconnects", "Requests whose client left before the answer",
+            labels=["route"],
+        )  # fmt: skip
+        for name, route in self.routes.items():
+            for status, count in route.statuses.items():
+                requests.add_metric([name, str(status)], count.value)
+            latency.add_metric([name], route.latency.buckets(), route.latency.sum)
+            core_latency.add_metric([name], route.core_latency.buckets(), route.core_latency.sum)
+            in_progress.add_metric([name], route.in_progress.value)
+            disconnects.add_metric([name], route.disconnects.value)
+        yield from (requests, latency, core_latency, in_progress, disconnects)
+
+
 class _FleetCollector(Collector):
     """Read when scraped: the router's live load, and the policy's moves so far."""
 
@@ -146,7 +221,7 @@ class _FleetCollector(Collector):
         self.router = router
         self.reasons = reasons
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         labels = ["endpoint", "bucket"]
         in_flight = GaugeMetricFamily(
             "libra_gateway_upstream_in_flight",

@@ -72,8 +72,12 @@ class GatewayCore(Protocol):
         ``libra.engine.ServerUnavailable`` when no upstream could answer."""
         ...
 
-    async def complete(self, request: openai.CompletionRequest) -> openai.Completion:
-        """A stateless ``/v1/completions`` call, routed to one upstream."""
+    async def complete(
+        self, request: openai.CompletionRequest, session: str | None = None
+    ) -> openai.Completion:
+        """A ``/v1/completions`` call, routed to one upstream: the next turn of the
+        client's ``session`` for the scheduler (a token-level client's multi-turn
+        trajectory), else a one-off it forgets at once."""
         ...
 
     async def tokenize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import secrets
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import anyio
 
 from libra import openai
+from libra._clock import now
 from libra.engine import (
     SamplingConfig,
     Timings,
@@ -41,6 +43,7 @@ Digest = bytes
 Status = Literal["completed", "truncated", "failed"]
 TokenSource = Literal["exact", "drift", "none"]
 _EMPTY: Digest = b""
+_PARSER = HermesToolCallParser()  # (it keeps no state: sessions share it)
 #: What the Hermes parser reads, removed from the reply the client sees.
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 
@@ -54,6 +57,12 @@ def digests_of(messages: list[openai.Message], start: Digest = _EMPTY) -> list[D
     return chain
 
 
+# What json.dumps(..., **options) would build on every call (a measurable share of a
+# request), built once.
+_encode_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_encode_sorted = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+
 def _canonical(message: openai.Message) -> bytes:
     """What identifies a message whatever client re-sent it: no ``null`` versus ``""``
     content, no key order or spacing in tool arguments, no optional ``name``."""
@@ -62,12 +71,12 @@ def _canonical(message: openai.Message) -> bytes:
         for call in message.tool_calls or ()
     ]
     fields = [message.role, message.content or "", calls, message.tool_call_id or ""]
-    return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
+    return _encode_compact(fields).encode()
 
 
 def _canonical_arguments(arguments: str) -> str:
     try:
-        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+        return _encode_sorted(json.loads(arguments))
     except json.JSONDecodeError:
         return arguments
 
@@ -107,7 +116,7 @@ class Session:
         self.sampling = sampling
         self.tools = list(tools)  # sent with requests; [] once described in the prompt
         self.uses_tools = bool(tools)
-        self.parser: ToolCallParser = HermesToolCallParser()
+        self.parser: ToolCallParser = _PARSER
         self.stop_strings: list[str] | None = None
         self.messages: list[openai.Message] = []
         self.pending: list[openai.Message] = []
@@ -126,8 +135,8 @@ class Session:
         self.reward: float | None = None
         self.done = False  # the client said it is over
         self.busy = False  # a turn is being generated
-        self.idle = anyio.Event()  # set when the turn in progress ends
-        self.started_at = self.last_used = self.replied_at = anyio.current_time()
+        self.idle: anyio.Event | None = None  # set when the turn in progress ends (if waited for)
+        self.started_at = self.last_used = self.replied_at = now()
 
     @property
     def env_name(self) -> str:
@@ -155,7 +164,7 @@ class Session:
             for call in message.tool_calls or ():
                 self.call_names[call.id] = call.function.name
         last_reply = max((i for i, m in enumerate(new) if m.role == "assistant"), default=-1)
-        waited = anyio.current_time() - self.replied_at
+        waited = now() - self.replied_at
         results = [m for m in new[last_reply + 1 :] if m.role == "tool"]
         if results:
             self.timings.tool_s += waited
@@ -217,7 +226,7 @@ class Session:
         reply = openai.Message(role="assistant", content=content, tool_calls=calls or None)
         self.seen = len(request) + 1
         self.digest = digests_of([reply], digests[-1] if digests else _EMPTY)[0]
-        self.replied_at = anyio.current_time()
+        self.replied_at = now()
         return ChatReply(
             session=self.client_key or self.key,
             content=content,
@@ -259,7 +268,7 @@ class Session:
         (``env/<digest of the messages before the first reply>``), so sessions that
         start alike share a ``task_id`` and a ``group_id`` (at step 0: the gateway knows
         no RL steps; ``weight_versions`` say which weights sampled what)."""
-        self.timings.total_s = anyio.current_time() - self.started_at
+        self.timings.total_s = now() - self.started_at
         task = TaskId(self.env, self.prompt_key)
         return record_of(
             self,
@@ -284,4 +293,22 @@ def _finish_reason(reason: str, calls: list[openai.ToolCall]) -> FinishReason:
 def new_session_key(counter: int) -> str:
     """A session's id: a counter (unique in this gateway) and a random suffix (so that
     one client cannot guess, and report on, another's session)."""
-    return f"s{counter}-{secrets.token_hex(4)}"
+    return f"s{counter}-{_RANDOM.hex(4)}"
+
+
+class _RandomPool:
+    """Random bytes from the OS, read 4 KiB at a time: a read per session key was a
+    measurable share of a request."""
+
+    def __init__(self) -> None:
+        self._pool, self._used = b"", 0
+
+    def hex(self, size: int) -> str:
+        if self._used + size > len(self._pool):
+            self._pool, self._used = os.urandom(4096), 0
+        start = self._used
+        self._used += size
+        return self._pool[start : self._used].hex()
+
+
+_RANDOM = _RandomPool()

@@ -9,7 +9,10 @@
   digest (``_session.py``). Otherwise a new session starts.
   A keyed request whose messages do not extend its session (the client edited history,
   or re-sent an old request) ends that session and starts a new one under the key.
-  Requests on one keyed session take turns.
+  Requests on one keyed session take turns. A ``/v1/completions`` request with a key is
+  the next turn of that client's completion session (``CompletionSession``: what the
+  scheduler needs of a token-level client's trajectory, no messages); without one it
+  is a one-off.
 - **Tool results are signals.** The ``role: "tool"`` messages after the session's last
   reply are reduced as the engine reduces tool returns (``signal_of``) and fed to the
   scheduler before the turn is routed, so C-MLFQ promotes and demotes external agents.
@@ -27,8 +30,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -38,6 +43,7 @@ import anyio.abc
 import pydantic
 
 from libra import openai
+from libra._clock import now
 from libra.engine import (
     ContextFull,
     Engine,
@@ -47,7 +53,7 @@ from libra.engine import (
     TrajectoryRecord,
     generate_turn,
 )
-from libra.gateway._admin import Admin
+from libra.gateway._admin import Admin, CompletionSession
 from libra.gateway._config import GatewayConfig
 from libra.gateway._protocol import ChatReply, ChatTurn, FleetStatus
 from libra.gateway._recording import Recorder
@@ -66,6 +72,7 @@ log = logging.getLogger("libra.gateway")
 
 #: Ends the gateway imposed on a live session: its length says nothing of its task's.
 _CUT_SHORT = frozenset({"evicted", "shutdown"})
+_SAMPLINGS_KEPT = 1024
 
 
 class Sessions:
@@ -85,7 +92,14 @@ class Sessions:
         # Idle sessions by their client view (several when identical conversations got
         # identical replies: each follow-up takes one, the latest first).
         self._by_digest: dict[Digest, list[Session]] = {}
+        # Keyed /v1/completions sessions by the client's key, least recently used first.
+        self._completions: OrderedDict[str, CompletionSession] = OrderedDict()
         self._counter = itertools.count(1)
+        # Validated sampling settings by the request's values: validating each request's
+        # anew was a measurable share of a turn's cost, and clients repeat theirs.
+        self._samplings: dict[
+            tuple[float | None, float | None, int | None, int | None], SamplingConfig
+        ] = {}
         self._group: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> Sessions:
@@ -108,6 +122,8 @@ class Sessions:
         finally:
             for session in list(self._by_id.values()):
                 self._end(session, "truncated", "shutdown")
+            for client_key in list(self._completions):
+                self._end_completion(client_key, "shutdown")
             self.recorder.close()
 
     # ------------------------------------------------------------------ GatewayCore
@@ -123,8 +139,9 @@ class Sessions:
             return await self._generate(session, turn, digests, sampling)
         finally:
             session.busy = False
-            session.idle.set()
-            session.idle = anyio.Event()
+            if session.idle is not None:  # a request waits for this one to end
+                session.idle.set()
+                session.idle = None
             if session.key in self._by_id:
                 self._touch(session)
                 if session.done:
@@ -138,9 +155,52 @@ class Sessions:
     ) -> list[int]:
         return await self.admin.tokenize(messages, tools, add_generation_prompt)
 
-    async def complete(self, request: openai.CompletionRequest) -> openai.Completion:
+    async def complete(
+        self, request: openai.CompletionRequest, session: str | None = None
+    ) -> openai.Completion:
+        """A ``/v1/completions`` call: of the client's session ``session`` (the scheduler
+        sees its calls as one trajectory's turns, until it idles out or is reported
+        done), or else a one-off the scheduler forgets at once."""
         await self.admin.unpaused()
-        return await self.admin.complete(request, f"c{next(self._counter)}")
+        if session is not None:
+            live = self._completion_session(session, request)
+            live.in_flight += 1
+            try:
+                return await self.admin.complete(request, live)
+            finally:
+                live.in_flight -= 1
+                live.last_used = now()
+                if session in self._completions:
+                    self._completions.move_to_end(session)
+        key = f"c{next(self._counter)}"
+        try:
+            return await self.admin.complete(request, CompletionSession(key, key))
+        finally:
+            self.engine.scheduler.on_finish(key, key, output_tokens=0, failed=True)
+
+    def _completion_session(
+        self, client_key: str, request: openai.CompletionRequest
+    ) -> CompletionSession:
+        live = self._completions.get(client_key)
+        idle_s = now() - live.last_used if live is not None else 0.0
+        if live is not None and not live.in_flight and idle_s > self.config.session_ttl_s:
+            self._end_completion(client_key, "idle_ttl")
+            live = None
+        if live is None:
+            key = new_session_key(next(self._counter))
+            live = CompletionSession(key, _prompt_key(request.prompt), last_used=now())
+            self._completions[client_key] = live
+        return live
+
+    def _end_completion(self, client_key: str, reason: str) -> None:
+        live = self._completions.pop(client_key, None)
+        if live is not None:
+            self.engine.scheduler.on_finish(
+                live.key,
+                live.prompt_key,
+                output_tokens=live.output_tokens,
+                failed=reason in _CUT_SHORT,
+            )
 
     async def report(
         self,
@@ -154,6 +214,9 @@ class Sessions:
         ``KeyError``): a tool outcome becomes a signal, a reward is kept for the record,
         ``done`` ends it now (or once the turn in progress ends)."""
         found = self._by_key.get(session) or self._by_id.get(session)
+        if found is None and session in self._completions:
+            self._report_completions(session, tool, done)
+            return
         if found is None:
             raise KeyError(f"no live session {session!r}")
         if tool is not None:
@@ -166,6 +229,18 @@ class Sessions:
             found.done = True
             if not found.busy:
                 self._end(found, "completed", "done")
+
+    def _report_completions(
+        self, client_key: str, tool: tuple[str, ToolStatus] | None, done: bool
+    ) -> None:
+        """A report on a ``/v1/completions`` session: its tool outcome reaches the
+        scheduler, ``done`` ends it (a reward has no record to go to: the client keeps
+        its own)."""
+        if tool is not None:
+            key = self._completions[client_key].key
+            self.engine.scheduler.on_tool_return(key, signal_of(tool[0], "", tool[1]))
+        if done:
+            self._end_completion(client_key, "done")
 
     async def pause(self) -> None:
         await self.admin.pause()
@@ -186,8 +261,8 @@ class Sessions:
         return self.recorder.records()
 
     def __len__(self) -> int:
-        """Live sessions."""
-        return len(self._by_id)
+        """Live sessions (chat and keyed ``/v1/completions`` ones)."""
+        return len(self._by_id) + len(self._completions)
 
     @property
     def indexed(self) -> int:
@@ -196,7 +271,7 @@ class Sessions:
 
     def expire(self) -> int:
         """End every session idle for longer than the TTL; how many ended."""
-        deadline = anyio.current_time() - self.config.session_ttl_s
+        deadline = now() - self.config.session_ttl_s
         expired = []
         for session in self._by_id.values():
             if session.last_used > deadline:
@@ -205,7 +280,15 @@ class Sessions:
                 expired.append(session)
         for session in expired:
             self._end(session, "completed", "idle_ttl")
-        return len(expired)
+        idle = []
+        for client_key, live in self._completions.items():
+            if live.last_used > deadline:
+                break  # the rest were used later
+            if not live.in_flight:
+                idle.append(client_key)
+        for client_key in idle:
+            self._end_completion(client_key, "idle_ttl")
+        return len(expired) + len(idle)
 
     # -------------------------------------------------------------- finding sessions
 
@@ -218,6 +301,8 @@ class Sessions:
             if session is None:
                 session = self._open(turn, digests, sampling)
             elif session.busy:  # keyed, and its last request is still being answered
+                if session.idle is None:
+                    session.idle = anyio.Event()
                 await session.idle.wait()
                 continue
             elif not session.extended_by(turn.messages, digests):
@@ -245,7 +330,7 @@ class Sessions:
         return session
 
     def _expired(self, session: Session) -> bool:
-        idle = anyio.current_time() - session.last_used
+        idle = now() - session.last_used
         return not session.busy and idle > self.config.session_ttl_s
 
     def _open(self, turn: ChatTurn, digests: list[Digest], sampling: SamplingConfig) -> Session:
@@ -274,7 +359,7 @@ class Sessions:
                 del self._by_digest[session.digest]
 
     def _touch(self, session: Session) -> None:
-        session.last_used = anyio.current_time()
+        session.last_used = now()
         self._by_id.move_to_end(session.key)
 
     # ------------------------------------------------------------------ generating
@@ -316,6 +401,15 @@ class Sessions:
 
     def _sampling(self, turn: ChatTurn) -> SamplingConfig:
         """The request's sampling parameters, the config's where it gives none."""
+        key = (turn.temperature, turn.top_p, turn.max_tokens, turn.seed)
+        sampling = self._samplings.get(key)
+        if sampling is None:
+            if len(self._samplings) >= _SAMPLINGS_KEPT:
+                self._samplings.clear()
+            sampling = self._samplings[key] = self._validated_sampling(turn)
+        return sampling
+
+    def _validated_sampling(self, turn: ChatTurn) -> SamplingConfig:
         default = self.config.sampling
         try:
             return SamplingConfig(
@@ -354,3 +448,9 @@ class Sessions:
             await anyio.sleep(self.config.sweep_every_s)
             if ended := self.expire():
                 log.debug("%d idle sessions ended", ended)
+
+
+def _prompt_key(prompt: str | list[int]) -> str:
+    """The task a ``/v1/completions`` session is an instance of: its first prompt."""
+    data = prompt.encode() if isinstance(prompt, str) else array("q", prompt).tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()

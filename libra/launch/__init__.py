@@ -6,7 +6,7 @@ every front end: the command line, the trainer, the gateway and the allocation l
 Runtime packages never import this, nor the policies or the emulator it wires in.
 """
 
-from libra.launch._fleet import Fleet, FleetError, open_fleet
+from libra.launch._fleet import Fleet, FleetError, local_templates, open_fleet
 from libra.launch._rollout import Assembled, RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import (
@@ -28,6 +28,7 @@ __all__ = [
     "SchedulerName",
     "beside",
     "build_scheduler",
+    "local_templates",
     "open_engine",
     "open_fleet",
     "open_sandboxes",

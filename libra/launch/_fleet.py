@@ -12,7 +12,7 @@ an HTTP client.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -21,9 +21,16 @@ import httpx
 import msgspec
 from rich.console import Console
 
+from libra import openai
 from libra.config import UsageError
-from libra.emulation import EmulatorConfig, create_app
-from libra.engine import HTTPTransport, TransportError, TransportName, http_transport
+from libra.emulation import ByteTokenizer, EmulatorConfig, create_app
+from libra.engine import (
+    ChatTemplate,
+    HTTPTransport,
+    TransportError,
+    TransportName,
+    http_transport,
+)
 from libra.fleet import Endpoint, FleetSpec, InstanceSpec
 from libra.serving import EMBEDDED_MODEL_NAME, ServerProcess, VLLMServer
 
@@ -38,6 +45,29 @@ class Fleet:
     spec: FleetSpec  # the instances (with the model each serves) and their buckets
     #: The servers this command started, by instance name: restarted if they die or hang.
     servers: dict[str, ServerProcess] = field(default_factory=dict)
+
+
+def local_templates() -> list[ChatTemplate]:
+    """The chat templates Libra renders in-process: the emulator's, with its tools
+    section and without (``template_renders_tools = false``). The engine uses one in
+    place of a server's ``/tokenize`` once it renders probes exactly as that server does
+    (so for the emulator on any port; a real model's template differs, and keeps
+    ``/tokenize``)."""
+    tokenizer = ByteTokenizer()
+    return [tokenizer, _WithoutTools(tokenizer)]
+
+
+@dataclass(frozen=True)
+class _WithoutTools:
+    template: ByteTokenizer
+
+    def render_chat(
+        self,
+        messages: Sequence[openai.Message],
+        tools: Sequence[dict[str, object]] | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        return self.template.render_chat(messages, None, add_generation_prompt)
 
 
 class _Models(msgspec.Struct):

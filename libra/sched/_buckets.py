@@ -16,13 +16,13 @@ removed here while trajectories run (:meth:`Router.apply` moves to a new
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
 
+from libra._clock import now
 from libra.fleet import Endpoint, FleetSpec, InstanceSpec, StepCost
 from libra.sched._protocol import CallOutcome, NoEndpointAvailable, Route, RouteRequest
 
@@ -32,11 +32,8 @@ Listener = Callable[["Instance"], None]
 
 
 def event_loop_clock() -> float:
-    """anyio's clock inside an event loop (virtual under a mock clock), else monotonic."""
-    try:
-        return anyio.current_time()
-    except RuntimeError:
-        return time.monotonic()
+    """The event loop's clock (virtual under trio's mock clock), else monotonic."""
+    return now()
 
 
 class Latch:

@@ -46,6 +46,7 @@ from libra.train._fsdp import (
     spawn,
     split_by_tokens,
 )
+from libra.train._gateway import GatewaySyncError
 from libra.train._logprobs import (
     LogprobGap,
     LogprobsMode,
@@ -108,6 +109,7 @@ __all__ = [
     "FSDPTrainer",
     "FailureRule",
     "GRPOConfig",
+    "GatewaySyncError",
     "Layout",
     "LoadState",
     "LocalCluster",

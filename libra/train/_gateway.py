@@ -7,7 +7,9 @@ carries no key, so the admin key never reaches a server that is not a gateway.
 Through a gateway the run's rollouts go to the gateway's OpenAI surface (one endpoint:
 the gateway's own scheduler routes each call over its fleet): ``/tokenize`` renders the
 conversation and ``/v1/completions`` with ``return_token_ids`` and ``logprobs: 0``
-returns the sampled ids and their logprobs, so the records stay exact. Weights go
+returns the sampled ids and their logprobs, so the records stay exact; each call names
+its trajectory (``X-Libra-Session``), so the gateway's scheduler sees a trajectory's
+turns as one (it forgets it once idle for the gateway's session TTL). Weights go
 through the admin API: pause, ``reload_weights`` from the exported folder (a path the
 gateway's machine must see: a shared file system when they differ) as the new version,
 resume; then every upstream's reported version must be the new one.
@@ -34,10 +36,14 @@ ADMIN_KEY_VAR = "LIBRA_ADMIN_KEY"
 # What the gateway's admin API marks its answers with (``libra.gateway._app``: the
 # layers keep train and gateway apart, so the name is repeated here).
 ADMIN_HEADER = "X-Libra-Admin"
+#: Names the trajectory each rollout call belongs to, so that the gateway's scheduler
+#: (C-MLFQ) sees a trajectory's turns as one (``libra.gateway._app``'s, repeated).
+SESSION_HEADER = "X-Libra-Session"
 
 __all__ = [
     "ADMIN_HEADER",
     "ADMIN_KEY_VAR",
+    "SESSION_HEADER",
     "Gateway",
     "GatewayRefused",
     "GatewaySyncError",

@@ -94,7 +94,7 @@ from libra.train._cluster import (
     rule_planner,
 )
 from libra.train._elastic import ElasticTrainer
-from libra.train._gateway import Gateway, find_gateway
+from libra.train._gateway import SESSION_HEADER, Gateway, find_gateway
 from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._run import TrainRunConfig
@@ -638,6 +638,9 @@ async def open_run(
         await trainer.ready()
         env_name = registered_name(rollout.env, env_cls)
         endpoints = list(assembled.engine.scheduler.router.endpoints().values())
+        if gateway is not None:  # its scheduler sees each trajectory's turns as one
+            for endpoint in endpoints:
+                endpoint.session_header = SESSION_HEADER
         scheduler = assembled.engine.scheduler
         run = TrainRun(
             config,

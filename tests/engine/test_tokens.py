@@ -4,11 +4,20 @@ that appends what follows a model turn as the server's own template renders it."
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 
-from libra.emulation import EOS_ID, EmulatorConfig, LatencyModel, create_app, render_chat
+from libra._asgi import Receive, Scope, Send
+from libra.emulation import (
+    EOS_ID,
+    ByteTokenizer,
+    EmulatorConfig,
+    LatencyModel,
+    create_app,
+    render_chat,
+)
 from libra.engine import (
     OpenAIClient,
     RequestRejected,
@@ -118,3 +127,41 @@ def test_a_template_that_does_not_close_turns_with_a_token_of_its_own_is_refused
             _TurnEnd.of(EMULATED, base, other)
     turn_end = _TurnEnd.of(EMULATED, [5, 6, 1, EOS_ID, 10], [5, 6, 2, EOS_ID, 10])
     assert (turn_end.end_of_turn, turn_end.cut) == (EOS_ID, 4)
+
+
+class _Counted:
+    """An ASGI app, and how many requests each path got."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.paths: dict[str, int] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.paths[scope["path"]] = self.paths.get(scope["path"], 0) + 1
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("renders_tools", [True, False])
+async def test_a_local_template_replaces_tokenize_only_where_it_renders_as_the_server(
+    renders_tools: bool,
+) -> None:
+    """The emulator's own template renders in-process once the probes agree; where the
+    server drops ``tools`` (and so renders otherwise), every rendering stays remote."""
+    config = EmulatorConfig(latency=LatencyModel.zero(), template_renders_tools=renders_tools)
+    server = _Counted(create_app(config))
+    async with http_transport(httpx.ASGITransport(app=server)) as http:
+        renderer = TemplateRenderer(OpenAIClient(http), [ByteTokenizer()])
+        assert (await renderer.local_template(EMULATED) is not None) == renders_tools
+        probed = server.paths["/tokenize"]
+        prompt = await renderer.prompt(EMULATED, QUESTION, [CALCULATOR])
+        continuation = await renderer.continuation(EMULATED, [TOOL_RESULT], EOS_ID)
+        remote = server.paths["/tokenize"] - probed
+    tools = [CALCULATOR] if renders_tools else None
+    assert prompt == render_chat(QUESTION, tools, add_generation_prompt=True)
+    whole = render_chat([*QUESTION, ANSWER, TOOL_RESULT], add_generation_prompt=True)
+    first = render_chat(QUESTION, add_generation_prompt=True)
+    assert [*first, *b"42", EOS_ID, *continuation] == whole
+    # Remote: the prompt, the turn end's two probes, the continuation.
+    assert remote == (0 if renders_tools else 4)

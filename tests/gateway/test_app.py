@@ -23,7 +23,7 @@ from libra.emulation import LatencyModel
 from libra.engine import Engine, EngineConfig, http_transport
 from libra.fleet import Endpoint
 from libra.gateway import GatewayConfig, Sessions
-from libra.gateway._app import ADMIN_HEADER, GatewayApp, create_gateway
+from libra.gateway._app import ADMIN_HEADER, SESSION_HEADER, GatewayApp, create_gateway
 from libra.gateway._auth import Keys
 from libra.gateway._metrics import GatewayMetrics
 from libra.sched.policies import LeastLoadedScheduler
@@ -207,6 +207,25 @@ async def test_tokenize_and_token_id_completions_give_a_trainer_exact_tokens() -
     public = plain.json()["choices"][0]
     assert "token_ids" not in public and public["logprobs"] is None
     assert top.status_code == 400 and top.json()["error"]["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_completion_with_a_session_header_is_a_turn_of_that_session(
+    stream: bool,
+) -> None:
+    async with gateway() as (app, core, scheduler):
+        auth = {"Authorization": f"Bearer {USER_KEY}", SESSION_HEADER: "trainer-1"}
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://gateway", headers=auth
+        ) as http:
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+            answers = [
+                await http.post("/v1/completions", json={**body, "stream": stream})
+                for _ in range(2)
+            ]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert all(a.headers[SESSION_HEADER] == "trainer-1" for a in answers)
+        assert len(core) == 1 and len(scheduler.tracks) == 1  # one live trajectory
 
 
 async def test_models_health_and_metrics() -> None:

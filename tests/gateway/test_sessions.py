@@ -283,6 +283,39 @@ async def test_stateless_completions_are_routed_and_leave_no_state() -> None:
         assert core.status() == FleetStatus({EMULATED_URL: 0}, {EMULATED_URL: True}, False)
 
 
+@pytest.mark.parametrize("ended_by", ["report", "idle"])
+async def test_keyed_completions_are_one_trajectory_to_c_mlfq_until_it_ends(
+    ended_by: str,
+) -> None:
+    """A token-level client's turns under one key: the scheduler sees one trajectory
+    with its turns, its tokens and its tool reports, and forgets it once it ends."""
+    router = Router.over([Endpoint(EMULATED_URL, model=MODEL)])
+    policy = CMLFQ(router)
+    config = GatewayConfig(session_ttl_s=0.5, sweep_every_s=0.05)
+    async with emulated_engine(scheduler=policy) as (engine, _), Sessions(engine, config) as core:
+        prompt = list(b"Once upon a time")
+        sampled = 0
+        for _ in range(3):
+            request = CompletionRequest(model=MODEL, prompt=prompt, max_tokens=8)
+            usage = (await core.complete(request, "trainer-7")).usage
+            assert usage is not None
+            sampled += usage.completion_tokens
+            prompt = [*prompt, *b" and then"]
+        await core.report("trainer-7", tool=("calculator", "failure"))
+        (track,) = policy.tracks.values()
+        assert (track.turn, track.generated, len(track.path)) == (2, sampled, 1)
+        assert track.instance is not None and len(core) == 1
+        await core.complete(CompletionRequest(model=MODEL, prompt="Hi", max_tokens=4))
+        assert len(policy.tracks) == 1  # a one-off call is no one's turn
+        if ended_by == "report":
+            await core.report("trainer-7", done=True)
+        else:
+            await anyio.sleep(1.0)  # two TTLs: the sweep ended it
+        assert policy.tracks == {} and len(core) == 0
+        with pytest.raises(KeyError):
+            await core.report("trainer-7", done=True)
+
+
 # ------------------------------------------------------------- a real loopback fleet
 
 

@@ -13,7 +13,10 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from libra.cli import main
 from libra.cli._rollout import run_rollout
-from libra.launch import FleetError, RolloutConfig, open_fleet
+from libra.emulation import ByteTokenizer, EmulatorConfig, LatencyModel
+from libra.engine import Engine
+from libra.launch import FleetError, RolloutConfig, build_scheduler, local_templates, open_fleet
+from libra.sched.policies import CMLFQConfig
 
 
 def test_a_fleet_and_a_server_are_exclusive(tmp_path: Path) -> None:
@@ -119,3 +122,21 @@ def test_the_command_says_so_in_one_line_and_writes_nothing(
     assert error.startswith("libra: error: http://127.0.0.1:") and error.count("\n") == 1
     assert "never answered: no reply to GET /v1/models in 0.3 s" in error
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("renders_tools", [True, False])
+async def test_the_emulators_template_renders_in_process_whether_it_shows_tools_or_not(
+    renders_tools: bool,
+) -> None:
+    emulator = EmulatorConfig(latency=LatencyModel.zero(), template_renders_tools=renders_tools)
+    opening = open_fleet(
+        "emulated", model=None, transport="aiohttp", max_connections=8, emulator=emulator
+    )
+    async with opening as fleet:
+        scheduler = build_scheduler("least-loaded", fleet.spec, CMLFQConfig())
+        engine = Engine(fleet.http, scheduler, templates=local_templates())
+        endpoint = scheduler.router.instances[0].endpoint
+        found = await engine.renderer.local_template(endpoint)
+    assert found is not None  # one of the two, whichever the server's template is
+    assert isinstance(found, ByteTokenizer) == renders_tools

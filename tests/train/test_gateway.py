@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from libra.emulation import running_emulator
+from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
 from libra.gateway._app import ADMIN_HEADER as GATEWAY_ADMIN_HEADER
 from libra.train import TrainRunConfig, iter_metrics, train
 from libra.train._gateway import ADMIN_HEADER, ADMIN_KEY_VAR, find_gateway
@@ -32,12 +32,13 @@ ZERO_LATENCY = [
 
 
 @contextmanager
-def libra_serve() -> Iterator[str]:
-    """``libra serve --server emulated`` with user and admin keys on a free loopback
-    port; yields its base URL. Stopped with SIGTERM and checked to exit cleanly."""
-    command = [sys.executable, "-m", "libra", "serve", "--server", "emulated", "--port", "0"]
+def libra_serve(server: str = "emulated", *settings: str) -> Iterator[str]:
+    """``libra serve --server emulated`` (or ``server``) with user and admin keys on a
+    free loopback port, under ``settings`` too; yields its base URL. Stopped with SIGTERM
+    and checked to exit cleanly."""
+    command = [sys.executable, "-m", "libra", "serve", "--server", server, "--port", "0"]
     command += ["--no-console", "--policy", "cmlfq", *(f"--set={s}" for s in ZERO_LATENCY)]
-    command += ["--set=emulator.agent.think_tokens=[0, 40]"]
+    command += ["--set=emulator.agent.think_tokens=[0, 40]", *(f"--set={s}" for s in settings)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LIBRA_API_KEY": USER_KEY}
     env[ADMIN_KEY_VAR] = ADMIN_KEY
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
@@ -125,6 +126,35 @@ def test_a_missing_or_refused_admin_key_is_one_line_and_exit_status_1(
     assert len(errors) == 1 and errors[0].startswith("libra: error: "), done.stderr
     assert gateway_url in errors[0] and ADMIN_KEY_VAR in errors[0] and says in errors[0]
     assert ADMIN_KEY not in done.stderr and "wrong-key" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_weight_sync_that_fails_at_the_gateway_is_one_line_and_exit_status_1(
+    tmp_path: Path,
+) -> None:
+    """The gateway's upstream (a real port) does not answer the reload in time: the run
+    stops after its first step with the gateway's reason, in one line."""
+    upstream = EmulatorConfig(latency=LatencyModel.zero(), agent=AgentScript(think_tokens=(0, 40)))
+    config = run_config(tmp_path / "run", tiny_llama(tmp_path / "model"), "")
+    with (
+        running_emulator(upstream) as server,
+        libra_serve(server, "gateway.weight_sync.timeout_s=1e-06") as url,
+    ):
+        config_file = tmp_path / "train.toml"
+        config_file.write_text(config.model_copy(update={"serve": url}).to_toml())
+        env = {**os.environ, "PYTHONPATH": str(ROOT), ADMIN_KEY_VAR: ADMIN_KEY}
+        command = [sys.executable, "-m", "libra", "train", "--config", str(config_file)]
+        done = subprocess.run(
+            [*command, "--no-progress"], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    # One line says why (the lines above it are the trainer's progress bars).
+    errors = [line for line in done.stderr.splitlines() if line.startswith("libra: ")]
+    assert errors == [done.stderr.strip().splitlines()[-1]], done.stderr
+    assert errors[0].startswith("libra: error: "), done.stderr
+    assert "/admin/reload_weights" in errors[0] and "502" in errors[0], errors[0]
 
 
 @pytest.mark.anyio
