@@ -17,7 +17,13 @@ from typing import Any, Protocol
 import anyio
 
 from libra import openai
-from libra.engine._client import Generation, RequestRejected, ServerUnavailable
+from libra.engine._client import (
+    CallDeadline,
+    Generation,
+    RequestRejected,
+    ServerUnavailable,
+    call_deadline,
+)
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
 from libra.engine._engine import Engine
 from libra.engine._records import (
@@ -128,10 +134,6 @@ class ContextFull(Exception):
 
 class NoCapacity(ServerUnavailable):
     """No endpoint became usable within ``capacity_wait_s``."""
-
-
-class CallTimedOut(ServerUnavailable):
-    """A generation call had no answer within its per-call timeout: its server is hung."""
 
 
 @dataclass(slots=True)
@@ -269,13 +271,19 @@ async def _route(
 
 
 async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
-    """The generation, within the call's timeout (past it the server is taken as hung)."""
+    """The generation, within the call's timeout (past it the server is taken as hung:
+    ``CallTimedOut``). Each of the call's requests gets the time left to its deadline."""
     timeout_s = _call_timeout(engine.config, route.endpoint, _turn_budget(d, engine.config, turn))
-    with engine.generations.call(), anyio.move_on_after(timeout_s):
+    watch = engine.generations
+    watch.started()
+    deadline = call_deadline.set(CallDeadline(anyio.current_time() + timeout_s, timeout_s))
+    try:
         generation = await _generate(d, engine, route, turn)
-        engine.generations.returned()
-        return generation
-    raise CallTimedOut(f"{route.endpoint.name}: no answer in {timeout_s:.1f} s (taken as hung)")
+    finally:
+        call_deadline.reset(deadline)
+        watch.ended()
+    watch.returned()
+    return generation
 
 
 def _call_timeout(config: EngineConfig, endpoint: Endpoint, max_tokens: int) -> float:

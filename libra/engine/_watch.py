@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import anyio
 
@@ -27,16 +25,14 @@ class GenerationWatch:
         self.busy_since = -math.inf  # when calls were last in flight after none were
         self.last_failure = ""
 
-    @contextmanager
-    def call(self) -> Iterator[None]:
-        """One generation call in flight for the ``with`` block."""
+    def started(self) -> None:
+        """A generation call went out (each is ``ended`` once, however it ends)."""
         if self.in_flight == 0:
             self.busy_since = anyio.current_time()
         self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+
+    def ended(self) -> None:
+        self.in_flight -= 1
 
     def returned(self) -> None:
         self.last_return = anyio.current_time()
