@@ -339,7 +339,7 @@ class RolloutSession:
         scope = anyio.CancelScope()  # made now, so that cancel() reaches it at once
         self._scopes.add(scope)
         self._running += 1
-        self._group.start_soon(self._run, job, scope)
+        self._group.start_soon(self._run, job, scope, name="trajectory")  # (naming costs)
 
     async def _run(self, job: TrajectoryJob, scope: anyio.CancelScope) -> None:
         def hand_over_now(record: TrajectoryRecord) -> None:

@@ -276,13 +276,16 @@ async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Genera
     timeout_s = _call_timeout(engine.config, route.endpoint, _turn_budget(d, engine.config, turn))
     watch = engine.generations
     watch.started()
-    deadline = call_deadline.set(CallDeadline(anyio.current_time() + timeout_s, timeout_s))
+    started = anyio.current_time()
+    deadline = call_deadline.set(CallDeadline(started + timeout_s, timeout_s))
     try:
         generation = await _generate(d, engine, route, turn)
     finally:
         call_deadline.reset(deadline)
         watch.ended()
-    watch.returned()
+    returned = anyio.current_time()
+    watch.returned(returned)
+    d.timings.generation_s += returned - started
     return generation
 
 
@@ -297,14 +300,12 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     endpoint, client = route.endpoint, engine.client
     if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
         d.describe_tools_in_system_message()
-    started = anyio.current_time()
     if d.tokens.source == "exact" and await client.speaks_tokens(endpoint):
         await render_pending(d, engine.renderer, endpoint)  # the budget sees the whole prompt
     sampling = _turn_sampling(d, engine.config, route, turn)
     generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
     if generation.path == "chat":
         d.tokens.absorb_prompt(generation.prompt_token_ids)
-    d.timings.generation_s += anyio.current_time() - started
     d.last_endpoint = endpoint
     return generation
 

@@ -34,8 +34,9 @@ class GenerationWatch:
     def ended(self) -> None:
         self.in_flight -= 1
 
-    def returned(self) -> None:
-        self.last_return = anyio.current_time()
+    def returned(self, now: float) -> None:
+        """A call returned at ``now`` (anyio's clock)."""
+        self.last_return = now
 
     def failed(self, error: str) -> None:
         self.last_failure = error
