@@ -121,9 +121,12 @@ async def run_trajectory(
     env = job.env_cls()
     started = anyio.current_time()
     try:
-        with anyio.fail_after(engine.config.max_wall_s):
+        # A bare scope, not ``fail_after``: its deadline is what the wall-clock limit needs.
+        with anyio.CancelScope(deadline=started + engine.config.max_wall_s) as wall:
             async with _sandbox(env, engine):
                 await _episode(env, t, engine)
+        if wall.cancelled_caught:
+            t.out_of_time(engine.config.max_wall_s)
     except _End as end:
         t.status, t.stop_reason = end.status, end.reason
         if end.reason == "max_context_tokens" and t.turns == 0:
@@ -210,7 +213,7 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float, engine: Engine) 
     started = anyio.current_time()
     exception: str | None = None
     try:
-        outcome = await _outcome(env, call, timeout_s, engine.tool_threads)
+        outcome = await _outcome(env, call, timeout_s, engine.tool_threads, started)
     except _ToolBug as bug:
         engine.env_bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
         outcome, exception = ToolResult.failure(_describe(bug.error)), type(bug.error).__name__
@@ -233,11 +236,12 @@ class _ToolBug(Exception):
 
 
 async def _outcome(
-    env: Env, call: ToolCall, timeout_s: float, threads: ToolThreads
+    env: Env, call: ToolCall, timeout_s: float, threads: ToolThreads, started: float
 ) -> ToolResult | str:
     """What the call produced: a result whose status is known, or plain text. Every
-    failure becomes an error message the model can read. A blocking tool's timeout starts
-    once it has a thread (waiting for one is not its time)."""
+    failure becomes an error message the model can read. An ``async`` tool's timeout
+    runs from ``started``; a blocking tool's starts once it has a thread (waiting for one
+    is not its time)."""
     spec = env.tool_specs().get(call.name)
     if call.error is not None:
         return ToolResult.failure(call.error)
@@ -251,8 +255,10 @@ async def _outcome(
     method = getattr(env, call.name)
     try:
         if spec.is_async:
-            with anyio.fail_after(timeout_s):
+            with anyio.CancelScope(deadline=started + timeout_s) as scope:
                 output = await method(**arguments)
+            if scope.cancelled_caught:
+                raise TimeoutError
         else:  # a thread, so a blocking tool cannot stall the event loop
             output = await threads.run(partial(method, **arguments), timeout_s)
     except TimeoutError:
