@@ -46,7 +46,8 @@ class RolloutStats:
         self.tool_calls += len(record.tool_returns)
         self.tool_successes += sum(r.status == "success" for r in record.tool_returns)
         self.with_tool_calls += bool(record.tool_returns)
-        self.sampled_tokens += sum(record.loss_mask)
+        # The spans cover exactly the sampled tokens (the loss mask's ones): far fewer to add.
+        self.sampled_tokens += sum(span.end - span.start for span in record.weight_versions)
         if record.reward is not None:
             self.reward_sum += record.reward
             self.rewarded += 1
