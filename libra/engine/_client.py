@@ -19,6 +19,7 @@ import anyio
 import msgspec
 
 from libra import openai
+from libra.engine._clock import now
 from libra.engine._config import TurnSampling
 from libra.engine._http import HTTPTransport, TransportError, TransportTimeout
 from libra.fleet import Endpoint
@@ -285,7 +286,7 @@ class OpenAIClient:
         headers = {**_JSON, **endpoint.headers} if endpoint.headers else _JSON
         timeout_s, call = self.timeout_s, call_deadline.get()
         if call is not None:  # within a generation call: no later than its deadline
-            left = call.at - anyio.current_time()
+            left = call.at - now()
             if left <= 0:
                 raise call.timed_out(endpoint)
             timeout_s = min(timeout_s, left)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import anyio
-
+from libra.engine._clock import now
 from libra.engine._records import TrajectoryRecord
 
 
@@ -51,4 +50,4 @@ class RolloutStats:
         if record.reward is not None:
             self.reward_sum += record.reward
             self.rewarded += 1
-        self.elapsed_s = anyio.current_time() - self.started_at
+        self.elapsed_s = now() - self.started_at

@@ -28,6 +28,7 @@ import pydantic
 
 from libra import openai
 from libra.engine._client import Generation, GenerationError, RequestRejected
+from libra.engine._clock import now
 from libra.engine._config import SamplingConfig
 from libra.engine._engine import Engine
 from libra.engine._records import (
@@ -119,7 +120,7 @@ async def run_trajectory(
 ) -> TrajectoryRecord:
     t = _Trajectory(job, engine.config.sampling)
     env = job.env_cls()
-    started = anyio.current_time()
+    started = now()
     try:
         # A bare scope, not ``fail_after``: its deadline is what the wall-clock limit needs.
         with anyio.CancelScope(deadline=started + engine.config.max_wall_s) as wall:
@@ -210,14 +211,14 @@ async def _run_tool(env: Env, call: ToolCall, timeout_s: float, engine: Engine) 
     """Run one call and reduce what came of it, once, to what is recorded and signalled.
     A tool that raised other than ``ToolError`` has a bug: the model reads the error, the
     record names the exception, its author sees the traceback (once)."""
-    started = anyio.current_time()
+    started = now()
     exception: str | None = None
     try:
         outcome = await _outcome(env, call, timeout_s, engine.tool_threads, started)
     except _ToolBug as bug:
         engine.env_bugs.report(f"tool {call.name} of env {type(env).__name__}", bug.error)
         outcome, exception = ToolResult.failure(_describe(bug.error)), type(bug.error).__name__
-    latency = anyio.current_time() - started
+    latency = now() - started
     reported: ToolStatus | None
     if isinstance(outcome, ToolResult):
         content, reported = outcome.content, outcome.status
@@ -299,13 +300,13 @@ async def _sandbox(env: Env, engine: Engine) -> AsyncIterator[None]:
 
 
 async def _score(env: Env, t: _Trajectory, bugs: EnvBugs) -> None:
-    started = anyio.current_time()
+    started = now()
     try:
         t.reward = float(await _maybe_await(env.reward(t.answer)))
     except Exception as exc:
         bugs.report(f"reward of env {type(env).__name__}", exc)
         t.fail("reward_error", _describe(exc))
-    t.timings.reward_s = anyio.current_time() - started
+    t.timings.reward_s = now() - started
 
 
 async def _close(env: Env, bugs: EnvBugs) -> None:
@@ -323,7 +324,7 @@ async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> T
     await _close(env, engine.env_bugs)
     failed = t.status == "failed"
     engine.scheduler.on_finish(t.key, t.prompt_key, output_tokens=t.output_tokens, failed=failed)
-    t.timings.total_s = anyio.current_time() - started
+    t.timings.total_s = now() - started
     record = t.record()
     if engine.on_record is not None:
         engine.on_record(record)

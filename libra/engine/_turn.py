@@ -24,6 +24,7 @@ from libra.engine._client import (
     ServerUnavailable,
     call_deadline,
 )
+from libra.engine._clock import now
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
 from libra.engine._engine import Engine
 from libra.engine._records import (
@@ -276,14 +277,14 @@ async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Genera
     timeout_s = _call_timeout(engine.config, route.endpoint, _turn_budget(d, engine.config, turn))
     watch = engine.generations
     watch.started()
-    started = anyio.current_time()
+    started = now()
     deadline = call_deadline.set(CallDeadline(started + timeout_s, timeout_s))
     try:
         generation = await _generate(d, engine, route, turn)
     finally:
         call_deadline.reset(deadline)
         watch.ended()
-    returned = anyio.current_time()
+    returned = now()
     watch.returned(returned)
     d.timings.generation_s += returned - started
     return generation
