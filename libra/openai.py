@@ -15,7 +15,11 @@ from typing import Any, Literal
 import msgspec
 
 
-class _Wire(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+# ``gc=False``: wire documents hold only text, numbers and containers, never a cycle,
+# so the cyclic collector need not track them. Decoding a chat response makes one
+# struct per sampled token (its logprob): untracked, they neither trigger collections
+# nor lengthen them.
+class _Wire(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False, gc=False):
     pass
 
 
@@ -27,7 +31,7 @@ class FunctionCall(_Wire):
     arguments: str  # a JSON document, as the model wrote it (may be malformed)
 
 
-class ToolCall(msgspec.Struct, forbid_unknown_fields=False):
+class ToolCall(msgspec.Struct, forbid_unknown_fields=False, gc=False):
     # Not omit_defaults: OpenAI and vLLM require "type" on every tool call, default or not.
     id: str
     function: FunctionCall

@@ -5,6 +5,7 @@ gateway's sessions too."""
 
 from libra.engine._asgi import ASGITransport
 from libra.engine._client import (
+    CallTimedOut,
     Generation,
     GenerationError,
     OpenAIClient,
@@ -20,6 +21,7 @@ from libra.engine._http import (
     HttpxTransport,
     TransportError,
     TransportName,
+    TransportTimeout,
     http_transport,
 )
 from libra.engine._records import (
@@ -35,7 +37,6 @@ from libra.engine._stats import RolloutStats
 from libra.engine._tokens import ChatTemplate, TemplateRenderer, TokenLog
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
 from libra.engine._turn import (
-    CallTimedOut,
     ContextFull,
     Dialogue,
     NoCapacity,
@@ -82,6 +83,7 @@ __all__ = [
     "TrajectoryRecord",
     "TransportError",
     "TransportName",
+    "TransportTimeout",
     "Turn",
     "WeightSpan",
     "generate_turn",

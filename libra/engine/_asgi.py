@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from libra.engine._http import BaseTransport, TransportError
+from libra.engine._http import BaseTransport, TransportError, TransportTimeout
 
 ASGIApp = Any  # an ASGI 3 callable (scope, receive, send)
 Message = MutableMapping[str, Any]
@@ -54,7 +54,7 @@ class ASGITransport(BaseTransport):
             with anyio.fail_after(timeout_s):
                 await self.app(scope, exchange.receive, exchange.send)
         except TimeoutError as exc:
-            raise TransportError(f"{url}: no answer within {timeout_s:g} s") from exc
+            raise TransportTimeout(f"{url}: no answer within {timeout_s:g} s") from exc
         except OSError as exc:  # what a fleet app raises for a server that is not there
             raise TransportError(f"{url}: {exc}") from exc
         finally:

@@ -11,6 +11,7 @@ JSON is the largest cost after the network itself.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
@@ -18,8 +19,9 @@ import anyio
 import msgspec
 
 from libra import openai
+from libra._clock import now
 from libra.engine._config import TurnSampling
-from libra.engine._http import HTTPTransport, TransportError
+from libra.engine._http import HTTPTransport, TransportError, TransportTimeout
 from libra.fleet import Endpoint
 
 T = TypeVar("T")
@@ -36,6 +38,29 @@ class ServerUnavailable(GenerationError):
 
 class RequestRejected(GenerationError):
     """The server refused the request (4xx): trying again would not help."""
+
+
+class CallTimedOut(ServerUnavailable):
+    """A generation call had no answer within its per-call timeout: its server is hung."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallDeadline:
+    """When the generation call in progress must have its answer (anyio's clock).
+
+    Every request the call makes (a probe, a rendering, the generation) gets the time
+    left, and the transport's own timer enforces it: no cancel scope is armed per call.
+    """
+
+    at: float
+    timeout_s: float
+
+    def timed_out(self, endpoint: Endpoint) -> CallTimedOut:
+        return CallTimedOut(f"{endpoint.name}: no answer in {self.timeout_s:.1f} s (taken as hung)")
+
+
+#: The deadline of the generation call this task is making, if any (set by the turn).
+call_deadline: ContextVar[CallDeadline | None] = ContextVar("call_deadline", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,10 +295,20 @@ class OpenAIClient:
         headers = {**_JSON, **endpoint.headers} if endpoint.headers else _JSON
         if endpoint.session_header is not None and session is not None:
             headers = {**headers, endpoint.session_header: session}
+        timeout_s, call = self.timeout_s, call_deadline.get()
+        if call is not None:  # within a generation call: no later than its deadline
+            left = call.at - now()
+            if left <= 0:
+                raise call.timed_out(endpoint)
+            timeout_s = min(timeout_s, left)
         try:
             status, content = await self.http.post(
-                endpoint.url + path, msgspec.json.encode(body), headers, self.timeout_s
+                endpoint.url + path, msgspec.json.encode(body), headers, timeout_s
             )
+        except TransportTimeout as exc:
+            if call is not None and timeout_s < self.timeout_s:
+                raise call.timed_out(endpoint) from exc
+            raise ServerUnavailable(f"{endpoint.name}: {exc}") from exc
         except TransportError as exc:
             raise ServerUnavailable(f"{endpoint.name}: {exc}") from exc
         if status != 200:

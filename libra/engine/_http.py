@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Literal, Protocol, Self
 
 import aiohttp
+import anyio
 import httpx
 
 TransportName = Literal["aiohttp", "httpx"]
@@ -30,11 +31,17 @@ class TransportError(Exception):
     """The server could not be reached, or the connection broke or timed out."""
 
 
+class TransportTimeout(TransportError):
+    """No answer within the request's ``timeout_s``."""
+
+
 class HTTPTransport(Protocol):
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
     ) -> tuple[int, bytes]:
-        """POST ``body``; the answer's status and body. Raises :class:`TransportError`."""
+        """POST ``body``; the answer's status and body. Raises :class:`TransportError`,
+        :class:`TransportTimeout` when no answer came within ``timeout_s`` (the engine's
+        per-call timeouts rely on it: the transport's own timer, not a scope per call)."""
         ...
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]: ...
@@ -89,6 +96,7 @@ class AiohttpTransport(BaseTransport):
     def __init__(self, max_connections: int = 1024) -> None:
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily: a session binds to the running loop
@@ -104,14 +112,24 @@ class AiohttpTransport(BaseTransport):
         headers: Mapping[str, str],
         timeout_s: float,
     ) -> tuple[int, bytes]:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with self._open().request(
-                method, url, data=body, headers=headers, timeout=timeout
+                method, url, data=body, headers=headers, timeout=self._timeout(timeout_s)
             ) as response:
                 return response.status, await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError as exc:  # aiohttp's timer: every request arms one anyway
+            raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
+        except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _timeout(self, timeout_s: float) -> aiohttp.ClientTimeout:
+        """One timeout object per value (most calls share a few), not one per request."""
+        timeout = self._timeouts.get(timeout_s)
+        if timeout is None:
+            if len(self._timeouts) >= 64:  # deadlines make many odd values: keep it small
+                self._timeouts.clear()
+            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(total=timeout_s)
+        return timeout
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -130,10 +148,13 @@ class HttpxTransport(BaseTransport):
         headers: Mapping[str, str],
         timeout_s: float,
     ) -> tuple[int, bytes]:
-        try:
-            response = await self.client.request(
-                method, url, content=body, headers=headers, timeout=timeout_s
-            )
+        try:  # anyio's clock too: an in-process fleet's transport has no timer of its own
+            with anyio.fail_after(timeout_s):
+                response = await self.client.request(
+                    method, url, content=body, headers=headers, timeout=timeout_s
+                )
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
         except httpx.TransportError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
         return response.status_code, response.content

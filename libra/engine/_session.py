@@ -48,6 +48,7 @@ import anyio
 import anyio.abc
 
 from libra.engine._engine import Engine
+from libra.engine._gc import fewer_collections
 from libra.engine._records import TrajectoryRecord
 from libra.engine._stats import RolloutStats
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
@@ -154,6 +155,7 @@ class RolloutSession:
     # ---------------------------------------------------------------- lifetime
 
     async def __aenter__(self) -> RolloutSession:
+        self._stack.enter_context(fewer_collections())
         self._group = await self._stack.enter_async_context(anyio.create_task_group())
         self.stats.started_at = anyio.current_time()
         self._group.start_soon(self._admit)
@@ -337,7 +339,7 @@ class RolloutSession:
         scope = anyio.CancelScope()  # made now, so that cancel() reaches it at once
         self._scopes.add(scope)
         self._running += 1
-        self._group.start_soon(self._run, job, scope)
+        self._group.start_soon(self._run, job, scope, name="trajectory")  # (naming costs)
 
     async def _run(self, job: TrajectoryJob, scope: anyio.CancelScope) -> None:
         def hand_over_now(record: TrajectoryRecord) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import anyio
-
+from libra._clock import now
 from libra.engine._records import TrajectoryRecord
 
 
@@ -46,8 +45,9 @@ class RolloutStats:
         self.tool_calls += len(record.tool_returns)
         self.tool_successes += sum(r.status == "success" for r in record.tool_returns)
         self.with_tool_calls += bool(record.tool_returns)
-        self.sampled_tokens += sum(record.loss_mask)
+        # The spans cover exactly the sampled tokens (the loss mask's ones): far fewer to add.
+        self.sampled_tokens += sum(span.end - span.start for span in record.weight_versions)
         if record.reward is not None:
             self.reward_sum += record.reward
             self.rewarded += 1
-        self.elapsed_s = anyio.current_time() - self.started_at
+        self.elapsed_s = now() - self.started_at

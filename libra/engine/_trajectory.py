@@ -27,6 +27,7 @@ import msgspec
 import pydantic
 
 from libra import openai
+from libra._clock import now
 from libra.engine._client import Generation, GenerationError, RequestRejected
 from libra.engine._config import SamplingConfig
 from libra.engine._engine import Engine
@@ -119,11 +120,14 @@ async def run_trajectory(
 ) -> TrajectoryRecord:
     t = _Trajectory(job, engine.config.sampling)
     env = job.env_cls()
-    started = anyio.current_time()
+    started = now()
     try:
-        with anyio.fail_after(engine.config.max_wall_s):
+        # A bare scope, not ``fail_after``: its deadline is what the wall-clock limit needs.
+        with anyio.CancelScope(deadline=started + engine.config.max_wall_s) as wall:
             async with _sandbox(env, engine):
                 await _episode(env, t, engine)
+        if wall.cancelled_caught:
+            t.out_of_time(engine.config.max_wall_s)
     except _End as end:
         t.status, t.stop_reason = end.status, end.reason
         if end.reason == "max_context_tokens" and t.turns == 0:
@@ -233,10 +237,10 @@ class _Stopwatch:
         self.restart()
 
     def restart(self) -> None:
-        self.started = anyio.current_time()
+        self.started = now()
 
     def elapsed(self) -> float:
-        return anyio.current_time() - self.started
+        return now() - self.started
 
 
 class _ToolBug(Exception):
@@ -250,8 +254,9 @@ async def _outcome(
     env: Env, call: ToolCall, timeout_s: float, threads: ToolThreads, stopwatch: _Stopwatch
 ) -> ToolResult | str:
     """What the call produced: a result whose status is known, or plain text. Every
-    failure becomes an error message the model can read. A blocking tool's timeout starts
-    once it has a thread (waiting for one is not its time)."""
+    failure becomes an error message the model can read. An ``async`` tool's timeout
+    runs from the call; a blocking tool's starts once it has a thread (waiting for one
+    is not its time)."""
     spec = env.tool_specs().get(call.name)
     if call.error is not None:
         return ToolResult.failure(call.error)
@@ -265,8 +270,10 @@ async def _outcome(
     method = getattr(env, call.name)
     try:
         if spec.is_async:
-            with anyio.fail_after(timeout_s):
+            with anyio.CancelScope(deadline=stopwatch.started + timeout_s) as scope:
                 output = await method(**arguments)
+            if scope.cancelled_caught:
+                raise TimeoutError
         else:  # a thread, so a blocking tool cannot stall the event loop
             output = await threads.run(
                 partial(method, **arguments), timeout_s, on_place=stopwatch.restart
@@ -309,13 +316,13 @@ async def _sandbox(env: Env, engine: Engine) -> AsyncIterator[None]:
 
 
 async def _score(env: Env, t: _Trajectory, bugs: EnvBugs) -> None:
-    started = anyio.current_time()
+    started = now()
     try:
         t.reward = float(await _maybe_await(env.reward(t.answer)))
     except Exception as exc:
         bugs.report(f"reward of env {type(env).__name__}", exc)
         t.fail("reward_error", _describe(exc))
-    t.timings.reward_s = anyio.current_time() - started
+    t.timings.reward_s = now() - started
 
 
 async def _close(env: Env, bugs: EnvBugs) -> None:
@@ -333,7 +340,7 @@ async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> T
     await _close(env, engine.env_bugs)
     failed = t.status == "failed"
     engine.scheduler.on_finish(t.key, t.prompt_key, output_tokens=t.output_tokens, failed=failed)
-    t.timings.total_s = anyio.current_time() - started
+    t.timings.total_s = now() - started
     record = t.record()
     if engine.on_record is not None:
         engine.on_record(record)

@@ -18,7 +18,13 @@ import anyio
 
 from libra import openai
 from libra._clock import now
-from libra.engine._client import Generation, RequestRejected, ServerUnavailable
+from libra.engine._client import (
+    CallDeadline,
+    Generation,
+    RequestRejected,
+    ServerUnavailable,
+    call_deadline,
+)
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
 from libra.engine._engine import Engine
 from libra.engine._records import (
@@ -129,10 +135,6 @@ class ContextFull(Exception):
 
 class NoCapacity(ServerUnavailable):
     """No endpoint became usable within ``capacity_wait_s``."""
-
-
-class CallTimedOut(ServerUnavailable):
-    """A generation call had no answer within its per-call timeout: its server is hung."""
 
 
 @dataclass(slots=True)
@@ -270,13 +272,22 @@ async def _route(
 
 
 async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
-    """The generation, within the call's timeout (past it the server is taken as hung)."""
+    """The generation, within the call's timeout (past it the server is taken as hung:
+    ``CallTimedOut``). Each of the call's requests gets the time left to its deadline."""
     timeout_s = _call_timeout(engine.config, route.endpoint, _turn_budget(d, engine.config, turn))
-    with engine.generations.call(), anyio.move_on_after(timeout_s):
+    watch = engine.generations
+    watch.started()
+    started = now()
+    deadline = call_deadline.set(CallDeadline(started + timeout_s, timeout_s))
+    try:
         generation = await _generate(d, engine, route, turn)
-        engine.generations.returned()
-        return generation
-    raise CallTimedOut(f"{route.endpoint.name}: no answer in {timeout_s:.1f} s (taken as hung)")
+    finally:
+        call_deadline.reset(deadline)
+        watch.ended()
+    returned = now()
+    watch.returned(returned)
+    d.timings.generation_s += returned - started
+    return generation
 
 
 def _call_timeout(config: EngineConfig, endpoint: Endpoint, max_tokens: int) -> float:
@@ -290,14 +301,12 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     endpoint, client = route.endpoint, engine.client
     if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
         d.describe_tools_in_system_message()
-    started = now()
     if d.tokens.source == "exact" and await client.speaks_tokens(endpoint):
         await render_pending(d, engine.renderer, endpoint)  # the budget sees the whole prompt
     sampling = _turn_sampling(d, engine.config, route, turn)
     generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
     if generation.path == "chat":
         d.tokens.absorb_prompt(generation.prompt_token_ids)
-    d.timings.generation_s += now() - started
     d.last_endpoint = endpoint
     return generation
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import anyio
 
@@ -29,19 +27,18 @@ class GenerationWatch:
         self.busy_since = -math.inf  # when calls were last in flight after none were
         self.last_failure = ""
 
-    @contextmanager
-    def call(self) -> Iterator[None]:
-        """One generation call in flight for the ``with`` block."""
+    def started(self) -> None:
+        """A generation call went out (each is ``ended`` once, however it ends)."""
         if self.in_flight == 0:
             self.busy_since = now()
         self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
 
-    def returned(self) -> None:
-        self.last_return = now()
+    def ended(self) -> None:
+        self.in_flight -= 1
+
+    def returned(self, at: float) -> None:
+        """A call returned at ``at`` (anyio's clock)."""
+        self.last_return = at
 
     def failed(self, error: str) -> None:
         self.last_failure = error

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
-from libra.engine import TransportError, TransportName, http_transport
+from libra.engine import TransportError, TransportName, TransportTimeout, http_transport
 from libra.openai import TokenizeResponse
 from tests._helpers import MODEL
 
@@ -50,10 +50,10 @@ async def test_a_refused_connection_is_a_transport_error(name: TransportName) ->
                 await http.get(f"http://127.0.0.1:{port}/health", 10.0)
 
 
-async def test_a_call_that_outlasts_its_timeout_is_a_transport_error(
+async def test_a_call_that_outlasts_its_timeout_is_a_transport_timeout(
     url: str, name: TransportName
 ) -> None:
     body = msgspec.json.encode({"model": MODEL, "prompt": "What is 12 times 7 plus 3?"})
     async with http_transport(name) as http:
-        with pytest.raises(TransportError, match="Timeout"):
+        with pytest.raises(TransportTimeout, match=r"no answer within 0\.2 s"):
             await http.post(f"{url}/v1/completions", body, JSON, 0.2)  # replies take ~1 s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -22,6 +23,7 @@ from libra.engine import (
     jobs_for,
     jobs_of,
 )
+from libra.engine._gc import YOUNG_THRESHOLD
 from libra.envs import Env, GroupId, Task, TaskId
 from libra.fleet import FleetSpec, InstanceSpec
 from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
@@ -213,6 +215,18 @@ async def test_a_job_already_in_the_session_is_refused() -> None:
             again.close()
             records = [record async for record in again]
     assert [(r.id, r.status) for r in records] == [(str(job.id), "completed")]
+
+
+async def test_an_open_session_collects_garbage_less_often() -> None:
+    before = gc.get_threshold()
+    async with emulated_engine() as (engine, _), RolloutSession(engine) as session:
+        session.submit(jobs_for(Guess, "guess", 4))
+        session.close()
+        records = [record async for record in session]
+        during = gc.get_threshold()
+    assert len(records) == 4
+    assert during[0] == max(before[0], YOUNG_THRESHOLD) or before[0] == 0
+    assert gc.get_threshold() == before
 
 
 # ------------------------------------------------------------------ the stream
