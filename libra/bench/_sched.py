@@ -69,6 +69,7 @@ from libra.envs import Task, ToolResult, ToolTimeout
 from libra.fleet import StepCost
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import (
+    ABLATIONS,
     CMLFQ,
     DEFAULT_POLICIES,
     POLICIES,
@@ -121,6 +122,7 @@ class PolicyResult:
     bucket_moves: int
     vs_oracle: float | None
     vs_bound: float
+    vs_cmlfq: float | None  # the makespan over cmlfq's, when it ran (what an ablation costs)
     trajectories: int
     failed: int
 
@@ -480,6 +482,7 @@ def run_sched_bench(
     scripts = ScriptBook(workload, seed).step(step)
     bound = lower_bound(scripts, fleet, workload.limits.tool_timeout_s)
     oracle = next((run.makespan_s for run in runs if run.policy == "oracle"), None)
+    cmlfq = next((run.makespan_s for run in runs if run.policy == "cmlfq"), None)
     return SchedReport(
         workload=workload.name,
         fleet=fleet_name or fleet.name,
@@ -487,13 +490,15 @@ def run_sched_bench(
         step=step,
         trajectories=len(scripts),
         lower_bound=bound,
-        results=[_result(run, bound, oracle) for run in runs],
+        results=[_result(run, bound, oracle, cmlfq) for run in runs],
         runs=runs,
         mismatch=mismatch,
     )
 
 
-def _result(run: PolicyRun, bound: LowerBound, oracle: float | None) -> PolicyResult:
+def _result(
+    run: PolicyRun, bound: LowerBound, oracle: float | None, cmlfq: float | None
+) -> PolicyResult:
     makespan = run.makespan_s
     p50 = _quantile(run.latencies_s, 0.5)
     p99 = _quantile(run.latencies_s, 0.99)
@@ -511,6 +516,7 @@ def _result(run: PolicyRun, bound: LowerBound, oracle: float | None) -> PolicyRe
         bucket_moves=run.bucket_moves,
         vs_oracle=makespan / oracle if oracle else None,
         vs_bound=makespan / bound.seconds if bound.seconds else 0.0,
+        vs_cmlfq=makespan / cmlfq if cmlfq else None,
         trajectories=run.trajectories,
         failed=run.failed,
     )
@@ -530,7 +536,7 @@ def main_sched(args: argparse.Namespace) -> int:
     try:
         workload = load_workload(args.workload)
         fleet = with_mismatch(load_fleet(args.fleet), args.mismatch)
-        policies = parse_policies(args.policies)
+        policies = parse_policies(args.policies, ablate=args.ablate)
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
@@ -552,17 +558,19 @@ def main_sched(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_policies(text: str | None) -> list[str]:
-    """``a,b,c`` into policy names, checked; the default set when empty."""
-    if not text:
-        return list(DEFAULT_POLICIES)
-    names = [name.strip() for name in text.split(",") if name.strip()]
+def parse_policies(text: str | None, *, ablate: bool = False) -> list[str]:
+    """``a,b,c`` into policy names, checked; the default set when empty. ``ablate`` adds
+    C-MLFQ's ablations (:data:`ABLATIONS`); the policies then run in the registry's order."""
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
     unknown = [name for name in names if name not in POLICIES]
     if unknown:
         raise ValueError(
             f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}"
         )
-    return list(dict.fromkeys(names))
+    chosen = list(dict.fromkeys(names)) if names else list(DEFAULT_POLICIES)
+    if not ablate:
+        return chosen
+    return [name for name in POLICIES if name in chosen or name in ABLATIONS]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -590,6 +598,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PRESET",
         help="how the emulated servers really perform while the scheduler keeps the "
         f"datasheet roofline as its cost model ({presets}; default {DEFAULT_MISMATCH})",
+    )
+    ablations = "; ".join(f"{name}: without {what}" for name, what in ABLATIONS.items())
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help=f"add C-MLFQ with one mechanism taken out ({ablations})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

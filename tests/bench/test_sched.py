@@ -11,12 +11,14 @@ import pytest
 from libra.bench._sched import (
     PolicyRun,
     lower_bound,
+    parse_policies,
     run_policy,
     run_sched_bench,
 )
 from libra.bench._sched_fleet import load_fleet, with_mismatch
 from libra.cli import main
 from libra.emulation.workloads import ScriptBook, load_workload
+from libra.sched.policies import ABLATIONS, DEFAULT_POLICIES
 
 
 def _makespans(runs: list[PolicyRun]) -> dict[str, float]:
@@ -78,6 +80,18 @@ def test_the_command_prints_a_table_and_draws_the_plot(
     for text in ("cmlfq", "sorted", "makespan s", "x bound", "lower bound"):
         assert text in out
     assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_ablate_adds_cmlfq_without_each_mechanism_in_the_registry_s_order() -> None:
+    assert parse_policies("cmlfq,least-loaded") == ["cmlfq", "least-loaded"]
+    assert parse_policies("cmlfq,least-loaded", ablate=True) == [
+        "least-loaded",
+        "cmlfq",
+        "cmlfq-no-signal",
+        "cmlfq-no-priority",
+        "cmlfq-history",
+    ]
+    assert set(parse_policies("", ablate=True)) == set(DEFAULT_POLICIES) | set(ABLATIONS)
 
 
 def test_bad_arguments_are_one_line_errors(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:

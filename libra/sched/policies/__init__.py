@@ -40,9 +40,16 @@ from libra.sched.policies._predict import (
     TreePredictor,
 )
 from libra.sched.policies._prefix_tree import PrefixForest, PrefixTree, Residual, TreeConfig
-from libra.sched.policies._registry import DEFAULT_POLICIES, ORACLES, POLICIES, make_policy
+from libra.sched.policies._registry import (
+    ABLATIONS,
+    DEFAULT_POLICIES,
+    ORACLES,
+    POLICIES,
+    make_policy,
+)
 
 __all__ = [
+    "ABLATIONS",
     "CMLFQ",
     "DEFAULT_POLICIES",
     "ORACLES",

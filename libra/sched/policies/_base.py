@@ -99,6 +99,7 @@ class RoutedPolicy(ABC):
     name: ClassVar[str] = ""  # registered under it when set
     needs_truth: ClassVar[bool] = False  # an oracle: only the benchmark can build it
     benchmarked_by_default: ClassVar[bool] = True
+    ablates: ClassVar[str] = ""  # a variant with this mechanism taken out (``--ablate``)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
