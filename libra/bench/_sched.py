@@ -414,13 +414,16 @@ def lower_bound(
     chain = max(min(_alone(s, fleet, tp, tool_timeout_s) for tp in tps) for s in scripts)
     decode_tokens = weighted_context = 0.0
     reservations = 0.0
+    # KV a call holds on average: its whole reply when reserved up front, half of it when
+    # taken a token at a time (vLLM's on-demand allocation).
+    held = 0.5 if fleet.serving.kv_allocation == "on_demand" else 1.0
     calls = 0
     for script in scripts:
         context = float(script.prompt_tokens)
         for turn in script.turns:
             decode_tokens += turn.output_tokens
             weighted_context += turn.output_tokens * (context + turn.output_tokens / 2)
-            reservations += context + turn.output_tokens
+            reservations += context + turn.output_tokens * held
             calls += 1
             context += turn.output_tokens + turn.output_chars
     mean_context = weighted_context / max(decode_tokens, 1.0)
