@@ -16,6 +16,7 @@ from libra.sched.policies._base import (
 )
 from libra.sched.policies._baselines import (
     PLAS,
+    LeastLoadedCapacity,
     LeastLoadedScheduler,
     LengthPrediction,
     RoundRobin,
@@ -34,6 +35,7 @@ from libra.sched.policies._cmlfq import (
     reference_simple,
 )
 from libra.sched.policies._predict import (
+    FeaturePredictor,
     OraclePredictor,
     Predictor,
     PromptHistoryPredictor,
@@ -59,6 +61,8 @@ __all__ = [
     "CMLFQConfig",
     "Choice",
     "Decision",
+    "FeaturePredictor",
+    "LeastLoadedCapacity",
     "LeastLoadedScheduler",
     "LengthPrediction",
     "LibraCMLFQ",
