@@ -11,8 +11,9 @@ seen them; the oracles are told every trajectory's true length instead.
 
 Reported per policy: throughput (trajectories/s and output tokens/s over the step's
 makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency, the
-calls that moved to another instance, and the makespan relative to the oracle's and to
-a lower bound that no policy can beat: the larger of the longest trajectory run alone
+calls that moved to another instance, the requests the servers preempted (their KV ran
+short), and the makespan relative to cmlfq's (what an ablation costs), to the oracle's
+and to a lower bound that no policy can beat: the larger of the longest trajectory run alone
 on the fastest instance (decode, prefill of new tokens and tool time) and the step's
 decode work at the fleet's full-batch throughput, both priced with what the servers
 really play (under a mismatch preset, its truth less jitter and prefill interference).
@@ -104,6 +105,7 @@ class PolicyRun:
     gpus: int
     occupancy: dict[str, Timeline]  # per bucket
     reasons: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0  # requests the servers preempted (KV ran short), all instances
     #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
     fitted: dict[str, StepCost] = field(default_factory=dict)
 
@@ -125,6 +127,7 @@ class PolicyResult:
     vs_cmlfq: float | None  # the makespan over cmlfq's, when it ran (what an ablation costs)
     trajectories: int
     failed: int
+    preemptions: int
 
 
 @dataclass
@@ -342,9 +345,11 @@ def _summarise(
 ) -> PolicyRun:
     plans = fleet.instances
     busy = 0.0
+    preemptions = 0
     for plan in plans:
         engine = apps[plan.name].engine
         busy += plan.tp * (engine.busy_s if engine is not None else 0.0)
+        preemptions += engine.num_preemptions if engine is not None else 0
     bucket_of = {plan.name: plan.bucket for plan in plans}
     migrations = bucket_moves = 0
     for record in records:
@@ -370,6 +375,7 @@ def _summarise(
         gpus=fleet.gpus,
         occupancy=occupancy,
         reasons=reasons,
+        preemptions=preemptions,
         fitted=fitted,
     )
 
@@ -522,6 +528,7 @@ def _result(
         vs_cmlfq=makespan / cmlfq if cmlfq else None,
         trajectories=run.trajectories,
         failed=run.failed,
+        preemptions=run.preemptions,
     )
 
 

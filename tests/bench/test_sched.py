@@ -66,7 +66,7 @@ def test_the_command_prints_the_json_the_issue_asks_for(
     assert [r["policy"] for r in report["results"]] == ["least-loaded", "oracle"]
     keys = {"policy", "throughput_traj_s", "throughput_tok_s", "makespan_s", "idle_frac"}
     for result in report["results"]:
-        assert keys | {"vs_oracle", "vs_bound"} <= set(result)
+        assert keys | {"vs_oracle", "vs_bound", "vs_cmlfq", "preemptions"} <= set(result)
 
 
 @pytest.mark.slow
