@@ -25,11 +25,11 @@ one of three rules picks the instance of its next call:
 
 Any rule can add vLLM's per-request priority inside an instance. ``shortest_first``
 (the default) admits the calls of trajectories expected to finish soon before those of
-likely stragglers when a server's queue forms, so that short trajectories are not stuck
-behind long ones and their KV space frees early; ``longest_first`` does the opposite.
-(On the shipped workloads shortest-first measured as good or better for the makespan:
-the ``finish`` rule already keeps stragglers off the crowded instances where queues
-form.) New trajectories are placed by the same rule from the tree's root estimate;
+likely stragglers when a server's queue forms, and makes a likely straggler the one
+preempted when its KV cache runs short; ``longest_first`` does the opposite. It acts
+only where a server queues or preempts, which the ``finish`` rule mostly avoids: on the
+shipped workloads (``libra bench sched --ablate``) ``cmlfq-no-priority`` ran exactly as
+``cmlfq`` in most runs (see the README's scheduling section). New trajectories are placed by the same rule from the tree's root estimate;
 ``start_in_shortest`` restores the reference's "every trajectory starts in the shortest
 bucket", which leaves the larger buckets idle during the first turn. Every decision is
 logged with its reason (see :class:`~libra.sched.Decision`).
