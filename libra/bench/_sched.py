@@ -11,8 +11,9 @@ seen them; the oracles are told every trajectory's true length instead.
 
 Reported per policy: throughput (trajectories/s and output tokens/s over the step's
 makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency, the
-calls that moved to another instance, and the makespan relative to the oracle's and to
-a lower bound that no policy can beat: the larger of the longest trajectory run alone
+calls that moved to another instance, the requests the servers preempted (their KV ran
+short), and the makespan relative to cmlfq's (what an ablation costs), to the oracle's
+and to a lower bound that no policy can beat: the larger of the longest trajectory run alone
 on the fastest instance (decode, prefill of new tokens and tool time) and the step's
 decode work at the fleet's full-batch throughput, both priced with what the servers
 really play (under a mismatch preset, its truth less jitter and prefill interference).
@@ -69,6 +70,7 @@ from libra.envs import Task, ToolResult, ToolTimeout
 from libra.fleet import StepCost
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import (
+    ABLATIONS,
     CMLFQ,
     DEFAULT_POLICIES,
     POLICIES,
@@ -103,6 +105,7 @@ class PolicyRun:
     gpus: int
     occupancy: dict[str, Timeline]  # per bucket
     reasons: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0  # requests the servers preempted (KV ran short), all instances
     #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
     fitted: dict[str, StepCost] = field(default_factory=dict)
 
@@ -121,8 +124,10 @@ class PolicyResult:
     bucket_moves: int
     vs_oracle: float | None
     vs_bound: float
+    vs_cmlfq: float | None  # the makespan over cmlfq's, when it ran (what an ablation costs)
     trajectories: int
     failed: int
+    preemptions: int
 
 
 @dataclass
@@ -340,9 +345,11 @@ def _summarise(
 ) -> PolicyRun:
     plans = fleet.instances
     busy = 0.0
+    preemptions = 0
     for plan in plans:
         engine = apps[plan.name].engine
         busy += plan.tp * (engine.busy_s if engine is not None else 0.0)
+        preemptions += engine.num_preemptions if engine is not None else 0
     bucket_of = {plan.name: plan.bucket for plan in plans}
     migrations = bucket_moves = 0
     for record in records:
@@ -368,6 +375,7 @@ def _summarise(
         gpus=fleet.gpus,
         occupancy=occupancy,
         reasons=reasons,
+        preemptions=preemptions,
         fitted=fitted,
     )
 
@@ -412,13 +420,16 @@ def lower_bound(
     chain = max(min(_alone(s, fleet, tp, tool_timeout_s) for tp in tps) for s in scripts)
     decode_tokens = weighted_context = 0.0
     reservations = 0.0
+    # KV a call holds on average: its whole reply when reserved up front, half of it when
+    # taken a token at a time (vLLM's on-demand allocation).
+    held = 0.5 if fleet.serving.kv_allocation == "on_demand" else 1.0
     calls = 0
     for script in scripts:
         context = float(script.prompt_tokens)
         for turn in script.turns:
             decode_tokens += turn.output_tokens
             weighted_context += turn.output_tokens * (context + turn.output_tokens / 2)
-            reservations += context + turn.output_tokens
+            reservations += context + turn.output_tokens * held
             calls += 1
             context += turn.output_tokens + turn.output_chars
     mean_context = weighted_context / max(decode_tokens, 1.0)
@@ -480,6 +491,7 @@ def run_sched_bench(
     scripts = ScriptBook(workload, seed).step(step)
     bound = lower_bound(scripts, fleet, workload.limits.tool_timeout_s)
     oracle = next((run.makespan_s for run in runs if run.policy == "oracle"), None)
+    cmlfq = next((run.makespan_s for run in runs if run.policy == "cmlfq"), None)
     return SchedReport(
         workload=workload.name,
         fleet=fleet_name or fleet.name,
@@ -487,13 +499,15 @@ def run_sched_bench(
         step=step,
         trajectories=len(scripts),
         lower_bound=bound,
-        results=[_result(run, bound, oracle) for run in runs],
+        results=[_result(run, bound, oracle, cmlfq) for run in runs],
         runs=runs,
         mismatch=mismatch,
     )
 
 
-def _result(run: PolicyRun, bound: LowerBound, oracle: float | None) -> PolicyResult:
+def _result(
+    run: PolicyRun, bound: LowerBound, oracle: float | None, cmlfq: float | None
+) -> PolicyResult:
     makespan = run.makespan_s
     p50 = _quantile(run.latencies_s, 0.5)
     p99 = _quantile(run.latencies_s, 0.99)
@@ -511,8 +525,10 @@ def _result(run: PolicyRun, bound: LowerBound, oracle: float | None) -> PolicyRe
         bucket_moves=run.bucket_moves,
         vs_oracle=makespan / oracle if oracle else None,
         vs_bound=makespan / bound.seconds if bound.seconds else 0.0,
+        vs_cmlfq=makespan / cmlfq if cmlfq else None,
         trajectories=run.trajectories,
         failed=run.failed,
+        preemptions=run.preemptions,
     )
 
 
@@ -530,7 +546,7 @@ def main_sched(args: argparse.Namespace) -> int:
     try:
         workload = load_workload(args.workload)
         fleet = with_mismatch(load_fleet(args.fleet), args.mismatch)
-        policies = parse_policies(args.policies)
+        policies = parse_policies(args.policies, ablate=args.ablate)
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
@@ -552,17 +568,19 @@ def main_sched(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_policies(text: str | None) -> list[str]:
-    """``a,b,c`` into policy names, checked; the default set when empty."""
-    if not text:
-        return list(DEFAULT_POLICIES)
-    names = [name.strip() for name in text.split(",") if name.strip()]
+def parse_policies(text: str | None, *, ablate: bool = False) -> list[str]:
+    """``a,b,c`` into policy names, checked; the default set when empty. ``ablate`` adds
+    C-MLFQ's ablations (:data:`ABLATIONS`); the policies then run in the registry's order."""
+    names = [name.strip() for name in (text or "").split(",") if name.strip()]
     unknown = [name for name in names if name not in POLICIES]
     if unknown:
         raise ValueError(
             f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}"
         )
-    return list(dict.fromkeys(names))
+    chosen = list(dict.fromkeys(names)) if names else list(DEFAULT_POLICIES)
+    if not ablate:
+        return chosen
+    return [name for name in POLICIES if name in chosen or name in ABLATIONS]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -590,6 +608,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PRESET",
         help="how the emulated servers really perform while the scheduler keeps the "
         f"datasheet roofline as its cost model ({presets}; default {DEFAULT_MISMATCH})",
+    )
+    ablations = "; ".join(f"{name}: without {what}" for name, what in ABLATIONS.items())
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help=f"add C-MLFQ with one mechanism taken out ({ablations})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

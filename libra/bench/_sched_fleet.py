@@ -19,7 +19,7 @@ import pydantic
 from pydantic import Field, PositiveInt, model_validator
 
 from libra.config import Section
-from libra.emulation import LatencyModel, ServingTruth
+from libra.emulation import KVAllocation, LatencyModel, ServingTruth
 from libra.emulation.workloads import WorkloadError, package_file, read_toml
 from libra.fleet import BucketSpec, FleetSpec, Gpu, InstanceSpec, Model, Roofline, StepCost
 
@@ -28,6 +28,12 @@ class Serving(Section):
     max_num_seqs: PositiveInt = 256
     max_queue_length: int = Field(3, ge=0)
     prefix_caching: bool = True
+    kv_allocation: KVAllocation = Field(
+        "on_demand",
+        description="how the emulated servers take KV room: 'on_demand' as vLLM does (a "
+        "token's room per step, the lowest-priority request preempted when the cache "
+        "runs short); 'reserve' a request's whole reply up front, never preempting",
+    )
 
 
 class Node(Section):
@@ -104,12 +110,15 @@ class FleetFile(Section):
 
     def latency(self, tp: int) -> LatencyModel:
         """The emulated server of a TP``tp`` instance: what it really plays."""
+        allocation = self.serving.kv_allocation
         if self.truth is not None:
-            return self.truth.latency(self.gpu, self.model, tp, self.serving.max_num_seqs)
+            truth = self.truth.latency(self.gpu, self.model, tp, self.serving.max_num_seqs)
+            return truth.model_copy(update={"kv_allocation": allocation})
         return LatencyModel(
             **self.step_cost(tp).model_dump(),
             max_num_seqs=self.serving.max_num_seqs,
             kv_capacity_tokens=self.kv_capacity_tokens(tp),
+            kv_allocation=allocation,
         )
 
     # ------------------------------------------------------------ for the scheduler

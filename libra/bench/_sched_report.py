@@ -21,8 +21,10 @@ _COLUMNS = (
     "GPU idle",
     "p99/p50",
     "migrations",
+    "preempted",
     "x oracle",
     "x bound",
+    "x cmlfq",
 )
 
 
@@ -43,11 +45,12 @@ def print_table(report: SchedReport, console: Console | None = None) -> None:
         table.add_column(column, justify="left" if column == "policy" else "right")
     for r in report.results:
         vs_oracle = f"{r.vs_oracle:.2f}" if r.vs_oracle is not None else "-"
+        vs_cmlfq = f"{r.vs_cmlfq:.3f}" if r.vs_cmlfq is not None else "-"
         failed = f" ({r.failed} failed)" if r.failed else ""
         table.add_row(
             r.policy + failed, f"{r.throughput_traj_s:.3f}", f"{r.throughput_tok_s:,.0f}",
             f"{r.makespan_s:.1f}", f"{r.idle_frac:.2f}", f"{r.tail_ratio:.2f}",
-            f"{r.migrations}", vs_oracle, f"{r.vs_bound:.2f}",
+            f"{r.migrations}", f"{r.preemptions}", vs_oracle, f"{r.vs_bound:.2f}", vs_cmlfq,
         )  # fmt: skip
     if console is None:  # rich narrows to 80 columns when not on a terminal: too few
         console = Console(width=None if sys.stdout.isatty() else 132)

@@ -14,7 +14,7 @@ from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
 from libra.emulation._cluster import ClusterTruth, EmulatedCluster, InstanceStartFailed
 from libra.emulation._faults import EmulatedServerDied
 from libra.emulation._fleet_app import FleetApp
-from libra.emulation._latency import BatchingEngine, LatencyModel
+from libra.emulation._latency import BatchingEngine, KVAllocation, LatencyModel
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import (
     AgentScript,
@@ -67,6 +67,7 @@ __all__ = [
     "EmulatorServer",
     "FleetApp",
     "InstanceStartFailed",
+    "KVAllocation",
     "LatencyModel",
     "PrefixCache",
     "Reply",

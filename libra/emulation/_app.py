@@ -348,6 +348,7 @@ class EmulatorApp:
             "vllm:generation_tokens_total": self.generation_tokens_total,
             "vllm:prefix_cache_queries_total": cache.queries if cache else 0,
             "vllm:prefix_cache_hits_total": cache.hits if cache else 0,
+            "vllm:num_preemptions_total": engine.num_preemptions if engine else 0,
         }
         name = self.config.model_name.replace("\\", "\\\\").replace('"', '\\"')
         label = f'{{model_name="{name}"}}'

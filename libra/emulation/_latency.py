@@ -5,7 +5,9 @@ step time as a function of batch size and context, batch and KV-cache limits).
 :class:`BatchingEngine` plays vLLM's scheduler with them: admitted requests prefill,
 join the running batch at the next step, and advance one token per step; requests that
 would not fit the KV budget or the batch wait in a queue ordered by ``priority`` (lower
-first) then arrival.
+first) then arrival. With on-demand KV allocation (vLLM's), a request holds only the
+tokens it has so far, and when the running batch outgrows the cache the lowest-priority
+running request is preempted and recomputed later, as vLLM's priority scheduler does.
 
 All waiting goes through anyio (``sleep_until``, ``current_time``, events), so the engine
 runs on asyncio and on trio, and under ``trio.testing.MockClock`` a whole benchmark runs
@@ -43,6 +45,9 @@ _PARAMETERS = 4.0e9
 _KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # K and V x layers x KV heads x head dim x bf16
 _KV_BUDGET_BYTES = 80e9 * 0.9 - 2 * _PARAMETERS - 4e9  # gpu_memory_utilization 0.9 - weights
 #                                                       - ~4 GB activations and graphs
+
+
+KVAllocation = Literal["reserve", "on_demand"]
 
 
 class LatencyModel(StepCost):
@@ -87,7 +92,16 @@ class LatencyModel(StepCost):
     kv_capacity_tokens: int = Field(
         default=int(_KV_BUDGET_BYTES // _KV_BYTES_PER_TOKEN),
         ge=1,
-        description="Tokens the KV cache holds; a request needs prompt + new tokens of it.",
+        description="Tokens the KV cache holds.",
+    )
+    kv_allocation: KVAllocation = Field(
+        default="reserve",
+        description="'reserve': a request is admitted once the cache holds its prompt plus "
+        "every token it will generate, and is never preempted (the emulator knows each "
+        "reply's length); 'on_demand': vLLM's allocation, where a request is admitted "
+        "when its context fits, takes a token's room per step, and the lowest-priority "
+        "running request (highest priority value, then latest arrival) is preempted and "
+        "later recomputed when the batch outgrows the cache.",
     )
     prefill_interference: float = Field(
         default=0.0,
@@ -214,13 +228,21 @@ class BatchingEngine:
     """vLLM-style continuous batching over a :class:`LatencyModel`, in anyio time.
 
     Admission: the head of the waiting queue (lowest ``priority``, then earliest arrival)
-    is admitted while the batch has room (``max_num_seqs``) and the KV cache can hold its
-    prompt plus all the tokens it will generate; the queue is served strictly in order,
-    like vLLM's scheduler, which stops at the first request it cannot place. The emulator
-    knows each reply's length in advance, so it reserves exactly what the request will
-    use; vLLM allocates blocks as tokens are produced and preempts on overflow, which this
-    rule approximates without preemption. A request larger than the whole cache is
-    admitted alone rather than waiting forever.
+    is admitted while the batch has room (``max_num_seqs``) and the KV cache has room for
+    it; the queue is served strictly in order, like vLLM's scheduler, which stops at the
+    first request it cannot place. What "room" means is the latency model's
+    ``kv_allocation``: under ``reserve`` the request's prompt plus every token it will
+    generate (the emulator knows each reply's length), so nothing is ever preempted;
+    under ``on_demand`` (vLLM's) its context plus one token. A request larger than the
+    whole cache is admitted alone rather than waiting forever.
+
+    Preemption (``on_demand`` only), as vLLM's scheduler does it: before a decode step,
+    while the running requests (decoding or prefilling) would need more room than the
+    cache has, the lowest-priority one (highest ``priority``, then latest arrival) is
+    preempted: its KV is freed and it goes back to the waiting queue under its original
+    priority and arrival, keeping the tokens it produced; when admitted again it
+    prefills its whole context anew (recompute). The last running request is never
+    preempted.
 
     Prefill: an admitted request prefills for ``prefill_time`` of its prompt tokens that
     are not already cached (concurrently with the running batch) and joins the first
@@ -263,6 +285,7 @@ class BatchingEngine:
         self._busy_since: float | None = None
         self._pause: PauseMode | None = None
         self._idle: anyio.Event | None = None  # set when the last running request leaves
+        self._preemptions = 0
 
     # ------------------------------------------------------------------------- metrics
 
@@ -285,6 +308,11 @@ class BatchingEngine:
     def kv_usage(self) -> float:
         """Fraction of the KV cache in use, 0–1 (vLLM's ``kv_cache_usage_perc``)."""
         return min(1.0, self.kv_used_tokens / self.latency.kv_capacity_tokens)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far (vLLM's ``num_preemptions``)."""
+        return self._preemptions
 
     @property
     def busy_s(self) -> float:
@@ -400,7 +428,9 @@ class BatchingEngine:
             self._sync(anyio.current_time())
 
     def _plan(self, now: float) -> _Segment | None:
-        """The run of steps from ``now``: until the first finish or the next join."""
+        """The run of steps from ``now``: until the first finish, the next join or, under
+        on-demand allocation, the step that would outgrow the cache."""
+        self._make_room(now)
         batch = [sequence for sequence in self._running if sequence.joins_at <= now]
         if not batch:
             return None
@@ -419,7 +449,43 @@ class BatchingEngine:
         if joining:
             # The run ends where the prefill does, so only the shared steps are slowed.
             segment.target = segment.first_end_at_or_after(min(joining))
+        room = self._steps_with_room(size)
+        if room is not None:
+            segment.target = min(segment.target, room)
         return segment
+
+    def _steps_with_room(self, decoding: int) -> int | None:
+        """Steps of ``decoding`` sequences the cache has room for before preemption must
+        free some (on-demand allocation, more than one request running); else None."""
+        if self.latency.kv_allocation != "on_demand" or len(self._running) < 2:
+            return None
+        free = self.latency.kv_capacity_tokens - self.kv_used_tokens
+        return max(1, free // max(1, decoding))
+
+    def _make_room(self, now: float) -> None:
+        """Preempt the lowest-priority running requests until the next step fits (see the
+        class docstring)."""
+        if self.latency.kv_allocation != "on_demand":
+            return
+        capacity = self.latency.kv_capacity_tokens
+        while len(self._running) > 1:
+            decoding = sum(1 for sequence in self._running if sequence.joins_at <= now)
+            if self.kv_used_tokens + decoding <= capacity:
+                return
+            victim = max(self._running, key=lambda sequence: (sequence.priority, sequence.arrival))
+            self._preempt(victim, now)
+
+    def _preempt(self, sequence: _Sequence, now: float) -> None:
+        """Free ``sequence``'s KV and queue it again; it keeps its tokens, and recomputes
+        its whole context when it is admitted again."""
+        self._release(sequence, now)
+        sequence.state = "waiting"
+        sequence.joins_at = math.inf
+        sequence.prefill_tokens = sequence.context_tokens
+        heapq.heappush(self._waiting, (sequence.priority, sequence.arrival, sequence))
+        self._num_waiting += 1
+        self._preemptions += 1
+        self._observe(now)
 
     def _slowdown(self, *, prefilling: bool) -> float:
         """How much slower than the model's formula the next run of steps is: prefill
@@ -485,8 +551,7 @@ class BatchingEngine:
             if head.state != "waiting":  # aborted while queued; drop it lazily
                 heapq.heappop(self._waiting)
                 continue
-            fits = self._kv_reserved + head.kv_reservation <= self.latency.kv_capacity_tokens
-            if self._running and not fits:
+            if self._running and not self._fits(head):
                 break
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
@@ -496,21 +561,33 @@ class BatchingEngine:
                 self._busy_since = now
             self._running.append(head)
             self._kv_reserved += head.kv_reservation
-            self._kv_used += head.prompt_tokens
+            self._kv_used += head.context_tokens  # with the tokens it had before a preemption
             self._join_run(head, now)
             admitted_any = True
         if admitted_any:
             self._notify()
 
+    def _fits(self, sequence: _Sequence) -> bool:
+        """Whether the KV cache has room to admit ``sequence`` (see the class docstring)."""
+        capacity = self.latency.kv_capacity_tokens
+        if self.latency.kv_allocation == "on_demand":
+            return self.kv_used_tokens + sequence.context_tokens + 1 <= capacity
+        return self._kv_reserved + sequence.kv_reservation <= capacity
+
     def _join_run(self, sequence: _Sequence, now: float) -> None:
-        """Cut the run under way at the first step boundary after ``sequence``'s prefill."""
+        """Cut the run under way at the first step boundary after ``sequence``'s prefill,
+        or sooner when the room it takes leaves the batch too little."""
         segment = self._segment
         if segment is None:
             return
-        in_flight = segment.steps_done_by(now) + 1
+        done = segment.steps_done_by(now)
+        in_flight = done + 1
         joins = max(segment.first_end_at_or_after(sequence.joins_at), in_flight)
         if self.latency.prefill_interference > 0:
             joins = in_flight  # the steps from here share the prefill: re-plan them slower
+        room = self._steps_with_room(len(segment.batch))
+        if room is not None:
+            joins = min(joins, max(in_flight, done + room))
         segment.target = min(segment.target, joins)
 
     def _release(self, sequence: _Sequence, now: float) -> None:

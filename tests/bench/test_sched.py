@@ -11,12 +11,14 @@ import pytest
 from libra.bench._sched import (
     PolicyRun,
     lower_bound,
+    parse_policies,
     run_policy,
     run_sched_bench,
 )
 from libra.bench._sched_fleet import load_fleet, with_mismatch
 from libra.cli import main
 from libra.emulation.workloads import ScriptBook, load_workload
+from libra.sched.policies import ABLATIONS, DEFAULT_POLICIES
 
 
 def _makespans(runs: list[PolicyRun]) -> dict[str, float]:
@@ -64,7 +66,7 @@ def test_the_command_prints_the_json_the_issue_asks_for(
     assert [r["policy"] for r in report["results"]] == ["least-loaded", "oracle"]
     keys = {"policy", "throughput_traj_s", "throughput_tok_s", "makespan_s", "idle_frac"}
     for result in report["results"]:
-        assert keys | {"vs_oracle", "vs_bound"} <= set(result)
+        assert keys | {"vs_oracle", "vs_bound", "vs_cmlfq", "preemptions"} <= set(result)
 
 
 @pytest.mark.slow
@@ -78,6 +80,18 @@ def test_the_command_prints_a_table_and_draws_the_plot(
     for text in ("cmlfq", "sorted", "makespan s", "x bound", "lower bound"):
         assert text in out
     assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_ablate_adds_cmlfq_without_each_mechanism_in_the_registry_s_order() -> None:
+    assert parse_policies("cmlfq,least-loaded") == ["cmlfq", "least-loaded"]
+    assert parse_policies("cmlfq,least-loaded", ablate=True) == [
+        "least-loaded",
+        "cmlfq",
+        "cmlfq-no-signal",
+        "cmlfq-no-priority",
+        "cmlfq-history",
+    ]
+    assert set(parse_policies("", ablate=True)) == set(DEFAULT_POLICIES) | set(ABLATIONS)
 
 
 def test_bad_arguments_are_one_line_errors(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,10 +128,10 @@ def test_the_calibrated_run_keeps_the_figures_of_the_readme() -> None:
     report = run_sched_bench(workload, fleet, policies, seed=0, jobs=2, mismatch="none")
     makespans = {r.policy: round(r.makespan_s, 1) for r in report.results}
     assert makespans == {
-        "round-robin": 777.6,
-        "least-loaded": 525.0,
-        "sorted": 447.6,
-        "cmlfq": 419.7,
+        "round-robin": 771.0,
+        "least-loaded": 490.0,
+        "sorted": 420.0,
+        "cmlfq": 405.9,
     }
     assert round(report.lower_bound.seconds, 1) == 266.3
 

@@ -26,6 +26,15 @@ def test_the_reference_fleet_derives_each_instance_from_the_cost_model() -> None
     assert spec.instances[3].cost == fleet.step_cost(4) and spec.max_queue_length == 3
 
 
+def test_the_servers_take_kv_room_as_vllm_does_unless_told_to_reserve() -> None:
+    fleet = load_fleet()
+    for preset in MISMATCH_PRESETS:
+        assert with_mismatch(fleet, preset).latency(2).kv_allocation == "on_demand", preset
+    serving = fleet.serving.model_copy(update={"kv_allocation": "reserve"})
+    reserving = with_mismatch(fleet.model_copy(update={"serving": serving}), "datasheet")
+    assert reserving.latency(2).kv_allocation == "reserve"
+
+
 def test_an_invalid_fleet_is_refused(tmp_path: Path) -> None:
     text = (Path(str(_shipped_fleet())).read_text()).replace("tp = [4]", "tp = [8]")
     with pytest.raises(WorkloadError, match=r"no bucket takes instances of TP \[4\]"):

@@ -59,6 +59,7 @@ async def test_health_models_and_metrics() -> None:
         assert metrics.headers["content-type"].startswith("text/plain")
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert f'vllm:{name}{{model_name="tiny"}} 0.0' in metrics.text
+        assert 'vllm:num_preemptions_total{model_name="tiny"} 0.0' in metrics.text
 
 
 # ------------------------------------------------------------------- chat completions

@@ -225,6 +225,66 @@ async def test_many_requests_of_mixed_sizes_all_finish_and_leave_nothing_behind(
     assert (engine.num_running, engine.num_waiting, engine.kv_used_tokens) == (0, 0, 0)
 
 
+async def test_on_demand_allocation_admits_by_context_and_preempts_the_lowest_priority() -> None:
+    # vLLM's allocation: both fit at first (their prompts), then outgrow the cache
+    # together; the lower-priority one is preempted, and recomputes its context later.
+    latency = CONSTANT.model_copy(update={"kv_capacity_tokens": 300, "kv_allocation": "on_demand"})
+    for low_priority, preempted in ((5, "low"), (1, "late")):
+        engine = BatchingEngine(latency)
+        finishes = Finishes(engine)
+        async with anyio.create_task_group() as group:
+            group.start_soon(finishes.run, "low", 50, 200, low_priority)
+            await anyio.sleep(0.001)
+            group.start_soon(finishes.run, "late", 50, 200, 1)
+            await anyio.sleep(0.1)
+            assert (engine.num_running, engine.num_waiting) == (2, 0)
+        kept = "late" if preempted == "low" else "low"
+        assert finishes.order == [kept, preempted]
+        assert engine.num_preemptions == 1
+        # Together until 300 tokens are held (100 steps each), then the kept one alone.
+        started = 0.001 if kept == "late" else 0.0
+        assert finishes.at[kept] == pytest.approx(started + 0.05 + 200 * 0.01, abs=0.011)
+        # The preempted one prefills its 150 tokens again, then decodes what is left.
+        again = finishes.at[kept] + 150 * 0.001 + 100 * 0.01
+        assert finishes.at[preempted] == pytest.approx(again, abs=0.011)
+        assert (engine.num_running, engine.num_waiting, engine.kv_used_tokens) == (0, 0, 0)
+
+
+async def test_reserved_allocation_never_preempts() -> None:
+    latency = CONSTANT.model_copy(update={"kv_capacity_tokens": 300})  # the default: reserve
+    engine = BatchingEngine(latency)
+    finishes = Finishes(engine)
+    async with anyio.create_task_group() as group:
+        group.start_soon(finishes.run, "low", 50, 200, 5)  # holds 250 of 300 from the start
+        await anyio.sleep(0.001)
+        group.start_soon(finishes.run, "high", 50, 200, 1)
+    assert finishes.order == ["low", "high"] and engine.num_preemptions == 0
+
+
+async def test_on_demand_allocation_never_outgrows_the_cache() -> None:
+    latency = LATENCY.model_copy(
+        update={"max_num_seqs": 16, "kv_capacity_tokens": 20_000, "kv_allocation": "on_demand"}
+    )
+    engine = BatchingEngine(latency)
+    overflows: list[int] = []
+
+    def watch(now: float, running: int, waiting: int) -> None:
+        if running > 1 and engine.kv_used_tokens > latency.kv_capacity_tokens:
+            overflows.append(engine.kv_used_tokens)
+
+    engine.observer = watch
+    finishes = Finishes(engine)
+    rng = random.Random(0)
+    async with anyio.create_task_group() as group:
+        for index in range(300):
+            prompt, tokens = rng.randint(1, 2000), int(rng.paretovariate(1.2) * 200)
+            group.start_soon(finishes.run, str(index), prompt, tokens, rng.randint(0, 3))
+            await anyio.sleep(rng.expovariate(50.0))
+    assert len(finishes.at) == 300 and overflows == []
+    assert engine.num_preemptions > 0
+    assert (engine.num_running, engine.num_waiting, engine.kv_used_tokens) == (0, 0, 0)
+
+
 async def test_oversized_request_runs_alone_instead_of_waiting_forever() -> None:
     engine = BatchingEngine(LATENCY.model_copy(update={"kv_capacity_tokens": 100}))
     await engine.generate(200, 10)

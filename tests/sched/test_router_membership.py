@@ -319,6 +319,7 @@ def test_policies_register_by_name_in_the_order_reports_list_them() -> None:
     assert POLICIES == (
         "round-robin",
         "least-loaded",
+        "least-loaded-capacity",
         "static-prompt",
         "length-pred",
         "sorted",
@@ -327,6 +328,9 @@ def test_policies_register_by_name_in_the_order_reports_list_them() -> None:
         "cmlfq-cost",
         "cmlfq",
         "cmlfq-fit",
+        "cmlfq-no-signal",
+        "cmlfq-no-priority",
+        "cmlfq-history",
         "oracle",
         "oracle-finish",
     )

@@ -1,10 +1,12 @@
 """The two ends of an emulated workload: an env whose tools play the script, and a
 model (an emulator :class:`~libra.emulation.Script`) that plays the same script.
 
-The prompt carries a tag, ``[libra-workload NAME step=S task=T sample=K]``, so the
-emulated server, which sees only the conversation, knows which trajectory it is writing
-and which turn it is on: it replies with exactly the scripted number of tokens and the
-scripted tool call. The env's tools answer each call with the scripted output (its
+The prompt opens with a tag, ``[libra-workload NAME step=S task=T]``, and ends with
+``[sample=K]``, so the emulated server, which sees only the conversation, knows which
+trajectory it is writing and which turn it is on (the samples of a task share all of
+their prompt but its end, so the prefix cache shares it as GRPO's samples share
+theirs): it replies with exactly the scripted number of tokens and the scripted tool
+call. The env's tools answer each call with the scripted output (its
 size, and its status, reported as such) after the scripted latency; a scripted timeout
 sleeps past the tool timeout, so the engine times it out as it would a real tool.
 Nothing here is mocked: the engine, the HTTP client, the scheduler and the batching
@@ -25,7 +27,8 @@ from libra.emulation.workloads._format import Workload
 from libra.emulation.workloads._trajectory_scripts import ScriptBook, ScriptTurn, TrajectoryScript
 from libra.envs import Env, ToolResult, tool
 
-_TAG = re.compile(r"\[libra-workload (\S+) step=(\d+) task=(\d+) sample=(\d+)\]")
+_TAG = re.compile(r"\[libra-workload (\S+) step=(\d+) task=(\d+)\]")
+_SAMPLE_TAG = re.compile(r"\[sample=(\d+)\]")
 _FILLER = "the model reasons about the task and the last tool result step by step. " * 64
 _TRACEBACK = "Traceback (most recent call last):\n"
 
@@ -39,11 +42,10 @@ def _filler(length: int) -> str:
 
 
 def prompt_text(script: TrajectoryScript) -> str:
-    tag = (
-        f"[libra-workload {script.workload} step={script.step} "
-        f"task={script.task_seed} sample={script.sample}]\n"
-    )
-    return tag + _filler(script.prompt_tokens - len(tag))
+    """The task's prompt, the same for all its samples up to the sample's tag at its end."""
+    tag = f"[libra-workload {script.workload} step={script.step} task={script.task_seed}]\n"
+    sample = f"\n[sample={script.sample}]"
+    return tag + _filler(script.prompt_tokens - len(tag) - len(sample)) + sample
 
 
 def tool_call_text(name: str, turn: int) -> str:
@@ -94,12 +96,16 @@ class WorkloadScript:
         return Reply(_filler(turn.output_tokens - 1 - len(call)) + call)
 
     def script_of(self, conversation: Conversation) -> TrajectoryScript:
-        # The tag opens the first user message: found without parsing the whole chat.
-        match = _TAG.search(conversation.prompt_text)
+        # The tags open and close the first user message: found without parsing the chat.
+        text = conversation.prompt_text
+        match = _TAG.search(text)
         if match is None or match.group(1) != self.book.workload.name:
             raise ValueError("the prompt carries no tag of this workload")
-        step, task, sample = (int(group) for group in match.groups()[1:])
-        return self.book.script(step, task, sample)
+        sample = _SAMPLE_TAG.search(text, match.end())
+        if sample is None:
+            raise ValueError("the prompt carries no sample tag")
+        step, task = (int(group) for group in match.groups()[1:])
+        return self.book.script(step, task, int(sample.group(1)))
 
 
 class WorkloadEnv(Env):

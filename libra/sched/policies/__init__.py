@@ -16,6 +16,7 @@ from libra.sched.policies._base import (
 )
 from libra.sched.policies._baselines import (
     PLAS,
+    LeastLoadedCapacity,
     LeastLoadedScheduler,
     LengthPrediction,
     RoundRobin,
@@ -34,15 +35,23 @@ from libra.sched.policies._cmlfq import (
     reference_simple,
 )
 from libra.sched.policies._predict import (
+    FeaturePredictor,
     OraclePredictor,
     Predictor,
     PromptHistoryPredictor,
     TreePredictor,
 )
 from libra.sched.policies._prefix_tree import PrefixForest, PrefixTree, Residual, TreeConfig
-from libra.sched.policies._registry import DEFAULT_POLICIES, ORACLES, POLICIES, make_policy
+from libra.sched.policies._registry import (
+    ABLATIONS,
+    DEFAULT_POLICIES,
+    ORACLES,
+    POLICIES,
+    make_policy,
+)
 
 __all__ = [
+    "ABLATIONS",
     "CMLFQ",
     "DEFAULT_POLICIES",
     "ORACLES",
@@ -52,6 +61,8 @@ __all__ = [
     "CMLFQConfig",
     "Choice",
     "Decision",
+    "FeaturePredictor",
+    "LeastLoadedCapacity",
     "LeastLoadedScheduler",
     "LengthPrediction",
     "LibraCMLFQ",

@@ -58,6 +58,7 @@ class Track:
     marks: list[int] = field(default_factory=list)  # tokens generated when each was reached
     generated: int = 0  # output tokens so far
     context: int = 0  # prompt tokens of its latest call
+    prompt_tokens: int = 0  # prompt tokens of its first call (its prompt, templated)
     turn: int = 0
     instance: Instance | None = None  # where its latest call ran, while it takes calls
     bucket: str | None = None  # the bucket of its latest call (kept when the instance left)
@@ -101,6 +102,7 @@ class RoutedPolicy(ABC):
     name: ClassVar[str] = ""  # registered under it when set
     needs_truth: ClassVar[bool] = False  # an oracle: only the benchmark can build it
     benchmarked_by_default: ClassVar[bool] = True
+    ablates: ClassVar[str] = ""  # a variant with this mechanism taken out (``--ablate``)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -176,6 +178,7 @@ class RoutedPolicy(ABC):
             track = self.tracks[request.trajectory_id] = Track(
                 request.trajectory_id, request.prompt_id, request.env
             )
+            track.prompt_tokens = request.context_tokens
         track.turn = request.turn
         track.context = request.context_tokens
         # The engine's count is authoritative (a release may have been missed on a crash).

@@ -25,12 +25,13 @@ one of three rules picks the instance of its next call:
 
 Any rule can add vLLM's per-request priority inside an instance. ``shortest_first``
 (the default) admits the calls of trajectories expected to finish soon before those of
-likely stragglers when a server's queue forms, so that short trajectories are not stuck
-behind long ones and their KV space frees early; ``longest_first`` does the opposite.
-(On the shipped workloads shortest-first measured as good or better for the makespan:
-the ``finish`` rule already keeps stragglers off the crowded instances where queues
-form.) New trajectories are placed by the same rule from the tree's root estimate;
-``start_in_shortest`` restores the reference's "every trajectory starts in the shortest
+likely stragglers when a server's queue forms, and makes a likely straggler the one
+preempted when its KV cache runs short; ``longest_first`` does the opposite. It acts
+only where a server queues or preempts, which the ``finish`` rule mostly avoids: on the
+shipped workloads (``libra bench sched --ablate``) ``cmlfq-no-priority`` ran exactly as
+``cmlfq`` in most runs, and faster or slower by chance in the others (see the README's
+scheduling section). New trajectories are placed by the same rule from the tree's root
+estimate; ``start_in_shortest`` restores the reference's "every trajectory starts in the shortest
 bucket", which leaves the larger buckets idle during the first turn. Every decision is
 logged with its reason (see :class:`~libra.sched.Decision`).
 """
@@ -50,8 +51,14 @@ from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
 from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track
 from libra.sched.policies._fit import CostFit
-from libra.sched.policies._predict import OraclePredictor, Predictor, TreePredictor
+from libra.sched.policies._predict import (
+    OraclePredictor,
+    Predictor,
+    PromptHistoryPredictor,
+    TreePredictor,
+)
 from libra.sched.policies._prefix_tree import PrefixForest, Residual, TreeConfig
+from libra.signals import ToolSignal
 
 Rule = Literal["simple", "cost", "finish"]
 PriorityOrder = Literal["none", "longest_first", "shortest_first"]
@@ -372,6 +379,56 @@ class FittedCMLFQ(CMLFQ):
     def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
         config = options.config if isinstance(options.config, CMLFQConfig) else CMLFQConfig()
         return cls(router, config.model_copy(update={"fit_costs": True}))
+
+
+class _Ablation(CMLFQ):
+    """Libra's C-MLFQ (its default settings, or the :class:`CMLFQConfig` given) with one
+    mechanism taken out: ``--ablate`` runs these beside it to show what each part buys."""
+
+    benchmarked_by_default: ClassVar[bool] = False
+    ablates: ClassVar[str] = ""
+
+    @classmethod
+    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
+        config = options.config if isinstance(options.config, CMLFQConfig) else CMLFQConfig()
+        return cls(router, cls.ablated(config))
+
+    @classmethod
+    def ablated(cls, config: CMLFQConfig) -> CMLFQConfig:
+        return config
+
+
+class NoSignalCMLFQ(_Ablation):
+    """Tool returns are ignored: the prefix forest sees only each prompt's root, so the
+    estimate is the prompt's remaining output given what it generated so far."""
+
+    name: ClassVar[str] = "cmlfq-no-signal"
+    ablates: ClassVar[str] = "tool-return signals"
+
+    def on_tool_return(self, trajectory_id: str, signal: ToolSignal) -> None:
+        pass  # the ablation: no signal reaches the tracks
+
+
+class NoPriorityCMLFQ(_Ablation):
+    """No vLLM priority: the servers serve their queues first come, first served."""
+
+    name: ClassVar[str] = "cmlfq-no-priority"
+    ablates: ClassVar[str] = "in-server priority"
+
+    @classmethod
+    def ablated(cls, config: CMLFQConfig) -> CMLFQConfig:
+        return config.model_copy(update={"priority": "none"})
+
+
+class HistoryCMLFQ(_Ablation):
+    """The prompt-history predictor (each prompt's mean total, shrunk to the global mean)
+    in place of the prefix forest: what the tree's paths buy over a per-prompt average."""
+
+    name: ClassVar[str] = "cmlfq-history"
+    ablates: ClassVar[str] = "the prefix tree (a prompt-history predictor instead)"
+
+    def __init__(self, router: Router, config: CMLFQConfig | None = None) -> None:
+        super().__init__(router, config, predictor=PromptHistoryPredictor())
 
 
 class Oracle(CMLFQ):

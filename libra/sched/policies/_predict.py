@@ -5,6 +5,9 @@
   prompt, shrunk toward the global mean while the prompt has few of them (the
   length-prediction baselines: StreamRL ranks by predicted length, the reference's
   length-aware policy routes by it).
+- :class:`FeaturePredictor`: the total length from the prompt's features (its env and
+  its length), learnt from every finished trajectory: what length-prediction schedulers
+  do with a model of the prompt, for prompts never seen before.
 - :class:`OraclePredictor`: the true length, from whoever scripted the workload; a
   reference for benchmarks, never something a real run has.
 """
@@ -89,6 +92,42 @@ class PromptHistoryPredictor:
         else:
             self.prompts.move_to_end(track.prompt_id)
         own.append(output_tokens)
+
+
+class FeaturePredictor:
+    """Predicted total length from the prompt's features: the mean total of finished
+    trajectories of the same env whose prompt length fell in the same power-of-two bin,
+    shrunk toward that env's mean while the bin has few of them. A prompt never seen
+    before is predicted as well as one seen often (no exact-history lookup)."""
+
+    def __init__(self, *, window: int = 4096, shrinkage: float = 8.0) -> None:
+        self.window = window
+        self.shrinkage = shrinkage
+        self.by_env: dict[str, deque[int]] = {}
+        self.by_bin: dict[tuple[str, int], deque[int]] = {}
+
+    @staticmethod
+    def features(env: str, prompt_tokens: int) -> tuple[str, int]:
+        return env, max(0, prompt_tokens).bit_length()
+
+    def total(self, env: str, prompt_tokens: int) -> tuple[float, int]:
+        """Predicted total output of a trajectory of ``env`` whose first call held
+        ``prompt_tokens``, and the trajectories behind it (0: none of this env yet)."""
+        seen = self.by_env.get(env)
+        if not seen:
+            return 0.0, 0
+        env_mean = sum(seen) / len(seen)
+        own = self.by_bin.get(self.features(env, prompt_tokens))
+        if not own:
+            return env_mean, len(seen)
+        n = len(own)
+        blended = (sum(own) + self.shrinkage * env_mean) / (n + self.shrinkage)
+        return blended, len(seen)
+
+    def learn_total(self, env: str, prompt_tokens: int, output_tokens: int) -> None:
+        self.by_env.setdefault(env, deque(maxlen=self.window)).append(output_tokens)
+        key = self.features(env, prompt_tokens)
+        self.by_bin.setdefault(key, deque(maxlen=self.window)).append(output_tokens)
 
 
 class OraclePredictor:

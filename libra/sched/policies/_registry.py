@@ -18,6 +18,8 @@ assert _baselines and _cmlfq  # imported for their policies, in the order report
 POLICIES = tuple(REGISTRY)
 DEFAULT_POLICIES = tuple(name for name in POLICIES if REGISTRY[name].benchmarked_by_default)
 ORACLES = tuple(name for name in POLICIES if REGISTRY[name].needs_truth)
+#: C-MLFQ with one mechanism taken out, and what each takes out (``--ablate``).
+ABLATIONS = {name: REGISTRY[name].ablates for name in POLICIES if REGISTRY[name].ablates}
 
 
 def make_policy(

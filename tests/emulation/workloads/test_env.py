@@ -12,7 +12,7 @@ from libra.bench._sched import signal_of
 from libra.bench._sched_fleet import load_fleet
 from libra.emulation import EmulatorConfig, create_app
 from libra.emulation.workloads import ScriptBook, load_workload
-from libra.emulation.workloads._env import EnvClasses, WorkloadScript, tool_output
+from libra.emulation.workloads._env import EnvClasses, WorkloadScript, prompt_text, tool_output
 from libra.engine import (
     Engine,
     EngineConfig,
@@ -82,3 +82,18 @@ def test_a_failed_check_reads_as_a_failure_of_the_scripted_size() -> None:
     content = tool_output(failed)
     assert len(content) == 1200 and content.startswith("Traceback (most recent call last)")
     assert size_class(len(content)) == "medium"
+
+
+def test_the_samples_of_a_task_share_their_prompt_but_its_end(tiny: Path) -> None:
+    book = ScriptBook(load_workload(str(tiny)), seed=5)
+    scripts = book.step(1)
+    by_task: dict[int, list[str]] = {}
+    for script in scripts:
+        text = prompt_text(script)
+        assert len(text) == script.prompt_tokens and text.endswith(f"[sample={script.sample}]")
+        by_task.setdefault(script.task_seed, []).append(text)
+    siblings = next(texts for texts in by_task.values() if len(texts) > 1)
+    shared = len(siblings[0]) - len(siblings[0].rsplit("\n", 1)[1])
+    assert siblings[0][:shared] == siblings[1][:shared] and siblings[0] != siblings[1]
+    first, second = (texts[0] for texts in list(by_task.values())[:2])
+    assert first.split("\n", 1)[0] != second.split("\n", 1)[0]  # other tasks: other tags

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from libra.sched import Router
+from libra.sched import Router, RouteRequest
 from libra.sched.policies import (
     PLAS,
+    LeastLoadedCapacity,
+    LeastLoadedScheduler,
     LengthPrediction,
     Oracle,
     RoundRobin,
     SortedLength,
     StaticPrompt,
 )
-from tests._helpers import FAIL, PASS, Trajectory, fleet
+from tests._helpers import PASS, Trajectory, fleet
 
 
 def test_round_robin_cycles_through_instances_and_skips_excluded_ones() -> None:
@@ -32,18 +34,37 @@ def test_static_assignment_keeps_a_prompts_samples_together() -> None:
     assert policy.reasons["next_up"] == 1
 
 
-def test_length_prediction_routes_by_the_prompts_history_for_the_whole_trajectory() -> None:
+def test_length_prediction_ranks_new_prompts_by_their_features_for_the_whole_trajectory() -> None:
     policy = LengthPrediction(Router(fleet()))
-    first = Trajectory(policy, "hard/1#0")
+    first = Trajectory(policy, "old/0#0")
     assert first.call(100).bucket == "short"
     assert policy.reasons["no_history"] == 1
-    first.tool(FAIL)
-    first.call(20000)
     first.finish()
-    second = Trajectory(policy, "hard/1#1")
-    routes = [second.call(100), second.call(100)]
-    assert [route.bucket for route in routes] == ["long", "long"]
-    assert LengthPrediction(Router(fleet())).predictor.total("x/1") == (0.0, 0)
+    for index in range(8):  # long prompts make long trajectories here; short ones, short
+        long_prompt = Trajectory(policy, f"old/{index}#1")
+        long_prompt.context = 3000
+        long_prompt.play([(20000, None)])
+        Trajectory(policy, f"old/{index}#2").play([(300, None)])
+    long_one, short_one = Trajectory(policy, "new/1#0"), Trajectory(policy, "new/2#0")
+    long_one.context = 3000  # prompts never seen: only their features are known
+    assert [long_one.call(100).bucket, long_one.call(100).bucket] == ["long", "long"]
+    short_route = short_one.call(100)
+    assert short_route.bucket == "short"
+    assert long_one.last is not None and long_one.last.priority is not None
+    assert short_route.priority is not None and short_route.priority < long_one.last.priority
+    assert LengthPrediction(Router(fleet())).predictor.total("t", 500) == (0.0, 0)
+
+
+def test_capacity_weighed_least_loaded_gives_larger_instances_more_calls() -> None:
+    plain, weighed = LeastLoadedScheduler(Router(fleet())), LeastLoadedCapacity(Router(fleet()))
+    for policy in (plain, weighed):
+        for index in range(16):
+            policy.route(RouteRequest(f"t/{index}#0", f"t/{index}", 0, 500, env="t"))
+    counts = plain.calls_in_flight()
+    assert counts == {"a1": 4, "a2": 4, "b": 4, "c": 4}  # a count, blind to size
+    weighed_counts = weighed.calls_in_flight()
+    assert weighed_counts["c"] >= weighed_counts["b"] > weighed_counts["a1"]  # 8, 8, 4 slots
+    assert sum(weighed_counts.values()) == 16
 
 
 def test_sorted_runs_shorter_predicted_trajectories_first() -> None:

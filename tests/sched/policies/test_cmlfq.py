@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from libra.sched import Router, RouteRequest
 from libra.sched.policies import (
+    ABLATIONS,
     CMLFQ,
+    REGISTRY,
     CMLFQConfig,
+    PolicyOptions,
     RoutedPolicy,
     TreeConfig,
     reference_cost,
@@ -122,3 +125,31 @@ def test_cmlfq_learns_from_finished_trajectories_and_forgets_them() -> None:
     assert policy.forest is not None
     assert policy.forest.global_tree.root.samples.values.tolist() == [1000]
     assert policy.reasons.total() == len(policy.decisions) == 2
+
+
+def test_each_ablation_takes_out_its_one_mechanism() -> None:
+    config = CMLFQConfig(tree=TreeConfig(min_samples=3))
+    options = PolicyOptions(config=config)
+    made = {name: REGISTRY[name].create(Router(fleet()), options) for name in ABLATIONS}
+    assert set(made) == {"cmlfq-no-signal", "cmlfq-no-priority", "cmlfq-history"}
+    for policy in made.values():
+        assert isinstance(policy, CMLFQ)
+        teach(policy)
+    routes = {}
+    for name, policy in made.items():
+        straggler = Trajectory(policy, "new/1#0")
+        straggler.call(1000)
+        straggler.tool(FAIL)
+        routes[name] = straggler.call(100)
+        assert isinstance(policy, CMLFQ)
+        track_path = policy.tracks["new/1#0"].path
+        assert track_path == ([] if name == "cmlfq-no-signal" else ["run_tests:large:failure"])
+    assert routes["cmlfq-no-priority"].priority is None
+    assert routes["cmlfq-no-signal"].priority is not None
+    # Without the tree's paths a failing check says nothing: the estimate is the mean of
+    # every trajectory seen (21,200 and 1,200 tokens), less the 1,000 generated.
+    history = made["cmlfq-history"]
+    assert isinstance(history, CMLFQ) and history.forest is None
+    estimate = history.tracks["new/1#0"].estimate
+    assert estimate is not None and estimate.source == "history"
+    assert estimate.mean == 11_200 - 1_000
