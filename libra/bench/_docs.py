@@ -57,7 +57,9 @@ def _line(cells: Sequence[str]) -> str:
 
 
 def _soak(output: dict[str, Any]) -> list[str]:
-    return ["```json", json.dumps(output), "```"]
+    marks = ", ".join(str(mb) for mb in output.get("rss_mb_at_each_tenth", []))
+    lines = ["```json", json.dumps(output), "```"]
+    return [*lines, "", f"RSS at each tenth of the trajectories (MB): {marks}."] if marks else lines
 
 
 def _alloc(output: dict[str, Any]) -> list[str]:

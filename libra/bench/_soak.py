@@ -109,6 +109,7 @@ class SoakReport:
     wall_s: float
     virtual_s: float
     fault_rate: float
+    rss_marks_mb: list[float]  # at every tenth of the trajectories recorded
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -118,6 +119,7 @@ class SoakReport:
             "duplicated": self.duplicated,
             "rss_start_mb": round(self.rss_start_mb, 1),
             "rss_end_mb": round(self.rss_end_mb, 1),
+            "rss_mb_at_each_tenth": [round(mb) for mb in self.rss_marks_mb],
             "threads": {"start": self.threads_start, "end": self.threads_end},
             "restarts": self.restarts,
             "leftovers": self.leftovers,
@@ -189,7 +191,7 @@ def run_soak(
         soak.run, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}
     )
     wall = time.perf_counter() - started
-    tally, restarts, leftovers = soak.tally, soak.restarts, soak.leftovers
+    tally, restarts, leftovers, marks = soak.tally, soak.restarts, soak.leftovers, soak.rss_marks_mb
     lost = len(tally.outstanding)
     del soak
     gc.collect()
@@ -207,6 +209,7 @@ def run_soak(
         wall_s=wall,
         virtual_s=virtual_s,
         fault_rate=fault_rate,
+        rss_marks_mb=marks,
     )
 
 
@@ -222,6 +225,7 @@ class _Soak:
         self.book = ScriptBook(self.workload, seed, max_cached=4096)
         self.env_classes = EnvClasses(self.book)
         self.tally = _Tally()
+        self.rss_marks_mb: list[float] = []
         self.restarts = 0
         self.specs = {spec.name: spec for spec in fleet.spec(MODEL).instances}
         self.bucket_of = {plan.name: plan.bucket for plan in fleet.instances}
@@ -311,8 +315,10 @@ class _Soak:
         async for record in session.records():
             self.tally.record(record.id, record.status, record.stop_reason)
             self._top_up(session)
-            if self.progress is not None and self.tally.recorded % every == 0:
-                self.progress(self.tally.recorded, self.n, time.perf_counter() - started)
+            if self.tally.recorded % every == 0:
+                self.rss_marks_mb.append(rss_mb())
+                if self.progress is not None:
+                    self.progress(self.tally.recorded, self.n, time.perf_counter() - started)
 
     # ------------------------------------------------------------- the fleet
 
