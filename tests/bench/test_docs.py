@@ -37,7 +37,8 @@ def test_a_run_is_saved_with_its_command_and_written_between_the_markers(
     text, changed = rewrite(readme, [table], SAVED)
     assert changed == ["tiny-soak"]
     assert text.startswith("intro\n<!-- bench:tiny-soak -->\nWritten by `libra bench docs`")
-    assert text.endswith("```\n<!-- /bench:tiny-soak -->\nafter\n")
+    assert "```\n\nRSS at each tenth of the trajectories (MB): " in text
+    assert text.endswith(".\n<!-- /bench:tiny-soak -->\nafter\n")
     assert '"lost": 0' in text and "old figures" not in text
     assert rewrite(text, [table], SAVED) == (text, [])
 
