@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import anyio
+import anyio.abc
 import httpx
 from pydantic import Field, PositiveFloat, PositiveInt
 
@@ -91,14 +92,50 @@ class ServerSupervisor:
         self.config = config or SupervisorConfig()
         self.sync = sync
         self.events: list[ServerEvent] = []
+        self._watches: dict[str, anyio.CancelScope] = {}
+        self._running: tuple[httpx.AsyncClient, anyio.abc.TaskGroup] | None = None
 
     async def run(self) -> None:
+        """Watch every server, and those :meth:`watch` adds, until cancelled."""
         async with (
             httpx.AsyncClient(timeout=self.config.probe_timeout_s) as client,
             anyio.create_task_group() as group,
         ):
-            for name, server in self.servers.items():
-                group.start_soon(self._watch, client, name, server)
+            self._running = client, group
+            try:
+                for name, server in self.servers.items():
+                    self._start_watching(name, server)
+                await anyio.sleep_forever()
+            finally:
+                self._running = None
+
+    def watch(self, name: str, server: ServerProcess) -> None:
+        """Supervise ``server`` too, from now on (a server started after the run began:
+        the allocation pool's)."""
+        self.unwatch(name)
+        self.servers[name] = server
+        if self._running is not None:
+            self._start_watching(name, server)
+
+    def unwatch(self, name: str) -> None:
+        """Stop supervising ``name``, a restart under way included: its owner is about to
+        stop it, and its exit is then no fault."""
+        self.servers.pop(name, None)
+        scope = self._watches.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+
+    def _start_watching(self, name: str, server: ServerProcess) -> None:
+        assert self._running is not None
+        client, group = self._running
+        scope = self._watches[name] = anyio.CancelScope()
+        group.start_soon(self._watch_within, scope, client, name, server)
+
+    async def _watch_within(
+        self, scope: anyio.CancelScope, client: httpx.AsyncClient, name: str, server: ServerProcess
+    ) -> None:
+        with scope:
+            await self._watch(client, name, server)
 
     async def _watch(self, client: httpx.AsyncClient, name: str, server: ServerProcess) -> None:
         while True:

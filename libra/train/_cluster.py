@@ -46,7 +46,7 @@ from libra.config import Section
 from libra.engine import TrajectoryRecord
 from libra.fleet import Model, Roofline
 from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
-from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig
+from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLLMServerConfig
 from libra.signals import ToolSignal
 from libra.train._elastic import ElasticTrainer
 from libra.train._fsdp import TrainerConfig
@@ -108,6 +108,9 @@ class LocalCluster:
     weights: CurrentWeights
     weights_lock: anyio.Lock = field(default_factory=anyio.Lock)
     servers: dict[str, VLLMServer] = field(default_factory=dict)
+    #: Set once the run's engine is open: it restarts an instance that dies or hangs, and
+    #: is told before one is stopped on purpose.
+    supervisor: ServerSupervisor | None = None
     #: Seconds each operation took, in order: ``(what, worker or instance, seconds)``.
     timings: list[tuple[str, str, float]] = field(default_factory=list)
     _joining: set[int] = field(default_factory=set)
@@ -143,10 +146,14 @@ class LocalCluster:
                 await server.astop()
             raise
         self.servers[name] = server
+        if self.supervisor is not None:
+            self.supervisor.watch(name, server)
         self.timings.append(("start", name, time.perf_counter() - started))
         return server.url
 
     async def stop_instance(self, name: str) -> None:
+        if self.supervisor is not None:
+            self.supervisor.unwatch(name)  # its exit is no fault to repair
         server = self.servers.pop(name, None)
         if server is not None:
             started = time.perf_counter()

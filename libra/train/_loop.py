@@ -628,7 +628,7 @@ async def open_run(
                 rollout,
                 env_cls,
                 warm,
-                servers=own,
+                servers=own if cluster is None else cluster.servers,
                 weights=weights,
                 headers=gateway.headers if gateway is not None else None,
             )
@@ -656,6 +656,7 @@ async def open_run(
             gateway,
         )
         if cluster is not None:
+            cluster.supervisor = assembled.supervisor  # watches the instances it starts
             run.allocation = await _allocation(stack, config, cluster, scheduler)
             # Every call's timing goes to the loop (the run keeps the scheduler itself).
             engine = assembled.engine

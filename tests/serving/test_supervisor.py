@@ -149,3 +149,32 @@ async def test_with_its_only_server_down_the_rollout_waits_for_the_restart() -> 
             group.cancel_scope.cancel()
     check_every_job_once(records, len(jobs))
     assert [event.kind for event in supervisor.events] == ["died", "restarted"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_server_watched_later_is_restarted_and_one_unwatched_is_left_stopped() -> None:
+    """The allocation pool's servers: started after the run began, stopped on purpose."""
+    async with two_servers() as servers:
+        router = make_policy("cmlfq", fleet_of(servers)).router
+        supervisor = ServerSupervisor(router, {"a": servers["a"]}, config=QUICK_PROBES)
+        async with anyio.create_task_group() as group:
+            group.start_soon(supervisor.run)
+            await anyio.sleep(0)
+            supervisor.watch("b", servers["b"])
+            servers["b"].kill()
+            await until(lambda: [e.kind for e in supervisor.events] == ["died", "restarted"])
+            assert servers["b"].starts == 2 and not router.by_name["b"].marked_down
+            supervisor.unwatch("b")
+            await servers["b"].astop()  # its owner stops it: no fault
+            await anyio.sleep(5 * (QUICK_PROBES.probe_interval_s + QUICK_PROBES.probe_timeout_s))
+            assert servers["b"].starts == 2 and len(supervisor.events) == 2
+            assert not router.by_name["b"].marked_down
+            servers["a"].kill()  # the one watched from the start still is
+            await until(lambda: len(supervisor.events) == 4)
+            group.cancel_scope.cancel()
+    assert [(e.instance, e.kind) for e in supervisor.events] == [
+        ("b", "died"),
+        ("b", "restarted"),
+        ("a", "died"),
+        ("a", "restarted"),
+    ]
