@@ -101,6 +101,7 @@ class SoakReport:
     lost: int
     duplicated: int
     restarts: int
+    restarted_serving: int  # restarted servers that then generated tokens
     leftovers: dict[str, int]  # state the engine and scheduler still hold at the end
     rss_start_mb: float
     rss_end_mb: float
@@ -122,6 +123,7 @@ class SoakReport:
             "rss_mb_at_each_tenth": [round(mb) for mb in self.rss_marks_mb],
             "threads": {"start": self.threads_start, "end": self.threads_end},
             "restarts": self.restarts,
+            "restarted_serving": self.restarted_serving,
             "leftovers": self.leftovers,
             "fault_rate": self.fault_rate,
             "wall_s": round(self.wall_s, 1),
@@ -192,6 +194,9 @@ def run_soak(
     )
     wall = time.perf_counter() - started
     tally, restarts, leftovers, marks = soak.tally, soak.restarts, soak.leftovers, soak.rss_marks_mb
+    restarted_serving = soak.restarted_serving + sum(
+        soak.served(name) for name in soak.fleet_app.apps if name in soak.restarted
+    )
     lost = len(tally.outstanding)
     del soak
     gc.collect()
@@ -201,6 +206,7 @@ def run_soak(
         lost=lost,
         duplicated=tally.duplicated,
         restarts=restarts,
+        restarted_serving=restarted_serving,
         leftovers=leftovers,
         rss_start_mb=rss_start,
         rss_end_mb=rss_mb(),
@@ -227,9 +233,11 @@ class _Soak:
         self.tally = _Tally()
         self.rss_marks_mb: list[float] = []
         self.restarts = 0
+        self.restarted: set[str] = set()  # instances whose server a restart started
+        self.restarted_serving = 0  # such servers that generated tokens, once gone
         self.specs = {spec.name: spec for spec in fleet.spec(MODEL).instances}
         self.bucket_of = {plan.name: plan.bucket for plan in fleet.instances}
-        self.apps: dict[str, EmulatorApp] = {}
+        self.fleet_app = FleetApp()  # the instances serving now, by name
         self.policy: RoutedPolicy = make_policy("cmlfq", fleet.spec(MODEL))
         self._group: anyio.abc.TaskGroup | None = None
         self._groups = self._jobs()
@@ -241,8 +249,8 @@ class _Soak:
         async with anyio.create_task_group() as group:
             self._group = group
             for name in self.specs:
-                self.apps[name] = self._server(name)
-            await self._roll(FleetApp(self.apps))
+                self.fleet_app.add(name, self._server(name))
+            await self._roll(self.fleet_app)
             group.cancel_scope.cancel()  # restarts still pending: the run is over
         return anyio.current_time() - started
 
@@ -322,6 +330,10 @@ class _Soak:
 
     # ------------------------------------------------------------- the fleet
 
+    def served(self, name: str) -> bool:
+        """Whether ``name``'s current server generated tokens."""
+        return self.fleet_app.apps[name].generation_tokens_total > 0
+
     def _server(self, name: str) -> EmulatorApp:
         """A fresh emulated server for instance ``name`` (its faults seeded anew)."""
         index, plan = next(
@@ -353,15 +365,19 @@ class _Soak:
 
     async def _restart(self, name: str) -> None:
         """What a supervisor does: notice the death, take the instance out of the live
-        membership (its calls in flight fail and are retried elsewhere), start a new
-        server and let it join under the same name."""
+        membership (its calls in flight fail and are retried elsewhere), stop the dead
+        server, start a new one and let it join under the same name."""
         await anyio.sleep(NOTICE_S)
         router = self.policy.router
         if name in router.by_name:
             router.remove(name, force=True)
+        if self.served(name) and name in self.restarted:
+            self.restarted_serving += 1
+        self.fleet_app.remove(name)
         await anyio.sleep(RESTART_S)
         self.restarts += 1
-        self.apps[name] = self._server(name)
+        self.restarted.add(name)
+        self.fleet_app.add(name, self._server(name))
         router.add_instance(self.specs[name], self.bucket_of[name])
 
 

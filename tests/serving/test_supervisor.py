@@ -159,7 +159,6 @@ async def test_a_server_watched_later_is_restarted_and_one_unwatched_is_left_sto
         supervisor = ServerSupervisor(router, {"a": servers["a"]}, config=QUICK_PROBES)
         async with anyio.create_task_group() as group:
             group.start_soon(supervisor.run)
-            await anyio.sleep(0)
             supervisor.watch("b", servers["b"])
             servers["b"].kill()
             await until(lambda: [e.kind for e in supervisor.events] == ["died", "restarted"])
