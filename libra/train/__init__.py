@@ -26,7 +26,7 @@ from libra.train._cluster import (
     AllocConfig,
     LocalCluster,
     TimedScheduler,
-    open_local_cluster,
+    open_cluster,
 )
 from libra.train._config import (
     Aggregation,
@@ -154,7 +154,7 @@ __all__ = [
     "iter_metrics",
     "keep_reusable",
     "logprob_gap",
-    "open_local_cluster",
+    "open_cluster",
     "open_run",
     "plan_micro_batches",
     "problems_of",

@@ -90,7 +90,7 @@ from libra.train._cluster import (
     Allocation,
     LocalCluster,
     TimedScheduler,
-    open_local_cluster,
+    open_cluster,
     rule_planner,
 )
 from libra.train._elastic import ElasticTrainer
@@ -591,7 +591,7 @@ async def open_run(
         if config.alloc is not None and config.alloc.enabled:
             served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
             cluster = await stack.enter_async_context(
-                open_local_cluster(
+                open_cluster(
                     config.alloc,
                     config.trainer,
                     model_dir,

@@ -25,7 +25,7 @@ from libra.train import (
     TrainerConfig,
     TrainRun,
     TrainRunConfig,
-    open_local_cluster,
+    open_cluster,
     train,
 )
 from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama
@@ -105,7 +105,7 @@ async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_opera
     ).alloc
     assert alloc is not None
     trainer = TrainerConfig(backend="gloo")
-    async with open_local_cluster(
+    async with open_cluster(
         alloc,
         trainer,
         model,
