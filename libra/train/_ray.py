@@ -79,6 +79,7 @@ class RankActor:
     def __init__(self, rank: int, world_size: int, cores: tuple[int, ...] | None) -> None:
         self.rank, self.world_size, self.cores = rank, world_size, cores
         self.trainer: FSDPTrainer | None = None
+        self.threads = 1
         self._parked = threading.Event()
 
     def rendezvous(self) -> tuple[str, int]:
@@ -92,6 +93,8 @@ class RankActor:
 
     def load(self, where: tuple[str, int], model_dir: Path, config: TrainerConfig) -> None:
         """Join the process group at ``where`` and load the model, sharded."""
+        import torch
+
         from libra.train._fsdp import FSDPTrainer
 
         address, port = where
@@ -108,9 +111,15 @@ class RankActor:
             os.sched_setaffinity(0, self.cores)
             config = config.model_copy(update={"cpu_threads": len(self.cores)})
         self.trainer = FSDPTrainer(model_dir, config)
+        self.threads = torch.get_num_threads()
 
     def run(self, command: TrainerCommand[T]) -> T:
+        import torch
+
         assert self.trainer is not None, "load() first"
+        # A threaded actor may run each call on another thread than load(): give it the
+        # torch threads the trainer chose there (OpenMP's count is per thread).
+        torch.set_num_threads(self.threads)
         return command.run(self.trainer)
 
     def pid(self) -> int:
