@@ -28,7 +28,8 @@ from libra.train import (
     open_cluster,
     train,
 )
-from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama
+from libra.train._ray import ray_missing
+from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama, unavailable
 
 pytestmark = pytest.mark.anyio
 
@@ -136,9 +137,13 @@ async def join(cluster: LocalCluster, worker: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("backend", ["local", "ray"])
 async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
-    embedded_model: Path, tmp_path: Path
+    embedded_model: Path, tmp_path: Path, backend: str
 ) -> None:
+    """With ``backend = "ray"``, on a local Ray instance the run starts itself."""
+    if backend == "ray" and (missing := ray_missing()):
+        unavailable(missing)
     run_dir = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))
     config = TrainRunConfig.model_validate(
@@ -156,7 +161,7 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
             "trainer": {"lr": 1e-4},
             "train": {"micro_batch_tokens": 1024},
             "vllm": {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1},
-            "alloc": alloc_section(cores),
+            "alloc": alloc_section(cores) | {"backend": backend},
         }
     )
     timings: list[tuple[str, str, float]] = []
