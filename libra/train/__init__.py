@@ -24,8 +24,8 @@ from libra.train._checkpoint import (
 from libra.train._cluster import (
     Allocation,
     AllocConfig,
-    LocalCluster,
     TimedScheduler,
+    WorkerCluster,
     open_cluster,
 )
 from libra.train._config import (
@@ -110,7 +110,6 @@ __all__ = [
     "GRPOConfig",
     "Layout",
     "LoadState",
-    "LocalCluster",
     "LogprobGap",
     "Logprobs",
     "LogprobsMode",
@@ -139,6 +138,7 @@ __all__ = [
     "TrainerConfig",
     "TrainerError",
     "TrainerProcess",
+    "WorkerCluster",
     "WriteCheckpoint",
     "ZeroSync",
     "aggregation_weights",

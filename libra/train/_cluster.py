@@ -1,7 +1,8 @@
-"""The local cluster: workers are sets of this machine's CPU cores (a core set stands for
-an accelerator), serving instances are vLLM servers bound to their workers' cores, and
-training is the :class:`ElasticTrainer`, one rank per training worker, pinned to its
-worker's cores. It is what the allocation pool drives (a ``libra.alloc.Cluster``).
+"""The run's cluster of workers: each worker is a set of CPU cores (a core set stands for
+an accelerator) or, on Ray with GPUs, a GPU; serving instances are vLLM servers bound to
+their workers, and training is the :class:`ElasticTrainer`, one rank per training
+worker, pinned to its worker's cores. It is what the allocation pool drives (a
+``libra.alloc.Cluster``).
 
 Training operations, per worker (a unit of several workers joins one resize at a time):
 
@@ -14,9 +15,10 @@ Training operations, per worker (a unit of several workers joins one resize at a
 - ``leave_training``: a world without the worker is prepared and switched to; a worker
   whose join is under way calls it off.
 
-With ``[alloc] backend = "ray"`` the same cluster runs its vLLM servers and trainer ranks
-as Ray actors instead of processes of its own (``_ray``): the cluster is one class, given
-how instances start (``start_server``) and how the trainer's worlds start.
+With ``[alloc] backend = "local"`` the servers and ranks are processes of this machine;
+with ``"ray"`` they are Ray actors (``_ray``). :class:`WorkerCluster` is one class for
+both, given how instances start (``start_server``) and how the trainer's worlds start
+(the :class:`ElasticTrainer`'s world factory); :func:`open_cluster` picks them.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class AllocConfig(Section):
 
 
 @dataclass
-class LocalCluster:
+class WorkerCluster:
     """``cores[w]``: worker ``w``'s CPU cores. Instances serve ``served_model_name``,
     started on ``base`` (the run's v0 folder) and loaded with ``weights()`` (the run's
     current folder and version) before they answer; ``weights_lock`` is held by whoever
@@ -273,7 +275,7 @@ async def open_cluster(
     server: VLLMServerConfig,
     weights: CurrentWeights,
     weights_lock: anyio.Lock,
-) -> AsyncIterator[LocalCluster]:
+) -> AsyncIterator[WorkerCluster]:
     """The trainer's ranks on ``alloc.training`` (loading while the caller goes on) and a
     cluster with no instance yet, on ``alloc.backend``; on exit every instance and rank is
     stopped (and a Ray instance started here shut down)."""
@@ -291,7 +293,7 @@ async def open_cluster(
                 model_dir, trainer, dict(enumerate(cores)), members=alloc.training, worlds=worlds
             )
         )
-        cluster = LocalCluster(
+        cluster = WorkerCluster(
             cores, ranks, base, EMBEDDED_MODEL_NAME, server, weights, weights_lock, start_server
         )
         try:
@@ -307,7 +309,7 @@ async def open_cluster(
 class Allocation:
     """The run's pool and allocation loop: after each step, one decision, logged."""
 
-    cluster: LocalCluster
+    cluster: WorkerCluster
     pool: HybridPool
     loop: AllocationLoop
 

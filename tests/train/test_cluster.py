@@ -19,12 +19,12 @@ from libra.engine import jobs_for, rollout
 from libra.serving import VLLMServerConfig
 from libra.train import (
     METRICS_FILE,
-    LocalCluster,
     StepRecord,
     TimedScheduler,
     TrainerConfig,
     TrainRun,
     TrainRunConfig,
+    WorkerCluster,
     open_cluster,
     train,
 )
@@ -130,7 +130,7 @@ async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_opera
     assert kinds == ["fetch_state", "zero_sync", "leave", "fetch_state"]
 
 
-async def join(cluster: LocalCluster, worker: int) -> None:
+async def join(cluster: WorkerCluster, worker: int) -> None:
     for operation in (cluster.fetch_state, cluster.zero_sync, cluster.activate):
         await operation(worker)
 
