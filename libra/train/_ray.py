@@ -53,6 +53,7 @@ _SHARE = 0.5
 # After a rank's command fails, how long the other ranks' answers are awaited to learn
 # whether a rank died (a peer's death makes the survivors' collectives fail).
 _DEATH_WAIT_S = 10.0
+_STOP_WAIT_S = 60.0
 _RAY_HINT = "Ray is not installed: pip install 'libra[ray]' (or `ray==2.60.0`)"
 
 
@@ -378,7 +379,9 @@ class RayServer:
         if self._actor is None:
             return
         try:
-            with anyio.CancelScope(shield=True):
+            # The server's own stop is bounded (grace, then SIGKILL); past that, the kill
+            # below ends the actor, and its server's guard the server's tree.
+            with anyio.move_on_after(_STOP_WAIT_S, shield=True):
                 await _ray_get(self._actor.stop.remote())
         finally:
             self._kill()
