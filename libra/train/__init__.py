@@ -24,9 +24,9 @@ from libra.train._checkpoint import (
 from libra.train._cluster import (
     Allocation,
     AllocConfig,
-    LocalCluster,
     TimedScheduler,
-    open_local_cluster,
+    WorkerCluster,
+    open_cluster,
 )
 from libra.train._config import (
     Aggregation,
@@ -112,7 +112,6 @@ __all__ = [
     "GatewaySyncError",
     "Layout",
     "LoadState",
-    "LocalCluster",
     "LogprobGap",
     "Logprobs",
     "LogprobsMode",
@@ -141,6 +140,7 @@ __all__ = [
     "TrainerConfig",
     "TrainerError",
     "TrainerProcess",
+    "WorkerCluster",
     "WriteCheckpoint",
     "ZeroSync",
     "aggregation_weights",
@@ -156,7 +156,7 @@ __all__ = [
     "iter_metrics",
     "keep_reusable",
     "logprob_gap",
-    "open_local_cluster",
+    "open_cluster",
     "open_run",
     "plan_micro_batches",
     "problems_of",

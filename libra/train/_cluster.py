@@ -1,7 +1,8 @@
-"""The local cluster: workers are sets of this machine's CPU cores (a core set stands for
-an accelerator), serving instances are vLLM servers bound to their workers' cores, and
-training is the :class:`ElasticTrainer`, one rank per training worker, pinned to its
-worker's cores. It is what the allocation pool drives (a ``libra.alloc.Cluster``).
+"""The run's cluster of workers: each worker is a set of CPU cores (a core set stands for
+an accelerator) or, on Ray with GPUs, a GPU; serving instances are vLLM servers bound to
+their workers, and training is the :class:`ElasticTrainer`, one rank per training
+worker, pinned to its worker's cores. It is what the allocation pool drives (a
+``libra.alloc.Cluster``).
 
 Training operations, per worker (a unit of several workers joins one resize at a time):
 
@@ -13,6 +14,11 @@ Training operations, per worker (a unit of several workers joins one resize at a
   trainer's world as it is then: nothing is left to do but check it is in);
 - ``leave_training``: a world without the worker is prepared and switched to; a worker
   whose join is under way calls it off.
+
+With ``[alloc] backend = "local"`` the servers and ranks are processes of this machine;
+with ``"ray"`` they are Ray actors (``_ray``). :class:`WorkerCluster` is one class for
+both, given how instances start (``start_server``) and how the trainer's worlds start
+(the :class:`ElasticTrainer`'s world factory); :func:`open_cluster` picks them.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, Protocol
 
 import anyio
 from pydantic import Field, model_validator
@@ -50,8 +57,49 @@ from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLL
 from libra.signals import ToolSignal
 from libra.train._elastic import ElasticTrainer
 from libra.train._fsdp import TrainerConfig
+from libra.train._ray import open_ray_workers, ray_missing
 
 CurrentWeights = Callable[[], tuple[Path | None, int]]
+
+
+class Instance(Protocol):
+    """A serving instance as the cluster holds it: a :class:`VLLMServer` here, a Ray
+    actor owning one with the Ray backend."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def log_file(self) -> Path | None: ...
+
+    async def astart(self) -> None: ...
+
+    async def astop(self) -> None: ...
+
+    async def wait_exited(self) -> None: ...
+
+    async def areload_weights_from(
+        self, weights_path: str | Path, timeout_s: float = ...
+    ) -> None: ...
+
+
+class StartServer(Protocol):
+    """Builds (does not start) the instance serving ``model`` on ``workers``."""
+
+    def __call__(
+        self,
+        model: Path,
+        served_model_name: str,
+        config: VLLMServerConfig,
+        workers: tuple[int, ...],
+    ) -> Instance: ...
+
+
+def local_server(
+    model: Path, served_model_name: str, config: VLLMServerConfig, workers: tuple[int, ...]
+) -> VLLMServer:
+    """A vLLM server in a process of this machine (its cores are in ``config``)."""
+    return VLLMServer(model, served_model_name=served_model_name, config=config)
 
 
 class AllocConfig(Section):
@@ -73,9 +121,21 @@ class AllocConfig(Section):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     gpu: str = Field("H100", description="the preset the planner prices a re-plan on")
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="local: servers and trainer ranks are processes of this machine; ray: "
+        "Ray actors holding their workers' resources (pip install 'libra[ray]')",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="with backend = ray: None starts a local Ray instance on this machine's "
+        "cores; 'auto' or an address attaches to a running cluster",
+    )
 
     @model_validator(mode="after")
     def _units_are_workers(self) -> AllocConfig:
+        if self.enabled and self.backend == "ray" and (missing := ray_missing()):
+            raise ValueError(f"alloc.backend: {missing}")
         if self.enabled:
             self.layout().check(len(self.core_sets()))
             if not self.training:
@@ -94,7 +154,7 @@ class AllocConfig(Section):
 
 
 @dataclass
-class LocalCluster:
+class WorkerCluster:
     """``cores[w]``: worker ``w``'s CPU cores. Instances serve ``served_model_name``,
     started on ``base`` (the run's v0 folder) and loaded with ``weights()`` (the run's
     current folder and version) before they answer; ``weights_lock`` is held by whoever
@@ -107,7 +167,9 @@ class LocalCluster:
     server: VLLMServerConfig
     weights: CurrentWeights
     weights_lock: anyio.Lock = field(default_factory=anyio.Lock)
-    servers: dict[str, VLLMServer] = field(default_factory=dict)
+    #: How an instance is built: a local process by default, a Ray actor with Ray.
+    start_server: StartServer = local_server
+    servers: dict[str, Instance] = field(default_factory=dict)
     #: Set once the run's engine is open: it restarts an instance that dies or hangs, and
     #: is told before one is stopped on purpose.
     supervisor: ServerSupervisor | None = None
@@ -134,7 +196,7 @@ class LocalCluster:
                 "dev_mode": True,  # it is given each new version by reload
             }
         )
-        server = VLLMServer(self.base, served_model_name=self.served_model_name, config=config)
+        server = self.start_server(self.base, self.served_model_name, config, workers)
         await server.astart()
         try:
             async with self.weights_lock:  # no sync is under way: the version is final
@@ -213,7 +275,7 @@ class LocalCluster:
 
 
 @asynccontextmanager
-async def open_local_cluster(
+async def open_cluster(
     alloc: AllocConfig,
     trainer: TrainerConfig,
     model_dir: Path,
@@ -222,14 +284,26 @@ async def open_local_cluster(
     server: VLLMServerConfig,
     weights: CurrentWeights,
     weights_lock: anyio.Lock,
-) -> AsyncIterator[LocalCluster]:
+) -> AsyncIterator[WorkerCluster]:
     """The trainer's ranks on ``alloc.training`` (loading while the caller goes on) and a
-    cluster with no instance yet; on exit every instance and rank is stopped."""
+    cluster with no instance yet, on ``alloc.backend``; on exit every instance and rank is
+    stopped (and a Ray instance started here shut down)."""
     cores = alloc.core_sets()
-    members = alloc.training
-    async with ElasticTrainer(model_dir, trainer, dict(enumerate(cores)), members=members) as ranks:
-        cluster = LocalCluster(
-            cores, ranks, base, EMBEDDED_MODEL_NAME, server, weights, weights_lock
+    async with AsyncExitStack() as stack:
+        start_server: StartServer = local_server
+        worlds = None
+        if alloc.backend == "ray":
+            ray = await stack.enter_async_context(
+                open_ray_workers(cores, trainer.backend, alloc.ray_address)
+            )
+            start_server, worlds = ray.server, ray.worlds(model_dir, trainer)
+        ranks = await stack.enter_async_context(
+            ElasticTrainer(
+                model_dir, trainer, dict(enumerate(cores)), members=alloc.training, worlds=worlds
+            )
+        )
+        cluster = WorkerCluster(
+            cores, ranks, base, EMBEDDED_MODEL_NAME, server, weights, weights_lock, start_server
         )
         try:
             yield cluster
@@ -244,7 +318,7 @@ async def open_local_cluster(
 class Allocation:
     """The run's pool and allocation loop: after each step, one decision, logged."""
 
-    cluster: LocalCluster
+    cluster: WorkerCluster
     pool: HybridPool
     loop: AllocationLoop
 

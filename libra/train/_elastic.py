@@ -35,12 +35,16 @@ import anyio
 
 from libra.train._checkpoint import load_trainer_state, save_trainer_state
 from libra.train._fsdp import TrainerConfig
-from libra.train._worker import TrainerCommand, TrainerError, TrainerProcess
+from libra.train._worker import TrainerCommand, TrainerError, TrainerProcess, TrainerWorld
 
 if TYPE_CHECKING:
     from libra.train._fsdp import FSDPTrainer
 
 T = TypeVar("T")
+
+WorldFactory = Callable[[tuple[int, ...]], TrainerWorld]
+"""How a world of ranks on these workers (worker ids, rank order) is started: processes
+here by default, Ray actors with the Ray backend (``libra.train._ray``)."""
 
 
 # ------------------------------------------------------------------------ commands
@@ -120,6 +124,8 @@ class ElasticTrainer:
             await trainer.switch()  # at the next step boundary
 
     Commands and switches are serialized: a switch waits for the command under way.
+    ``worlds`` starts each world (default: :class:`TrainerProcess` ranks pinned to their
+    workers' ``cores``); the trainer itself does not know what runs its ranks.
     """
 
     def __init__(
@@ -129,12 +135,14 @@ class ElasticTrainer:
         cores: Mapping[int, tuple[int, ...]] | None = None,
         *,
         members: Sequence[int] = (0,),
+        worlds: WorldFactory | None = None,
     ) -> None:
         self.model_dir, self.config = model_dir, config
         self.cores = dict(cores) if cores is not None else None
-        self._current = self._process(tuple(members))
+        self._worlds = worlds if worlds is not None else self._local_world
+        self._current = self._world(tuple(members))
         self._members = tuple(members)
-        self._next: tuple[tuple[int, ...], TrainerProcess, float] | None = None
+        self._next: tuple[tuple[int, ...], TrainerWorld, float] | None = None
         self._lock = anyio.Lock()
         self._watching: anyio.CancelScope | None = None
         self.resizes: list[Resize] = []
@@ -153,9 +161,12 @@ class ElasticTrainer:
         """The members of the world being prepared, if one is."""
         return self._next[0] if self._next is not None else None
 
-    def _process(self, members: tuple[int, ...]) -> TrainerProcess:
+    def _world(self, members: tuple[int, ...]) -> TrainerWorld:
         if not members or len(set(members)) != len(members):
             raise ValueError(f"a trainer's world is one or more distinct workers, not {members}")
+        return self._worlds(members)
+
+    def _local_world(self, members: tuple[int, ...]) -> TrainerProcess:
         cores = [self.cores[m] for m in members] if self.cores is not None else None
         return TrainerProcess(self.model_dir, self.config, world_size=len(members), cores=cores)
 
@@ -189,7 +200,7 @@ class ElasticTrainer:
             return None if command is None else await self._current.call(command)
 
     async def watch(self) -> None:
-        """As :meth:`TrainerProcess.watch`, following the world through its changes."""
+        """As :meth:`TrainerWorld.watch`, following the world through its changes."""
         while True:
             with anyio.CancelScope() as scope:
                 self._watching = scope
@@ -206,7 +217,7 @@ class ElasticTrainer:
             return
         await self.discard()
         started = time.perf_counter()
-        process = self._process(wanted)
+        process = self._world(wanted)
         await process.__aenter__()
         self._next = (wanted, process, 0.0)
         try:

@@ -88,9 +88,9 @@ from libra.train._batch import Batch, Sample, build_batch
 from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 from libra.train._cluster import (
     Allocation,
-    LocalCluster,
     TimedScheduler,
-    open_local_cluster,
+    WorkerCluster,
+    open_cluster,
     rule_planner,
 )
 from libra.train._elastic import ElasticTrainer
@@ -585,13 +585,13 @@ async def open_run(
     async with AsyncExitStack() as stack:
         weights = ServedWeights()
         trainer: TrainerProcess | ElasticTrainer
-        cluster: LocalCluster | None = None
+        cluster: WorkerCluster | None = None
         server, model = config.server, rollout.model
         own: dict[str, VLLMServer] = {}
         if config.alloc is not None and config.alloc.enabled:
             served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
             cluster = await stack.enter_async_context(
-                open_local_cluster(
+                open_cluster(
                     config.alloc,
                     config.trainer,
                     model_dir,
@@ -701,7 +701,7 @@ def _pool_config(config: TrainRunConfig) -> PoolConfig:
     return config.alloc.pool.model_copy(update={"model": EMBEDDED_MODEL_NAME})
 
 
-async def _start_workers(cluster: LocalCluster, layout: Layout, pool: PoolConfig) -> FleetSpec:
+async def _start_workers(cluster: WorkerCluster, layout: Layout, pool: PoolConfig) -> FleetSpec:
     """Every serving unit's vLLM, started at once: the run's fleet."""
     console = Console(stderr=True)
     with console.status(f"starting {len(layout.units())} vLLM servers (dev mode)"):
@@ -712,7 +712,7 @@ async def _start_workers(cluster: LocalCluster, layout: Layout, pool: PoolConfig
 
 
 async def _allocation(
-    stack: AsyncExitStack, config: TrainRunConfig, cluster: LocalCluster, scheduler: Scheduler
+    stack: AsyncExitStack, config: TrainRunConfig, cluster: WorkerCluster, scheduler: Scheduler
 ) -> Allocation:
     """The pool over the run's router (its moves end before the engine closes) and the
     loop that decides after each step."""

@@ -27,7 +27,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 import anyio
 
@@ -116,6 +116,31 @@ class TrainerCommand(Protocol[R_co]):
     ``Logprobs`` are the loop's; others (a checkpoint's write or restore) plug in the same way."""
 
     def run(self, trainer: FSDPTrainer) -> R_co: ...
+
+
+class TrainerWorld(Protocol):
+    """One world of FSDP ranks as the loop drives it, whatever runs them: processes
+    here (:class:`TrainerProcess`) or Ray actors (``libra.train._ray.RayTrainer``)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
+    async def ready(self) -> None: ...
+
+    async def call(self, command: TrainerCommand[T]) -> T: ...
+
+    async def call_sized(self, make: Callable[[int], TrainerCommand[T] | None]) -> T | None: ...
+
+    async def watch(self) -> None: ...
 
 
 def grpo_micro_batch_loss(

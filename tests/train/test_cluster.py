@@ -19,16 +19,17 @@ from libra.engine import jobs_for, rollout
 from libra.serving import VLLMServerConfig
 from libra.train import (
     METRICS_FILE,
-    LocalCluster,
     StepRecord,
     TimedScheduler,
     TrainerConfig,
     TrainRun,
     TrainRunConfig,
-    open_local_cluster,
+    WorkerCluster,
+    open_cluster,
     train,
 )
-from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama
+from libra.train._ray import ray_missing
+from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama, unavailable
 
 pytestmark = pytest.mark.anyio
 
@@ -105,7 +106,7 @@ async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_opera
     ).alloc
     assert alloc is not None
     trainer = TrainerConfig(backend="gloo")
-    async with open_local_cluster(
+    async with open_cluster(
         alloc,
         trainer,
         model,
@@ -129,16 +130,20 @@ async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_opera
     assert kinds == ["fetch_state", "zero_sync", "leave", "fetch_state"]
 
 
-async def join(cluster: LocalCluster, worker: int) -> None:
+async def join(cluster: WorkerCluster, worker: int) -> None:
     for operation in (cluster.fetch_state, cluster.zero_sync, cluster.activate):
         await operation(worker)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("backend", ["local", "ray"])
 async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
-    embedded_model: Path, tmp_path: Path
+    embedded_model: Path, tmp_path: Path, backend: str
 ) -> None:
+    """With ``backend = "ray"``, on a local Ray instance the run starts itself."""
+    if backend == "ray" and (missing := ray_missing()):
+        unavailable(missing)
     run_dir = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))
     config = TrainRunConfig.model_validate(
@@ -156,7 +161,7 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
             "trainer": {"lr": 1e-4},
             "train": {"micro_batch_tokens": 1024},
             "vllm": {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1},
-            "alloc": alloc_section(cores),
+            "alloc": alloc_section(cores) | {"backend": backend},
         }
     )
     timings: list[tuple[str, str, float]] = []
