@@ -1,17 +1,19 @@
-"""``libra bench docs``: the README's benchmark tables, written from saved runs, never by hand.
+"""``libra bench docs``: the READMEs' benchmark tables, written from saved runs, never by hand.
 
-Each documented benchmark has a command (a ``libra bench ... --json`` line), a file under
-``docs/bench/`` holding what that command printed (with the commit, the cores and the load
-average it ran under), and a region of the README between two markers::
+Each documented benchmark has a fixed list of commands (``libra bench ... --json`` lines:
+one, or e.g. every workload under two presets and five seeds), a file under
+``docs/bench/`` holding what they printed (each with the commit, the cores and the load
+average it ran under), and regions of READMEs between two markers, each rendered from all
+of the list's outputs::
 
     <!-- bench:soak -->
     ...written by `libra bench docs` from docs/bench/soak.json...
     <!-- /bench:soak -->
 
-``libra bench docs --run NAME`` runs NAME's command and saves its output; ``libra bench
-docs`` rewrites every region from the saved outputs; ``--check`` only compares, and fails
-naming the regions that differ (a test runs it, so a figure edited by hand fails ``make
-test``). ``make bench-docs`` runs them all.
+``libra bench docs --run NAME`` runs NAME's commands and saves their outputs; ``libra
+bench docs`` rewrites every region from the saved outputs; ``--check`` only compares, and
+fails naming the regions that differ (a test runs it, so a figure edited by hand fails
+``make test``). ``make bench-docs`` runs them all.
 """
 
 from __future__ import annotations
@@ -61,13 +63,17 @@ class DocTable:
     file: Path = README
 
 
+def _command(line: str) -> Command:
+    return tuple(line.split())
+
+
 def _sched(workload: str, mismatch: str, seed: int = 0) -> Command:
-    return ("bench", "sched", "--ablate", "--workload", workload, "--mismatch", mismatch,
-            "--seed", str(seed), "--json")  # fmt: skip
+    return _command(f"bench sched --ablate --workload {workload} --mismatch {mismatch} "
+                    f"--seed {seed} --json")  # fmt: skip
 
 
 #: Seed 0 of every shipped workload under both presets the README reads; then the seeds
-#: the README's mean over swe-agent's seeds needs.
+#: of swe-agent the README's means over seeds read.
 _SCHED = Runs(
     "sched",
     (
@@ -79,28 +85,23 @@ _SCHED = Runs(
         *(_sched("swe-agent", "datasheet", seed) for seed in range(1, 5)),
     ),
 )
-#: What ``tests/bench/test_docs.py`` runs again: seconds, on a 18-trajectory workload.
+#: What ``tests/bench/test_docs.py`` runs again: seconds, on an 18-trajectory workload.
 _QUICK = Runs(
     "sched-quick",
     (
-        (
-            "bench",
-            "sched",
-            "--workload",
-            "docs/bench/tiny-agent.toml",
-            "--policies",
-            "least-loaded,sorted,cmlfq",
-            "--json",
+        _command(
+            "bench sched --workload docs/bench/tiny-agent.toml "
+            "--policies least-loaded,sorted,cmlfq --json"
         ),
     ),
 )
 RUNS: dict[str, Runs] = {
     runs.name: runs
     for runs in (
-        Runs("soak", (("bench", "soak", "--json"),)),
-        Runs("alloc", (("bench", "alloc", "--json"),)),
-        Runs("engine", (("bench", "engine", "--json"),)),
-        Runs("serve", (("bench", "serve", "--json"),)),
+        Runs("soak", (_command("bench soak --json"),)),
+        Runs("alloc", (_command("bench alloc --json"),)),
+        Runs("engine", (_command("bench engine --json"),)),
+        Runs("serve", (_command("bench serve --json"),)),
         _SCHED,
         _QUICK,
     )
