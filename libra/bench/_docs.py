@@ -85,6 +85,8 @@ _SCHED = Runs(
         *(_sched("swe-agent", "datasheet", seed) for seed in range(1, 5)),
     ),
 )
+#: swe-agent's seeds under ``none``, for what in-server priority does where it acts.
+_SCHED_NONE = Runs("sched-none", tuple(_sched("swe-agent", "none", seed) for seed in range(5)))
 #: What ``tests/bench/test_docs.py`` runs again: seconds, on an 18-trajectory workload.
 _QUICK = Runs(
     "sched-quick",
@@ -103,6 +105,7 @@ RUNS: dict[str, Runs] = {
         Runs("engine", (_command("bench engine --json"),)),
         Runs("serve", (_command("bench serve --json"),)),
         _SCHED,
+        _SCHED_NONE,
         _QUICK,
     )
 }
@@ -125,7 +128,8 @@ TABLES: dict[str, DocTable] = {
         ),
         DocTable("sched-workloads", _SCHED, render.workloads),
         DocTable("sched-ablations", _SCHED, render.ablations),
-        DocTable("sched-seeds", _SCHED, render.seeds),
+        DocTable("sched-seeds", _SCHED, partial(render.seeds, "datasheet")),
+        DocTable("sched-seeds-none", _SCHED_NONE, partial(render.seeds, "none")),
         DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
     )
 }

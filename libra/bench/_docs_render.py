@@ -281,16 +281,28 @@ def _vs_cmlfq(output: Output, policy: str) -> float:
 _SEED_COLUMNS = tuple(p for p in _WORKLOAD_COLUMNS if p != "static-prompt")
 
 
-def seeds(outputs: Sequence[Output]) -> list[str]:
-    """swe-agent under ``datasheet`` on every saved seed, the mean, and the best baseline."""
-    runs = [o for o in outputs if (o["workload"], o["mismatch"]) == ("swe-agent", "datasheet")]
+def seeds(mismatch: str, outputs: Sequence[Output]) -> list[str]:
+    """swe-agent under ``mismatch`` on every saved seed, the mean, the best baseline, and
+    the requests preempted in ``cmlfq``'s run (where in-server priority can act)."""
+    runs = [o for o in outputs if (o["workload"], o["mismatch"]) == ("swe-agent", mismatch)]
     rows = []
     for output in runs:
         spans = makespans(output)
-        rows.append([f"{output['seed']}", *_bold_best(spans, _SEED_COLUMNS), _best_baseline(spans)])
+        best = _best_baseline(spans)
+        rows.append(
+            [f"{output['seed']}", *_bold_best(spans, _SEED_COLUMNS), best, _cmlfq_preempted(output)]
+        )
     means = {p: mean(makespans(o)[p] for o in runs) for p in _SEED_COLUMNS}
-    rows.append(["mean", *_bold_best(means, _SEED_COLUMNS), _best_baseline(means)])
-    return table_lines(("seed", *_SEED_COLUMNS, "best baseline"), rows)
+    preempted = mean(int(_cmlfq_preempted(o)) for o in runs)
+    rows.append(
+        ["mean", *_bold_best(means, _SEED_COLUMNS), _best_baseline(means), f"{preempted:.1f}"]
+    )
+    header = ("seed", *_SEED_COLUMNS, "best baseline", "cmlfq preempted")
+    return table_lines(header, rows)
+
+
+def _cmlfq_preempted(output: Output) -> str:
+    return str(next(r["preemptions"] for r in output["results"] if r["policy"] == "cmlfq"))
 
 
 def _best_baseline(spans: dict[str, float]) -> str:
