@@ -73,8 +73,8 @@ bench: setup-serving setup-sandbox
 	$(BIN)/libra bench sandbox
 	$(BIN)/libra bench sched
 
-# The README's benchmark tables: every documented benchmark run again here, its output
-# saved under docs/bench/, the tables rewritten from it (`make test` checks they match).
+# The READMEs' benchmark tables: every documented benchmark run again here, its outputs
+# saved under docs/bench/, the tables rewritten from them (`make test` checks they match).
 bench-docs: setup-serving setup-sandbox
 	$(BIN)/libra bench docs --run all
 

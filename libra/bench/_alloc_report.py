@@ -51,6 +51,7 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
             "libra_no_pool": ratio(by_name.get("libra-no-pool")),
         },
         "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
+        "layouts": {run.config: _layouts(run) for run in runs},
         "plan_error_max_by_config": {
             run.config: round(max(map(abs, run.plan_errors[1:])), 4)
             for run in runs
@@ -108,10 +109,9 @@ def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
         table.add_column(column, justify="right")
     for run in runs:
         ratio = libra.throughput_tok_s / run.throughput_tok_s if libra else 0.0
-        layouts = sorted({_layout(step.train_workers, step.rollout_tps) for step in run.steps})
         table.add_row(
             run.config, f"{run.step_time_s:.1f}", f"{run.throughput_tok_s:,.0f}",
-            f"{run.idle_frac:.2f}", f"{ratio:.2f}", " ".join(layouts),
+            f"{run.idle_frac:.2f}", f"{ratio:.2f}", " ".join(_layouts(run)),
             _first_last(run.plan_errors), _first_last(run.model_errors),
         )  # fmt: skip
     console = Console()
@@ -129,6 +129,12 @@ def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
 def _first_last(errors: list[float]) -> str:
     """A planner's error on its first step and on its last (after its fits)."""
     return f"{errors[0]:+.0%} -> {errors[-1]:+.0%}" if errors else ""
+
+
+def _layouts(run: ConfigRun) -> list[str]:
+    """The layouts the configuration's steps ran on, e.g. ``5T/2xTP4+1xTP2``: workers
+    training, then the serving instances."""
+    return sorted({_layout(step.train_workers, step.rollout_tps) for step in run.steps})
 
 
 def _layout(train: int, tps: tuple[int, ...]) -> str:

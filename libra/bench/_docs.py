@@ -1,17 +1,19 @@
-"""``libra bench docs``: the README's benchmark tables, written from saved runs, never by hand.
+"""``libra bench docs``: the READMEs' benchmark tables, written from saved runs, never by hand.
 
-Each documented benchmark has a command (a ``libra bench ... --json`` line), a file under
-``docs/bench/`` holding what that command printed (with the commit, the cores and the load
-average it ran under), and a region of the README between two markers::
+Each documented benchmark has a fixed list of commands (``libra bench ... --json`` lines:
+one, or e.g. every workload under two presets and five seeds), a file under
+``docs/bench/`` holding what they printed (each with the commit, the cores and the load
+average it ran under), and regions of READMEs between two markers, each rendered from all
+of the list's outputs::
 
     <!-- bench:soak -->
     ...written by `libra bench docs` from docs/bench/soak.json...
     <!-- /bench:soak -->
 
-``libra bench docs --run NAME`` runs NAME's command and saves its output; ``libra bench
-docs`` rewrites every region from the saved outputs; ``--check`` only compares, and fails
-naming the regions that differ (a test runs it, so a figure edited by hand fails ``make
-test``). ``make bench-docs`` runs them all.
+``libra bench docs --run NAME`` runs NAME's commands and saves their outputs; ``libra
+bench docs`` rewrites every region from the saved outputs; ``--check`` only compares, and
+fails naming the regions that differ (a test runs it, so a figure edited by hand fails
+``make test``). ``make bench-docs`` runs them all.
 """
 
 from __future__ import annotations
@@ -24,127 +26,111 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from libra.bench import _docs_render as render
 from libra.config import UsageError
 
 # Relative to where it runs: the repository's root (a developer's command).
 README = Path("README.md")
+POLICIES_README = Path("libra") / "sched" / "policies" / "README.md"
 SAVED = Path("docs") / "bench"
+
+Command = tuple[str, ...]  # after ``libra``
 
 
 @dataclass(frozen=True)
-class DocTable:
-    """One README region: the command that measures it and how its output reads."""
+class Runs:
+    """Commands measured together, their outputs saved in one file."""
 
     name: str
-    command: tuple[str, ...]  # after ``libra``
-    render: Callable[[Any], list[str]]  # the command's JSON output -> markdown lines
+    commands: tuple[Command, ...]
 
     @property
     def saved(self) -> Path:
         return SAVED / f"{self.name}.json"
 
 
-def _rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    align = ["---" if i == 0 else "---:" for i in range(len(header))]
-    return [_line(header), _line(align), *(_line(row) for row in rows)]
+@dataclass(frozen=True)
+class DocTable:
+    """One region of a README: the runs it shows and how their outputs read."""
+
+    name: str
+    runs: Runs
+    render: Callable[[list[Any]], list[str]]  # the commands' outputs, in order -> markdown
+    file: Path = README
 
 
-def _line(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
+def _command(line: str) -> Command:
+    return tuple(line.split())
 
 
-def _soak(output: dict[str, Any]) -> list[str]:
-    marks = ", ".join(str(mb) for mb in output.get("rss_mb_at_each_tenth", []))
-    lines = ["```json", json.dumps(output), "```"]
-    return [*lines, "", f"RSS at each tenth of the trajectories (MB): {marks}."] if marks else lines
+def _sched(workload: str, mismatch: str, seed: int = 0) -> Command:
+    return _command(f"bench sched --ablate --workload {workload} --mismatch {mismatch} "
+                    f"--seed {seed} --json")  # fmt: skip
 
 
-def _alloc(output: dict[str, Any]) -> list[str]:
-    results = output["results"]
-    libra = next(r for r in results if r["config"] == "libra")
-    rows = [
-        [
-            r["config"],
-            f"{r['step_time_s']:.1f}",
-            f"{r['throughput_tok_s']:,.0f}",
-            f"{r['idle_frac']:.2f}",
-            f"{libra['throughput_tok_s'] / r['throughput_tok_s']:.2f}",
-        ]
-        for r in results
-    ]
-    vs = output["libra_vs"]
-    return [
-        *_rows(("config", "step s", "tokens trained/s", "idle", "libra x"), rows),
-        "",
-        f"libra's throughput over the static split chosen up front: {vs['static_upfront']}x, "
-        f"over the best static split in hindsight: {vs['static_best_hindsight']}x, over "
-        f"colocated: {vs['colocated']}x, over libra-no-pool: {vs['libra_no_pool']}x; its "
-        f"largest calibrated plan error: {output['plan_error_max']:.1%}.",
-    ]
-
-
-def _engine(output: dict[str, Any]) -> list[str]:
-    rows = [
-        [
-            f"{r['concurrency']:,}",
-            f"{r['calls_s']:,.0f}",
-            f"{r['bare_aiohttp_calls_s']:,.0f}",
-            f"{r['calls_s'] / r['bare_aiohttp_calls_s']:.2f}",
-            f"{r['cpu_us_per_call']:,.0f}",
-            f"{r['bare_aiohttp_cpu_us_per_call']:,.0f}",
-            f"{r['cpu_us_per_call'] / r['bare_aiohttp_cpu_us_per_call']:.2f}",
-            f"{r['errors']}",
-        ]
-        for r in output["results"]
-    ]
-    header = (
-        "concurrent trajectories",
-        "engine calls/s",
-        "bare aiohttp calls/s",
-        "ratio",
-        "engine CPU µs/call",
-        "bare aiohttp CPU µs/call",
-        "CPU ratio",
-        "errors",
+#: Seed 0 of every shipped workload under both presets the README reads; then the seeds
+#: of swe-agent the README's means over seeds read.
+_SCHED = Runs(
+    "sched",
+    (
+        *(
+            _sched(w, m)
+            for w in ("swe-agent", "math-code", "search-agent")
+            for m in ("none", "datasheet")
+        ),
+        *(_sched("swe-agent", "datasheet", seed) for seed in range(1, 5)),
+    ),
+)
+#: swe-agent's seeds under ``none``, for what in-server priority does where it acts.
+_SCHED_NONE = Runs("sched-none", tuple(_sched("swe-agent", "none", seed) for seed in range(5)))
+#: What ``tests/bench/test_docs.py`` runs again: seconds, on an 18-trajectory workload.
+_QUICK = Runs(
+    "sched-quick",
+    (
+        _command(
+            "bench sched --workload docs/bench/tiny-agent.toml "
+            "--policies least-loaded,sorted,cmlfq --json"
+        ),
+    ),
+)
+RUNS: dict[str, Runs] = {
+    runs.name: runs
+    for runs in (
+        Runs("soak", (_command("bench soak --json"),)),
+        Runs("alloc", (_command("bench alloc --json"),)),
+        Runs("engine", (_command("bench engine --json"),)),
+        Runs("serve", (_command("bench serve --json"),)),
+        _SCHED,
+        _SCHED_NONE,
+        _QUICK,
     )
-    return _rows(header, rows)
-
-
-def _serve(output: dict[str, Any]) -> list[str]:
-    rows = [
-        [
-            f"{level['concurrency']:,}",
-            f"{level['direct']['requests_s']:,.0f}",
-            f"{level['gateway']['requests_s']:,.0f}",
-            f"{level['added_p50_ms']:.2f}",
-            f"{level['added_p99_ms']:.2f}",
-            f"{level['direct']['server_cpu_us']:,.0f}",
-            f"{level['gateway']['server_cpu_us']:,.0f}",
-        ]
-        for level in output["levels"]
-    ]
-    header = (
-        "sessions",
-        "direct req/s",
-        "gateway req/s",
-        "added p50 ms",
-        "added p99 ms",
-        "server CPU µs/req",
-        "gateway CPU µs/req",
-    )
-    return _rows(header, rows)
-
-
+}
 TABLES: dict[str, DocTable] = {
     table.name: table
     for table in (
-        DocTable("soak", ("bench", "soak", "--json"), _soak),
-        DocTable("alloc", ("bench", "alloc", "--json"), _alloc),
-        DocTable("engine", ("bench", "engine", "--json"), _engine),
-        DocTable("serve", ("bench", "serve", "--json"), _serve),
+        DocTable("soak", RUNS["soak"], render.soak),
+        DocTable("alloc", RUNS["alloc"], render.alloc),
+        DocTable("engine", RUNS["engine"], render.engine),
+        DocTable("serve", RUNS["serve"], render.serve),
+        DocTable(
+            "sched-swe-datasheet",
+            _SCHED,
+            partial(render.one_run, "swe-agent", "datasheet"),
+        ),
+        DocTable(
+            "sched-swe-none",
+            _SCHED,
+            partial(render.one_run, "swe-agent", "none"),
+        ),
+        DocTable("sched-workloads", _SCHED, render.workloads),
+        DocTable("sched-ablations", _SCHED, render.ablations),
+        DocTable("sched-seeds", _SCHED, partial(render.seeds, "datasheet")),
+        DocTable("sched-seeds-none", _SCHED_NONE, partial(render.seeds, "none")),
+        DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
     )
 }
 
@@ -152,24 +138,34 @@ TABLES: dict[str, DocTable] = {
 # ------------------------------------------------------------------------ measuring
 
 
-def run(table: DocTable) -> dict[str, Any]:
-    """Run the table's command here and save what it printed, with where it ran."""
+def run(runs: Runs, saved_dir: Path = SAVED) -> dict[str, Any]:
+    """Run each of the commands here, in turn, and save what they printed, with where they
+    ran (after each command: a long list keeps what it has measured)."""
+    records: list[dict[str, Any]] = []
+    path = saved_dir / f"{runs.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for command in runs.commands:
+        print(f"bench docs: running `libra {' '.join(command)}`", file=sys.stderr)
+        records.append(_measure(command))
+        saved = records[0] if len(runs.commands) == 1 else {"runs": records}
+        path.write_text(json.dumps(saved, indent=1) + "\n")
+    return saved
+
+
+def _measure(command: Command) -> dict[str, Any]:
     load = os.getloadavg()[0]
-    argv = [sys.executable, "-m", "libra", *table.command]
+    argv = [sys.executable, "-m", "libra", *command]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise BenchDocsError(f"`libra {' '.join(table.command)}` failed:\n{done.stderr[-2000:]}")
+        raise BenchDocsError(f"`libra {' '.join(command)}` failed:\n{done.stderr[-2000:]}")
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    saved = {
-        "command": "libra " + " ".join(table.command),
+    return {
+        "command": "libra " + " ".join(command),
         "commit": _commit(),
         "cores": os.cpu_count(),
         "load_average": round(load, 1),
         "output": json.loads(lines[-1]),
     }
-    table.saved.parent.mkdir(parents=True, exist_ok=True)
-    table.saved.write_text(json.dumps(saved, indent=1) + "\n")
-    return saved
 
 
 def _commit() -> str | None:
@@ -177,31 +173,61 @@ def _commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def records(saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """The saved runs, in order (one command's run is saved on its own)."""
+    found: list[dict[str, Any]] = saved.get("runs", [saved])
+    return found
+
+
 class BenchDocsError(UsageError):
-    """A benchmark failed, or the README lacks a table's markers."""
+    """A benchmark failed, or a README lacks a table's markers."""
 
 
 # ------------------------------------------------------------------------ writing
 
 
 def region(table: DocTable, saved: dict[str, Any]) -> str:
-    """The README region's text for what ``table``'s command printed."""
-    where = f"commit {saved['commit']}, " if saved.get("commit") else ""
-    source = (
-        f"Written by `libra bench docs` from `docs/bench/{table.name}.json`: `{saved['command']}`"
-        f" ({where}{saved['cores']} cores, load average {saved['load_average']})."
+    """The region's text for what ``table``'s commands printed."""
+    done = records(saved)
+    commands = [record["command"] for record in done]
+    if commands != ["libra " + " ".join(command) for command in table.runs.commands]:
+        raise BenchDocsError(
+            f"docs/bench/{table.runs.name}.json holds other commands than {table.runs.name!r}"
+            f" runs: run `libra bench docs --run {table.runs.name}`"
+        )
+    return "\n".join([_source(table.runs, done), "", *table.render(outputs(saved)), ""])
+
+
+def outputs(saved: dict[str, Any]) -> list[Any]:
+    return [record["output"] for record in records(saved)]
+
+
+def _source(runs: Runs, done: list[dict[str, Any]]) -> str:
+    where = f"docs/bench/{runs.name}.json"
+    if len(done) == 1:
+        commit = f"commit {done[0]['commit']}, " if done[0].get("commit") else ""
+        return (
+            f"Written by `libra bench docs` from `{where}`: `{done[0]['command']}`"
+            f" ({commit}{done[0]['cores']} cores, load average {done[0]['load_average']})."
+        )
+    commits = sorted({str(record.get("commit")) for record in done})
+    loads = [record["load_average"] for record in done]
+    first = " ".join(done[0]["command"].split()[:3])
+    return (
+        f"Written by `libra bench docs` from `{where}`: {len(done)} runs of `{first}` (listed"
+        f" there; commit {', '.join(commits)}, {done[0]['cores']} cores, load average "
+        f"{min(loads)}-{max(loads)})."
     )
-    return "\n".join([source, "", *table.render(saved["output"]), ""])
 
 
 def rewrite(
     text: str, tables: Sequence[DocTable], saved_dir: Path = SAVED
 ) -> tuple[str, list[str]]:
-    """``text`` with every region whose output is saved written anew; and the names of the
-    regions that changed."""
+    """``text`` with the region of each of ``tables`` whose runs are saved written anew; and
+    the names of the regions that changed."""
     changed = []
     for table in tables:
-        path = saved_dir / f"{table.name}.json"
+        path = saved_dir / f"{table.runs.name}.json"
         if not path.exists():
             continue
         name = re.escape(table.name)
@@ -209,7 +235,7 @@ def rewrite(
         found = pattern.search(text)
         if found is None:
             raise BenchDocsError(
-                f"the README has no region for {table.name!r}: add "
+                f"{table.file} has no region for {table.name!r}: add "
                 f"`<!-- bench:{table.name} -->` and `<!-- /bench:{table.name} -->` lines"
             )
         new = region(table, json.loads(path.read_text()))
@@ -228,8 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="measure",  # `run` is the command's own entry point
         nargs="+",
         metavar="NAME",
-        choices=[*TABLES, "all"],
-        help=f"measure first ({', '.join(TABLES)}, or all) and save under docs/bench/",
+        choices=[*RUNS, "all"],
+        help=f"measure first ({', '.join(RUNS)}, or all) and save under docs/bench/",
     )
     parser.add_argument(
         "--check", action="store_true", help="write nothing; fail if a region is out of date"
@@ -239,17 +265,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main_docs(args: argparse.Namespace) -> int:
     if not README.exists():
         raise BenchDocsError("run `libra bench docs` in the repository's root (no README.md here)")
-    names = list(TABLES) if args.measure and "all" in args.measure else (args.measure or [])
+    names = list(RUNS) if args.measure and "all" in args.measure else (args.measure or [])
     for name in names:
-        print(f"bench docs: running `libra {' '.join(TABLES[name].command)}`", file=sys.stderr)
-        run(TABLES[name])
-    text, changed = rewrite(README.read_text(), list(TABLES.values()))
+        run(RUNS[name])
+    rewritten = {}
+    for file in dict.fromkeys(table.file for table in TABLES.values()):
+        tables = [table for table in TABLES.values() if table.file == file]
+        rewritten[file] = rewrite(file.read_text(), tables)
+    changed = [name for _, names_changed in rewritten.values() for name in names_changed]
     if args.check:
         if changed:
             print(f"libra: error: README tables out of date: {', '.join(changed)} "
                   "(run `libra bench docs`)", file=sys.stderr)  # fmt: skip
             return 1
         return 0
-    README.write_text(text)
+    for file, (text, _) in rewritten.items():
+        file.write_text(text)
     print(f"bench docs: rewrote {', '.join(changed) or 'nothing'}", file=sys.stderr)
     return 0
