@@ -137,7 +137,7 @@ async def join(cluster: WorkerCluster, worker: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("backend", ["local", "ray"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
     embedded_model: Path, tmp_path: Path, backend: str
 ) -> None:

@@ -38,7 +38,7 @@ from libra.train._worker import Train
 from tests._helpers import BREVITY, real_config, tiny_llama, unavailable
 from tests.train._ranks import Fail, FullParameters, RankPids, SleepThenMeet
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.ray]
 
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
 GRPO = GRPOConfig()
