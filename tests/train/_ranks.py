@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from libra.train import Batch, GRPOConfig, Sample, TrainConfig, build_batch
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -122,3 +124,48 @@ class FullParameters:
 
         assert isinstance(trainer, FSDPTrainer)
         return trainer.full_parameters()
+
+
+# ------------------------------------------------- a GRPO batch and its comparisons
+
+
+def samples(seed: int) -> list[Sample]:
+    """Two groups of four samples of varied lengths and rewards, prompts masked out."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for index in range(8):
+        prompt, response = 5 + index % 3, 4 + 3 * index
+        ids = torch.randint(0, 320, (prompt + response,), generator=generator).tolist()
+        out.append(
+            Sample(
+                id=f"s{seed}-{index}",
+                group=f"g{seed}-{index % 2}",
+                status="completed",
+                tokens="exact",
+                reward=float(index),
+                token_ids=tuple(ids),
+                loss_mask=(0,) * prompt + (1,) * response,
+                logprobs=(0.0,) * prompt + (-5.0,) * response,
+                weight_version=0,
+            )
+        )
+    return out
+
+
+def batch(seed: int, ranks: int) -> Batch:
+    train = TrainConfig(micro_batch_tokens=40)
+    return build_batch(
+        samples(seed), current_version=0, grpo=GRPOConfig(), train=train, ranks=ranks
+    )
+
+
+def assert_close(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], rtol=1e-5, atol=1e-6)
+
+
+def assert_equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        assert torch.equal(left[name], right[name]), name

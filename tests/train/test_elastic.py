@@ -8,21 +8,16 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from libra.train import (
-    Batch,
     GRPOConfig,
-    Sample,
-    TrainConfig,
     TrainerConfig,
     TrainerProcess,
-    build_batch,
 )
 from libra.train._elastic import ElasticTrainer
 from libra.train._worker import Train
 from tests._helpers import tiny_llama
-from tests.train._ranks import FullParameters
+from tests.train._ranks import FullParameters, assert_close, assert_equal, batch
 
 pytestmark = pytest.mark.anyio
 
@@ -33,46 +28,6 @@ GRPO = GRPOConfig()
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def samples(seed: int) -> list[Sample]:
-    """Two groups of four samples of varied lengths and rewards, prompts masked out."""
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for index in range(8):
-        prompt, response = 5 + index % 3, 4 + 3 * index
-        ids = torch.randint(0, 320, (prompt + response,), generator=generator).tolist()
-        out.append(
-            Sample(
-                id=f"s{seed}-{index}",
-                group=f"g{seed}-{index % 2}",
-                status="completed",
-                tokens="exact",
-                reward=float(index),
-                token_ids=tuple(ids),
-                loss_mask=(0,) * prompt + (1,) * response,
-                logprobs=(0.0,) * prompt + (-5.0,) * response,
-                weight_version=0,
-            )
-        )
-    return out
-
-
-def batch(seed: int, ranks: int) -> Batch:
-    train = TrainConfig(micro_batch_tokens=40)
-    return build_batch(samples(seed), current_version=0, grpo=GRPO, train=train, ranks=ranks)
-
-
-def assert_close(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        torch.testing.assert_close(left[name], right[name], rtol=1e-5, atol=1e-6)
-
-
-def assert_equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        assert torch.equal(left[name], right[name]), name
 
 
 # Each world is processes loading the model: one event loop's run (trio passed too) is enough.

@@ -15,28 +15,31 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-import torch
 
 from libra.config import ConfigError, UsageError, load_config
 from libra.serving import EMBEDDED_MODEL_NAME
 from libra.train import (
     AllocConfig,
-    Batch,
     GRPOConfig,
-    Sample,
-    TrainConfig,
     TrainerConfig,
     TrainerError,
     TrainerProcess,
     TrainRunConfig,
-    build_batch,
     open_cluster,
 )
 from libra.train._elastic import ElasticTrainer
 from libra.train._ray import RayTrainer, RayWorkers, import_ray, ray_missing
 from libra.train._worker import Train
 from tests._helpers import BREVITY, real_config, tiny_llama, unavailable
-from tests.train._ranks import Fail, FullParameters, RankPids, SleepThenMeet
+from tests.train._ranks import (
+    Fail,
+    FullParameters,
+    RankPids,
+    SleepThenMeet,
+    assert_close,
+    assert_equal,
+    batch,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ray]
 
@@ -74,46 +77,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def two_workers() -> list[tuple[int, ...]]:
     cores = sorted(os.sched_getaffinity(0))
     return [(cores[0],), (cores[-1],)]  # one core each (the same one on one core)
-
-
-def samples(seed: int) -> list[Sample]:
-    """Two groups of four samples of varied lengths and rewards, prompts masked out."""
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for index in range(8):
-        prompt, response = 5 + index % 3, 4 + 3 * index
-        ids = torch.randint(0, 320, (prompt + response,), generator=generator).tolist()
-        out.append(
-            Sample(
-                id=f"s{seed}-{index}",
-                group=f"g{seed}-{index % 2}",
-                status="completed",
-                tokens="exact",
-                reward=float(index),
-                token_ids=tuple(ids),
-                loss_mask=(0,) * prompt + (1,) * response,
-                logprobs=(0.0,) * prompt + (-5.0,) * response,
-                weight_version=0,
-            )
-        )
-    return out
-
-
-def batch(seed: int, ranks: int) -> Batch:
-    train = TrainConfig(micro_batch_tokens=40)
-    return build_batch(samples(seed), current_version=0, grpo=GRPO, train=train, ranks=ranks)
-
-
-def assert_close(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        torch.testing.assert_close(left[name], right[name], rtol=1e-5, atol=1e-6)
-
-
-def assert_equal(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
-    assert left.keys() == right.keys()
-    for name in left:
-        assert torch.equal(left[name], right[name]), name
 
 
 # ------------------------------------------------------------------------ training
