@@ -26,7 +26,7 @@ import urllib.parse
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -214,6 +214,25 @@ class EmulatorApp:
     after it the app fails every request with :class:`EmulatedServerDied`.
     """
 
+    # Handlers by path and method, named rather than bound: a bound method kept on the
+    # app would make a reference cycle, and a server dropped from a fleet (a restart)
+    # would then wait for the cycle collector, which a long run may not call for a
+    # long time (tests/emulation/test_app.py checks it is freed at once).
+    _ROUTES: ClassVar[dict[str, dict[str, str]]] = {
+        "/health": {"GET": "_health"},
+        "/v1/models": {"GET": "_list_models"},
+        "/metrics": {"GET": "_metrics"},
+        "/v1/chat/completions": {"POST": "_chat_completions"},
+        "/v1/completions": {"POST": "_completions"},
+        "/tokenize": {"POST": "_tokenize"},
+        "/detokenize": {"POST": "_detokenize"},
+        "/pause": {"POST": "_pause"},
+        "/resume": {"POST": "_resume"},
+        "/is_paused": {"GET": "_is_paused"},
+        "/collective_rpc": {"POST": "_collective_rpc"},
+        "/reset_prefix_cache": {"POST": "_reset_prefix_cache"},
+    }
+
     def __init__(
         self,
         config: EmulatorConfig,
@@ -260,20 +279,6 @@ class EmulatorApp:
         # Without a batching engine (zero latency) nothing is ever in flight: a pause only
         # holds new requests, until this event is set.
         self._resumed: anyio.Event | None = None
-        self._routes: dict[str, dict[str, _Handler]] = {
-            "/health": {"GET": self._health},
-            "/v1/models": {"GET": self._list_models},
-            "/metrics": {"GET": self._metrics},
-            "/v1/chat/completions": {"POST": self._chat_completions},
-            "/v1/completions": {"POST": self._completions},
-            "/tokenize": {"POST": self._tokenize},
-            "/detokenize": {"POST": self._detokenize},
-            "/pause": {"POST": self._pause},
-            "/resume": {"POST": self._resume},
-            "/is_paused": {"GET": self._is_paused},
-            "/collective_rpc": {"POST": self._collective_rpc},
-            "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
-        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -309,12 +314,13 @@ class EmulatorApp:
         await send({"type": "http.response.body", "body": payload})
 
     def _route(self, method: str, path: str) -> _Handler:
-        methods = self._routes.get(path)
+        methods = self._ROUTES.get(path)
         if methods is None:
             raise _HTTPError(404, f"Not Found: {path}", "NotFoundError")
-        handler = methods.get(method)
-        if handler is None:
+        name = methods.get(method)
+        if name is None:
             raise _HTTPError(405, f"Method Not Allowed: {method} {path}", "MethodNotAllowed")
+        handler: _Handler = getattr(self, name)
         return handler
 
     # ------------------------------------------------------------------ simple GETs

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
+import weakref
 from collections.abc import Mapping
 
 import anyio
@@ -416,6 +418,26 @@ async def test_an_in_process_server_that_died_fails_every_call_like_a_lost_conne
     async with emulator(die_rate=1.0) as client:
         with pytest.raises(EmulatedServerDied):
             await client.post("/v1/completions", json=COMPLETION)
+
+
+async def test_a_dropped_server_is_freed_at_once_without_the_cycle_collector() -> None:
+    """A fleet drops a dead server's app on restart: no reference cycle may keep it (and
+    its caches) until a full collection, which a long run may not do for a long time."""
+    app = create_app(EmulatorConfig(die_after=2, latency=LatencyModel(), seed=3))
+    body = msgspec.json.encode(COMPLETION)
+    gc.disable()
+    try:
+        async with ASGITransport(app) as transport:
+            for _ in range(2):
+                status, _ = await transport.post("http://emulated/v1/completions", body, {}, 5.0)
+                assert status == 200
+            with pytest.raises(TransportError, match="died"):
+                await transport.post("http://emulated/v1/completions", body, {}, 5.0)
+        dropped = weakref.ref(app)
+        del app, transport
+        assert dropped() is None
+    finally:
+        gc.enable()
 
 
 def test_a_served_emulator_exits_when_it_dies() -> None:
