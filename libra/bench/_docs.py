@@ -87,6 +87,16 @@ _SCHED = Runs(
 )
 #: swe-agent's seeds under ``none``, for what in-server priority does where it acts.
 _SCHED_NONE = Runs("sched-none", tuple(_sched("swe-agent", "none", seed) for seed in range(5)))
+#: The README's figure of a scheduling run: drawn by the run whose makespans it shows.
+_SCHED_FIGURE = Runs(
+    "sched-figure",
+    (
+        _command(
+            "bench sched --workload swe-agent --mismatch none --json "
+            "--plot docs/bench-swe-agent.png"
+        ),
+    ),
+)
 #: What ``tests/bench/test_docs.py`` runs again: seconds, on an 18-trajectory workload.
 _QUICK = Runs(
     "sched-quick",
@@ -101,11 +111,12 @@ RUNS: dict[str, Runs] = {
     runs.name: runs
     for runs in (
         Runs("soak", (_command("bench soak --json"),)),
-        Runs("alloc", (_command("bench alloc --json"),)),
+        Runs("alloc", (_command("bench alloc --json --plot docs/bench-alloc.png"),)),
         Runs("engine", (_command("bench engine --json"),)),
         Runs("serve", (_command("bench serve --json"),)),
         _SCHED,
         _SCHED_NONE,
+        _SCHED_FIGURE,
         _QUICK,
     )
 }
@@ -130,6 +141,7 @@ TABLES: dict[str, DocTable] = {
         DocTable("sched-ablations", _SCHED, render.ablations),
         DocTable("sched-seeds", _SCHED, partial(render.seeds, "datasheet")),
         DocTable("sched-seeds-none", _SCHED_NONE, partial(render.seeds, "none")),
+        DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure),
         DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
     )
 }

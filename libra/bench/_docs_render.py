@@ -63,6 +63,8 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
         f"colocated: {vs['colocated']}x, over libra-no-pool: {vs['libra_no_pool']}x; its "
         f"largest calibrated plan error: {output['plan_error_max']:.1%}.",
         *_alloc_details(output),
+        "",
+        "![workers training over time and step times per configuration](docs/bench-alloc.png)",
     ]
 
 
@@ -192,6 +194,18 @@ def policies(outputs: Sequence[Output]) -> list[str]:
         f"the step's decode work at the fleet's full-batch throughput {bound['work_s']:.1f} s).",
         "",
         *table_lines(header, rows),
+    ]
+
+
+def sched_figure(outputs: Sequence[Output]) -> list[str]:
+    """The figure the run drew, under the makespans it shows."""
+    output = outputs[0]
+    spans = ", ".join(f"{policy} {span:.1f}" for policy, span in makespans(output).items())
+    return [
+        f"{output['workload']}, mismatch `{output['mismatch']}`, seed {output['seed']}; "
+        f"makespans (s): {spans}.",
+        "",
+        "![per-bucket occupancy and makespan per policy](docs/bench-swe-agent.png)",
     ]
 
 
