@@ -26,6 +26,7 @@ one machine, or a shared file system.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import socket
 import threading
@@ -61,6 +62,10 @@ _RAY_HINT = "Ray is not installed: pip install 'libra[ray]' (or `ray==2.60.0`)"
 def ray_missing() -> str | None:
     """Why the Ray backend cannot run here, or None."""
     return None if importlib.util.find_spec("ray") is not None else _RAY_HINT
+
+
+def _not_the_sigterm_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
 def import_ray() -> Any:
@@ -516,6 +521,10 @@ async def open_ray_workers(
 
 
 def _init_ray(ray: Any, cores: Sequence[tuple[int, ...]], address: str | None) -> None:
+    # Called off the main thread on purpose: from the main thread Ray installs a SIGTERM
+    # handler that exits the process, where `libra train` stops its servers and ranks
+    # itself. Ray warns that it did not; the warning is about that choice, so it is muted.
+    logging.getLogger("ray._private.worker").addFilter(_not_the_sigterm_warning)
     # Ray's workers import this checkout's libra (and whatever the driver imports).
     here = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
