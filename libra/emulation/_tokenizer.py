@@ -204,6 +204,8 @@ def _content(message: ChatMessage) -> str:
 
 def _field(item: Any, name: str) -> Any:
     """A field of a wire struct or a key of a plain dict (clients send either)."""
+    if type(item) is Message:  # (the engine's and the gateway's: no ABC check for them)
+        return getattr(item, name)
     if isinstance(item, Mapping):
         return item.get(name)
     return getattr(item, name, None)

@@ -116,6 +116,14 @@ class ProbeCache(Generic[K, T]):
         self._failed: dict[K, Exception] = {}
         self._locks: dict[K, anyio.Lock] = {}
 
+    def __contains__(self, key: K) -> bool:
+        """Whether ``key`` was found: callers on a hot path read it at once (``cache[key]``)
+        rather than build a probe and await :meth:`get`."""
+        return key in self._found
+
+    def __getitem__(self, key: K) -> T:
+        return self._found[key]
+
     async def get(self, key: K, probe: Callable[[], Awaitable[T]]) -> T:
         if key in self._found:
             return self._found[key]
@@ -254,6 +262,8 @@ class OpenAIClient:
 
     async def supports_tokens(self, endpoint: Endpoint) -> bool:
         """Whether the server renders chat messages into token ids (vLLM's ``/tokenize``)."""
+        if endpoint.url in self._tokenize_support:
+            return self._tokenize_support[endpoint.url]
 
         async def probe() -> bool:
             try:
@@ -270,6 +280,8 @@ class OpenAIClient:
         Probed once per server by rendering a message with and without a tool; a server
         without ``/tokenize`` (a hosted API) is trusted to handle ``tools`` itself.
         """
+        if endpoint.url in self._renders_tools:
+            return self._renders_tools[endpoint.url]
 
         async def probe() -> bool:
             tool = openai.tool_schema("probe", "", {"type": "object", "properties": {}})

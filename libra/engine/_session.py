@@ -79,16 +79,20 @@ class Group:
 
 
 class _Changes:
-    """Wakes every task waiting for a change of state (one event, renewed each time)."""
+    """Wakes every task waiting for a change of state (one event, made by the first
+    waiter after each change: most changes, one per trajectory, find no one waiting)."""
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
+        if self._event is not None:
+            self._event.set()
+            self._event = None
 
     async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
         await self._event.wait()
 
 
@@ -357,8 +361,9 @@ class RolloutSession:
                     raise
         finally:
             self._scopes.discard(scope)
-            self._limiter.release_on_behalf_of(job.id)
-            self.engine.live_ids.discard(job.id)
+            job_id = job.id  # (built anew on every read)
+            self._limiter.release_on_behalf_of(job_id)
+            self.engine.live_ids.discard(job_id)
             self._running -= 1
             self._changes.notify()
             self._end_stream_if_done()

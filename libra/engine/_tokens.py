@@ -146,6 +146,9 @@ class TemplateRenderer:
 
     async def local_template(self, endpoint: Endpoint) -> ChatTemplate | None:
         """The first local template that renders the probes as ``endpoint`` does."""
+        key = (endpoint.url, endpoint.model)
+        if key in self._local_of:
+            return self._local_of[key]
 
         async def probe() -> ChatTemplate | None:
             try:
@@ -163,7 +166,7 @@ class TemplateRenderer:
                     return template
             return None
 
-        return await self._local_of.get((endpoint.url, endpoint.model), probe)
+        return await self._local_of.get(key, probe)
 
     async def continuation(
         self, endpoint: Endpoint, new_messages: list[openai.Message], last_sampled: int
@@ -185,12 +188,16 @@ class TemplateRenderer:
         return closing + full[template.cut :]
 
     async def _turn_end(self, endpoint: Endpoint) -> _TurnEnd:
+        key = (endpoint.url, endpoint.model)
+        if key in self._templates:
+            return self._templates[key]
+
         async def probe() -> _TurnEnd:
             base = await self.render(endpoint, _BASE, add_generation_prompt=False)
             other = await self.render(endpoint, _OTHER, add_generation_prompt=False)
             return _TurnEnd.of(endpoint, base, other)
 
-        return await self._templates.get((endpoint.url, endpoint.model), probe)
+        return await self._templates.get(key, probe)
 
 
 @dataclass(frozen=True, slots=True)

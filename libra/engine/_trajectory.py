@@ -349,9 +349,14 @@ async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> T
 
 async def _maybe_await(value: Awaitable[T] | T) -> T:
     """Env hooks may be plain or ``async``; this takes either."""
+    if type(value) in _PLAIN:  # what plain hooks return: no need to ask inspect
+        return value  # type: ignore[return-value]
     if inspect.isawaitable(value):
         return await value
     return value
+
+
+_PLAIN = frozenset({str, float, int, bool, list, type(None)})
 
 
 def _describe(exc: BaseException) -> str:

@@ -389,7 +389,12 @@ class Turn:
 
     @property
     def produced(self) -> int:
-        return sum(piece.generation.completion_tokens for piece in self.pieces)
+        pieces = self.pieces
+        if not pieces:  # (read several times a call: most turns have no piece yet, or one)
+            return 0
+        if len(pieces) == 1:
+            return pieces[0].generation.completion_tokens
+        return sum(piece.generation.completion_tokens for piece in pieces)
 
     @property
     def token_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
+import msgspec
 
 from libra import openai
 from libra._clock import now
@@ -59,8 +60,11 @@ def digests_of(messages: list[openai.Message], start: Digest = _EMPTY) -> list[D
 
 # What json.dumps(..., **options) would build on every call (a measurable share of a
 # request), built once.
-_encode_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _encode_sorted = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+# The same bytes as ``json.dumps(fields, ensure_ascii=False, separators=(",", ":"))``
+# encoded to UTF-8 (escapes included: tests/gateway compare the two), ~15x faster. The
+# digests name tasks in records and in the scheduler's saved state: they must not change.
+_encode_compact = msgspec.json.Encoder().encode
 
 
 def _canonical(message: openai.Message) -> bytes:
@@ -71,7 +75,7 @@ def _canonical(message: openai.Message) -> bytes:
         for call in message.tool_calls or ()
     ]
     fields = [message.role, message.content or "", calls, message.tool_call_id or ""]
-    return _encode_compact(fields).encode()
+    return _encode_compact(fields)
 
 
 def _canonical_arguments(arguments: str) -> str:
