@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 
 import anyio
 
@@ -16,5 +17,19 @@ async def wait_exited(pid: int) -> None:
         return
     try:
         await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def exited_within(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` has exited, or exits within ``timeout_s`` (a blocking wait:
+    from a thread, or where the wait is known to be short, as after a SIGKILL)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(readable)
     finally:
         os.close(fd)

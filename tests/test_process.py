@@ -1,13 +1,14 @@
-"""Waiting on a process's exit through its pidfd, on every backend."""
+"""Waiting on a process's exit through its pidfd, on every backend and blocking."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import anyio
 import pytest
 
-from libra._process import wait_exited
+from libra._process import exited_within, wait_exited
 
 pytestmark = pytest.mark.anyio
 
@@ -30,3 +31,12 @@ async def test_a_process_already_gone_returns_at_once() -> None:
         await child.wait()  # reaped: its pid names nothing now
     with anyio.fail_after(1):
         await wait_exited(child.pid)
+
+
+def test_exited_within_waits_for_a_killed_process_and_times_out_on_a_live_one() -> None:
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
+        assert not exited_within(child.pid, 0.2)
+        child.kill()
+        assert exited_within(child.pid, 10)  # exited (a zombie until reaped): that counts
+        child.wait()
+    assert exited_within(child.pid, 0)  # reaped: gone

@@ -41,7 +41,7 @@ import httpx
 from pydantic import Field
 
 from libra._home import libra_home
-from libra._process import wait_exited
+from libra._process import exited_within, wait_exited
 from libra.config import Section
 
 __all__ = ["VLLMServer", "VLLMServerConfig", "VLLMServerError"]
@@ -199,7 +199,8 @@ class VLLMServer:
             return
         with contextlib.suppress(ProcessLookupError):
             guard.send_signal(signal.SIGTERM)
-        if not _wait_for_exit(guard, self.config.stop_grace_s + _GUARD_SLACK_S):
+        exited = _wait_for_exit(guard, self.config.stop_grace_s + _GUARD_SLACK_S)
+        if not exited or _guard_killed(guard):
             self._kill_everything()
         self._release()
 
@@ -211,8 +212,9 @@ class VLLMServer:
         with contextlib.suppress(ProcessLookupError):
             guard.send_signal(signal.SIGTERM)
         timeout_s = self.config.stop_grace_s + _GUARD_SLACK_S
-        if not await anyio.to_thread.run_sync(_wait_for_exit, guard, timeout_s):
-            self._kill_everything()
+        exited = await anyio.to_thread.run_sync(_wait_for_exit, guard, timeout_s)
+        if not exited or _guard_killed(guard):
+            await anyio.to_thread.run_sync(self._kill_everything)
         self._release()
 
     def __enter__(self) -> Self:
@@ -246,7 +248,7 @@ class VLLMServer:
             for pid in (server, guard.pid):
                 group.start_soon(_cancel_when_exited, pid, group.cancel_scope)
         if guard.poll() is not None:
-            self._kill_everything()
+            await anyio.to_thread.run_sync(self._kill_everything)
 
     async def __aenter__(self) -> Self:
         await self.astart()
@@ -488,7 +490,8 @@ class VLLMServer:
             )
 
     def _kill_everything(self) -> None:
-        """Last resort when the guard does not finish in time: SIGKILL guard and server."""
+        """Last resort when the guard does not finish in time, or was killed: SIGKILL guard
+        and server, and wait until the server has exited (a SIGKILL lands a moment later)."""
         self._read_server_pid()
         for pgid in (self._server_pid, self._guard.pid if self._guard else None):
             if pgid is not None:
@@ -496,6 +499,8 @@ class VLLMServer:
                     os.killpg(pgid, signal.SIGKILL)
         if self._guard is not None:
             self._guard.wait()
+        if self._server_pid is not None:
+            exited_within(self._server_pid, _GUARD_SLACK_S)
 
     def _close_pid_pipe(self) -> None:
         if self._pid_pipe is not None:
@@ -532,6 +537,14 @@ def _wait_for_exit(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
+
+
+def _guard_killed(guard: subprocess.Popen[bytes]) -> bool:
+    """Whether the guard was killed by a signal (SIGKILL or a crash: it handles SIGTERM,
+    SIGINT and SIGHUP). Otherwise it exits with a status of its own (``_guard.main``),
+    the server's tree stopped; killed, it stopped nothing, and the tree lives on in its
+    own process group (a server in a Ray actor: nothing here waited on the guard's exit)."""
+    return guard.returncode is not None and guard.returncode < 0
 
 
 def _free_port(host: str) -> int:

@@ -298,6 +298,22 @@ async def test_a_killed_guard_stops_its_server_and_counts_as_its_exit(
             assert (await client.get(f"{server.url}/health")).status_code == 200
 
 
+@pytest.mark.faults
+def test_a_server_stopped_after_its_guard_was_killed_leaves_no_tree(
+    fake_python: Path, tmp_path: Path
+) -> None:
+    """Without ``wait_exited`` (which stops the tree when it sees the guard die), as in a
+    Ray actor whose owner only polls whether the server runs: ``stop`` stops the tree."""
+    with VLLMServer("/models/m", config=_fake_config(fake_python, tmp_path)) as server:
+        pid, guard = server.pid, server._guard
+        assert pid is not None and guard is not None
+        os.kill(guard.pid, signal.SIGKILL)
+        guard.wait()
+        assert not server.is_running
+        server.stop()
+        assert _wait_until_gone([pid], timeout_s=5) == []
+
+
 @pytest.mark.anyio
 async def test_a_cancelled_start_leaves_no_server(fake_python: Path, tmp_path: Path) -> None:
     config = _fake_config(fake_python, tmp_path, extra_args=("--fake-mode", "hang"))

@@ -4,6 +4,7 @@ reported as a local rank's death is; (slow) a vLLM server in a Ray actor serves 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -11,11 +12,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
 import pytest
 
+from libra._process import exited_within
 from libra.config import ConfigError, UsageError, load_config
 from libra.serving import EMBEDDED_MODEL_NAME
 from libra.train import (
@@ -221,7 +224,7 @@ def test_the_ray_backend_loads_from_toml_and_says_when_ray_is_missing(
 
 @pytest.mark.slow
 @asyncio_only
-async def test_a_ray_cluster_serves_from_an_actor_and_stops_it(
+async def test_a_ray_cluster_serves_from_an_actor_sees_its_server_die_and_stops_it(
     ray_instance: None, embedded_model: Path, tmp_path: Path
 ) -> None:
     alloc = AllocConfig.model_validate(alloc_section("ray"))
@@ -245,8 +248,27 @@ async def test_a_ray_cluster_serves_from_an_actor_and_stops_it(
             )
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"]
+            # The server's guard killed in its actor: seen from here (what a supervisor
+            # waits on), and stopping the instance stops the tree the guard left.
+            guard, api_server = server_pids(url)
+            os.kill(guard, signal.SIGKILL)
+            with anyio.fail_after(60):
+                await cluster.servers["w1"].wait_exited()
             await cluster.stop_instance("w1")
             with pytest.raises(httpx.TransportError):
                 await client.get(f"{url}/health")
         assert cluster.servers == {}
+        assert exited_within(api_server, timeout_s=0)
     assert [kind for kind, _, _ in cluster.timings] == ["start", "stop"]
+
+
+def server_pids(url: str) -> tuple[int, int]:
+    """The guard and the vLLM API server of the instance at ``url`` (a local Ray: here)."""
+    port = f"--port\0{urlsplit(url).port}\0".encode()
+    found: dict[bool, int] = {}  # is the guard -> pid
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            if b"api_server" in (line := cmdline.read_bytes()) and port in line:
+                found[b"_guard.py" in line] = int(cmdline.parent.name)
+    assert set(found) == {True, False}, f"no guard and vLLM server at {url}: {found}"
+    return found[True], found[False]
