@@ -12,6 +12,7 @@ engine's overhead; bare httpx shows why the engine does not use httpx's own tran
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -62,9 +63,13 @@ class Lookup(Env):
 
 @dataclass
 class EngineBenchResult:
+    """One concurrency level: medians over ``pairs`` back-to-back runs of the engine and
+    of bare aiohttp (the machine's other load drifts between runs: a pair shares it)."""
+
     concurrency: int
     trajectories: int
     calls: int
+    pairs: int
     trajectories_s: float
     calls_s: float
     bare_aiohttp_calls_s: float
@@ -75,11 +80,67 @@ class EngineBenchResult:
     # Client CPU per call: robust to other load on the machine, unlike calls/s.
     cpu_us_per_call: float
     bare_aiohttp_cpu_us_per_call: float
+    # Engine over bare aiohttp within each pair: calls/s, and CPU per call.
+    calls_ratio_per_pair: list[float]
+    cpu_ratio_per_pair: list[float]
+
+
+@dataclass(frozen=True)
+class _Pair:
+    trajectories_s: float
+    calls_s: float
+    cpu_s_per_call: float
+    errors: int
+    bare_calls_s: float
+    bare_cpu_s_per_call: float
+    bare_errors: int
 
 
 async def bench_engine(
-    url: str, concurrency: int, trajectories: int, api: Literal["chat", "tokens"] = "chat"
+    url: str,
+    concurrency: int,
+    trajectories: int,
+    api: Literal["chat", "tokens"] = "chat",
+    pairs: int = 3,
 ) -> EngineBenchResult:
+    runs: list[_Pair] = []
+    requests: list[tuple[str, bytes]] = []  # the last engine run's, for httpx
+    for _ in range(pairs):
+        pair, requests = await _pair(url, concurrency, trajectories, api)
+        runs.append(pair)
+    in_flight = min(concurrency, len(requests))
+    # httpx's own transport is many times slower here: a time-boxed sample gives its rate,
+    # with no more requests in flight than its pool has connections. (Measured here: with
+    # 4,000 requests waiting on its pool, 10 s of calls had not ended after 300 s.)
+    httpx_in_flight = min(in_flight, MAX_CONNECTIONS)
+    httpx_rate, _, httpx_errors = await _bare(
+        _bare_httpx, url, requests, httpx_in_flight, budget_s=HTTPX_BUDGET_S
+    )
+    return EngineBenchResult(
+        concurrency=concurrency,
+        trajectories=trajectories,
+        calls=len(requests),
+        pairs=pairs,
+        trajectories_s=round(statistics.median(r.trajectories_s for r in runs), 1),
+        calls_s=round(statistics.median(r.calls_s for r in runs), 1),
+        bare_aiohttp_calls_s=round(statistics.median(r.bare_calls_s for r in runs), 1),
+        bare_httpx_calls_s=round(httpx_rate, 1),
+        bare_httpx_in_flight=httpx_in_flight,
+        errors=sum(r.errors for r in runs),
+        bare_errors=sum(r.bare_errors for r in runs) + httpx_errors,
+        cpu_us_per_call=round(statistics.median(r.cpu_s_per_call for r in runs) * 1e6, 1),
+        bare_aiohttp_cpu_us_per_call=round(
+            statistics.median(r.bare_cpu_s_per_call for r in runs) * 1e6, 1
+        ),
+        calls_ratio_per_pair=[round(r.calls_s / r.bare_calls_s, 3) for r in runs],
+        cpu_ratio_per_pair=[round(r.cpu_s_per_call / r.bare_cpu_s_per_call, 3) for r in runs],
+    )
+
+
+async def _pair(
+    url: str, concurrency: int, trajectories: int, api: Literal["chat", "tokens"]
+) -> tuple[_Pair, list[tuple[str, bytes]]]:
+    """The engine's run, then bare aiohttp replaying its generation requests; and those."""
     endpoint = Endpoint(url, model=EmulatorConfig().model_name, api=api)
     config = EngineConfig(
         concurrency=concurrency, sampling=SamplingConfig(max_tokens_per_turn=256, seed=0)
@@ -91,31 +152,19 @@ async def bench_engine(
         stats = await rollout(jobs, engine)
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     calls = stats.turns
-    # The bare clients replay the engine's own generation requests, body for body.
+    # The bare client replays the engine's own generation requests, body for body.
     requests = [(path, body) for path, body in http.sent if path.startswith("/v1/")]
-    in_flight = min(concurrency, calls)
-    aiohttp_rate, aiohttp_cpu, aiohttp_errors = await _bare(_bare_aiohttp, url, requests, in_flight)
-    # httpx's own transport is many times slower here: a time-boxed sample gives its rate,
-    # with no more requests in flight than its pool has connections. (Measured here: with
-    # 4,000 requests waiting on its pool, 10 s of calls had not ended after 300 s.)
-    httpx_in_flight = min(in_flight, MAX_CONNECTIONS)
-    httpx_rate, _, httpx_errors = await _bare(
-        _bare_httpx, url, requests, httpx_in_flight, budget_s=HTTPX_BUDGET_S
-    )
-    return EngineBenchResult(
-        concurrency=concurrency,
-        trajectories=trajectories,
-        calls=calls,
-        trajectories_s=round(trajectories / elapsed, 1),
-        calls_s=round(calls / elapsed, 1),
-        bare_aiohttp_calls_s=round(aiohttp_rate, 1),
-        bare_httpx_calls_s=round(httpx_rate, 1),
-        bare_httpx_in_flight=httpx_in_flight,
+    rate, bare_cpu, bare_errors = await _bare(_bare_aiohttp, url, requests, min(concurrency, calls))
+    pair = _Pair(
+        trajectories_s=trajectories / elapsed,
+        calls_s=calls / elapsed,
+        cpu_s_per_call=cpu / calls,
         errors=stats.statuses["failed"],
-        bare_errors=aiohttp_errors + httpx_errors,
-        cpu_us_per_call=round(cpu / calls * 1e6, 1),
-        bare_aiohttp_cpu_us_per_call=round(aiohttp_cpu * 1e6, 1),
+        bare_calls_s=rate,
+        bare_cpu_s_per_call=bare_cpu,
+        bare_errors=bare_errors,
     )
+    return pair, requests
 
 
 class _Recording:
@@ -208,14 +257,15 @@ async def _bare_httpx(url: str) -> AsyncIterator[Post]:
 
 
 async def run_engine_bench(
-    levels: Sequence[int] = (1000, 10000), min_trajectories: int = 4000
+    levels: Sequence[int] = (1000, 10000), min_trajectories: int = 4000, pairs: int = 3
 ) -> list[EngineBenchResult]:
-    """One zero-latency server for all levels; each level runs at least ``min_trajectories``."""
+    """One zero-latency server for all levels; each level runs at least ``min_trajectories``,
+    ``pairs`` times."""
     results = []
     with running_emulator(EmulatorConfig(latency=LatencyModel.zero())) as url:
         for concurrency in levels:
             trajectories = max(concurrency, min_trajectories)
-            results.append(await bench_engine(url, concurrency, trajectories))
+            results.append(await bench_engine(url, concurrency, trajectories, pairs=pairs))
     return results
 
 
