@@ -4,8 +4,10 @@ A zero-latency emulated server runs on a real port in its own process, and ``lib
 serve`` in another, in front of it (``--server URL``, no auth, on loopback). At each
 concurrency level, as many client sessions as the level each send one chat request at a
 time for a fixed time: first straight to the emulated server, then through the gateway
-(the same bodies). Every second measured is HTTP, the gateway and the clients, so the
-differences of the latency percentiles are what the gateway adds, and the gateway's
+(the same bodies); the pair runs three times, and each path's medians are reported
+(other load on the machine drifts between runs: a pair shares it). Every second
+measured is HTTP, the gateway and the clients, so the differences of the latency
+percentiles are what the gateway adds, and the gateway's
 requests/s is its maximum rate on this machine (with the client and the server
 sharing its cores).
 
@@ -23,7 +25,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +52,14 @@ class Latencies:
 
 @dataclass
 class ServeBenchResult:
+    """One level: each path's medians over ``pairs`` back-to-back runs (direct, then
+    through the gateway: the machine's other load drifts between runs, a pair shares it)."""
+
     concurrency: int
     direct: Latencies
     gateway: Latencies
+    pairs: int = 1
+    added_p50_ms_per_pair: list[float] = field(default_factory=list)
 
     @property
     def added_p50_ms(self) -> float:
@@ -78,18 +85,20 @@ class _Server:
     pid: int
 
 
-def bench_serve(concurrency: Sequence[int], seconds: float) -> list[ServeBenchResult]:
+def bench_serve(
+    concurrency: Sequence[int], seconds: float, pairs: int = 3
+) -> list[ServeBenchResult]:
     config = EmulatorConfig(latency=LatencyModel.zero(), script="echo")
     with emulator_process(config) as emulator, _gateway(emulator.url) as gateway:
         upstream = _Server(emulator.url, emulator.process.pid)
         return anyio.run(
-            _measure_levels, upstream, gateway, tuple(concurrency), seconds,
+            _measure_levels, upstream, gateway, tuple(concurrency), seconds, pairs,
             backend_options={"use_uvloop": True},
         )  # fmt: skip
 
 
 async def _measure_levels(
-    upstream: _Server, gateway: _Server, levels: tuple[int, ...], seconds: float
+    upstream: _Server, gateway: _Server, levels: tuple[int, ...], seconds: float, pairs: int
 ) -> list[ServeBenchResult]:
     results = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -97,10 +106,28 @@ async def _measure_levels(
         await _load(http, gateway, 8, 0.5)  # warm both up: connections, caches
         await _load(http, upstream, 8, 0.5)
         for level in levels:
-            direct = await _load(http, upstream, level, seconds)
-            through = await _load(http, gateway, level, seconds)
-            results.append(ServeBenchResult(level, direct, through))
+            direct, through = [], []
+            for _ in range(pairs):
+                direct.append(await _load(http, upstream, level, seconds))
+                through.append(await _load(http, gateway, level, seconds))
+            added = [g.p50_ms - d.p50_ms for d, g in zip(direct, through, strict=True)]
+            results.append(
+                ServeBenchResult(level, _medians(direct), _medians(through), pairs, added)
+            )
     return results
+
+
+def _medians(runs: list[Latencies]) -> Latencies:
+    """Runs of one path: their requests and errors summed, each rate and time's median."""
+    median = statistics.median
+    return Latencies(
+        requests=sum(r.requests for r in runs),
+        errors=sum(r.errors for r in runs),
+        requests_s=median(r.requests_s for r in runs),
+        p50_ms=median(r.p50_ms for r in runs),
+        p99_ms=median(r.p99_ms for r in runs),
+        server_cpu_us=median(r.server_cpu_us for r in runs),
+    )
 
 
 def _cpu_s(pid: int) -> float:

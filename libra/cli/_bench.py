@@ -71,7 +71,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve", help="libra serve's added latency and its request rate, vs direct calls"
     )
     serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 512])
-    serve.add_argument("--seconds", type=float, default=3.0, help="per level and path")
+    serve.add_argument("--seconds", type=float, default=3.0, help="per level, path and run")
+    serve.add_argument(
+        "--pairs", type=int, default=3, help="runs of each path per level, back to back (default 3)"
+    )
     serve.add_argument("--json", action="store_true", help="print JSON instead of a table")
     serve.set_defaults(run=run_serve)
     train = benches.add_parser(
@@ -117,7 +120,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    results = bench_serve(tuple(args.concurrency), args.seconds)
+    results = bench_serve(tuple(args.concurrency), args.seconds, pairs=args.pairs)
     if args.json:
         print(json.dumps(serve_as_json(results)))
         return 0
