@@ -80,7 +80,8 @@ async def test_python_math_on_vllm_with_docker_tools(
     real_server: VLLMServer, sandboxes: DockerSandboxProvider
 ) -> None:
     records = await greedy_rollout(real_server, sandboxes, 6)
-    assert len(records) == 6 and all(r.status != "failed" for r in records), records
+    failed = [(r.id, r.stop_reason, r.error) for r in records if r.status == "failed"]
+    assert len(records) == 6 and not failed, failed
     for record in records:
         assert record.tokens == "exact"
         assert len(record.token_ids) == len(record.loss_mask) == len(record.logprobs)
