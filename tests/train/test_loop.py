@@ -33,7 +33,6 @@ from libra.train import (
     Batch,
     FSDPTrainer,
     GRPOConfig,
-    Sample,
     StepMetrics,
     Train,
     TrainConfig,
@@ -49,6 +48,7 @@ from libra.train import (
     train,
 )
 from tests._helpers import BREVITY, children_of, cmdline_of, is_alive, tiny_llama
+from tests.train._ranks import samples as two_groups
 
 pytestmark = pytest.mark.anyio
 # Each run spawns the trainer's processes (seconds): one backend, but for the first test.
@@ -178,29 +178,6 @@ def test_the_loop_owns_the_rollout_size_and_refuses_a_reference_kl(tmp_path: Pat
 # ------------------------------------------------------------------- loss scaling
 
 
-def _samples(count: int, seed: int = 0) -> list[Sample]:
-    """Two groups of ``count // 2`` samples of varied lengths, prompts masked out."""
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for index in range(count):
-        prompt, response = 5 + index % 3, 4 + 3 * index
-        ids = torch.randint(0, 320, (prompt + response,), generator=generator).tolist()
-        samples.append(
-            Sample(
-                id=f"s{index}",
-                group=f"g{index % 2}",
-                status="completed",
-                tokens="exact",
-                reward=float(index),
-                token_ids=tuple(ids),
-                loss_mask=(0,) * prompt + (1,) * response,
-                logprobs=(0.0,) * prompt + (-5.0,) * response,
-                weight_version=0,
-            )
-        )
-    return samples
-
-
 def train_once(model_dir: Path, batch: Batch, grpo: GRPOConfig) -> tuple[StepMetrics, float]:
     """One step on a fresh trainer (each rank): its metrics and the summed policy loss."""
     trainer = FSDPTrainer(model_dir, TrainerConfig(backend="gloo", cpu_threads=1, grad_clip=None))
@@ -231,7 +208,7 @@ def test_micro_batches_and_ranks_give_the_whole_batch_gradient(
 ) -> None:
     """The trainer averages over micro-batches and ranks; the loop's loss undoes it."""
     grpo = GRPOConfig()
-    samples = _samples(8)
+    samples = two_groups(0)
     whole = build_batch(samples, current_version=0, grpo=grpo, train=TrainConfig())
     split = build_batch(
         samples, current_version=0, grpo=grpo, train=TrainConfig(micro_batch_tokens=40), ranks=ranks
