@@ -68,7 +68,7 @@ class ServeConfig(BaseModel):
     max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
     console: bool = Field(True, description="a one-line view of the traffic, once a second")
     console_every_s: PositiveFloat = 1.0
-    transport: TransportName = "aiohttp"
+    transport: TransportName = "httptools"
     max_connections: PositiveInt = 1024
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()

@@ -20,10 +20,9 @@ from libra.engine._http import (
     HTTPTransport,
     HttpxTransport,
     TransportError,
-    TransportName,
     TransportTimeout,
-    http_transport,
 )
+from libra.engine._httptools import HttptoolsTransport
 from libra.engine._records import (
     SamplingRecord,
     Timings,
@@ -36,6 +35,7 @@ from libra.engine._session import Group, RolloutSession
 from libra.engine._stats import RolloutStats
 from libra.engine._tokens import ChatTemplate, TemplateRenderer, TokenLog
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
+from libra.engine._transports import TransportName, http_transport
 from libra.engine._turn import (
     ContextFull,
     Dialogue,
@@ -63,6 +63,7 @@ __all__ = [
     "GenerationError",
     "Group",
     "HTTPTransport",
+    "HttptoolsTransport",
     "HttpxTransport",
     "NoCapacity",
     "OpenAIClient",

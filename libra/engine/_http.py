@@ -1,16 +1,19 @@
 """The engine's HTTP layer: a two-method protocol and the transports behind it.
 
 The engine only ever POSTs a JSON body and reads the answer's bytes (and GETs a few
-small documents), so that is the whole protocol. Two implementations:
+small documents), so that is the whole protocol. Its implementations
+(``_transports.py`` picks one by name):
 
-- :class:`AiohttpTransport` for real ports. On these machines httpx's own transport
+- :class:`~libra.engine._httptools.HttptoolsTransport` for real ports, the default: the
+  least CPU a call of the clients measured here (``_httptools.py``).
+- :class:`AiohttpTransport` for real ports too. On these machines httpx's own transport
   managed ~900 requests/s at 16 concurrent and timed out at 512 (measured with one
-  local uvicorn server on 2 cores), and
-  httpx on top of aiohttp still spent about a third of the engine's time building
-  httpx models; a bare aiohttp session is the fastest client measured here.
-  ``libra bench engine`` prints the engine beside bare aiohttp and bare httpx.
+  local uvicorn server on 2 cores), and httpx on top of aiohttp still spent about a
+  third of the engine's time building httpx models. ``libra bench engine`` prints the
+  engine beside bare aiohttp, httpx and httptools clients.
 - :class:`HttpxTransport` for anything httpx can reach, notably an in-process fleet
-  through ``httpx.ASGITransport``, which also runs under trio and a virtual clock.
+  through ``httpx.ASGITransport``, which also runs under trio and a virtual clock
+  (``_asgi.py`` has a cheaper one for the emulated fleet).
 """
 
 from __future__ import annotations
@@ -18,13 +21,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Literal, Protocol, Self
+from typing import Protocol, Self
 
 import aiohttp
 import anyio
 import httpx
-
-TransportName = Literal["aiohttp", "httpx"]
 
 
 class TransportError(Exception):
@@ -161,16 +162,3 @@ class HttpxTransport(BaseTransport):
 
     async def aclose(self) -> None:
         await self.client.aclose()
-
-
-def http_transport(
-    transport: TransportName | httpx.AsyncBaseTransport = "aiohttp", *, max_connections: int = 1024
-) -> HTTPTransport:
-    """The engine's HTTP transport: by name for real ports, or over an httpx transport
-    (e.g. ``httpx.ASGITransport(app=...)`` for an in-process fleet)."""
-    if transport == "aiohttp":
-        return AiohttpTransport(max_connections)
-    if transport == "httpx":
-        limits = httpx.Limits(max_connections=max_connections)
-        return HttpxTransport(httpx.AsyncClient(limits=limits))
-    return HttpxTransport(httpx.AsyncClient(transport=transport))

@@ -67,7 +67,7 @@ class RolloutConfig(BaseModel):
     seed: int = 0
     out: Path = Path("rollout.jsonl")
     plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")
-    transport: TransportName = "aiohttp"
+    transport: TransportName = "httptools"
     max_connections: PositiveInt = 1024
     progress: bool = True
     sandbox: SandboxKind = "auto"

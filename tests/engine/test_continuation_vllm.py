@@ -105,7 +105,7 @@ async def test_a_turn_paused_in_abort_mode_continues_with_the_servers_own_tokens
     sampling = SamplingConfig(temperature=0.0, max_tokens_per_turn=400)
     config = EngineConfig(sampling=sampling, max_context_tokens=2048)
     endpoint = Endpoint(real_server.url, model=REAL_MODEL_NAME, api="tokens", name="vllm")
-    async with http_transport("aiohttp") as http:
+    async with http_transport() as http:
         answers = Answers(http)
         engine = Engine(answers, LeastLoadedScheduler([endpoint]), config=config)
         records: list[TrajectoryRecord] = []

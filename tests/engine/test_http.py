@@ -13,7 +13,7 @@ from libra.engine import TransportError, TransportName, TransportTimeout, http_t
 from libra.openai import TokenizeResponse
 from tests._helpers import MODEL
 
-pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("name", ["aiohttp", "httpx"])]
+pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("name", ["httptools", "aiohttp", "httpx"])]
 JSON = {"content-type": "application/json"}
 
 

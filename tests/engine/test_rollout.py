@@ -156,7 +156,7 @@ def free_port() -> int:
 async def test_rollout_over_a_real_port() -> None:
     config = EmulatorConfig(latency=LatencyModel.zero())
     with running_emulator(config) as url:
-        async with http_transport("aiohttp") as http:
+        async with http_transport() as http:
             records: list[TrajectoryRecord] = []
             engine = Engine(
                 http,
@@ -176,7 +176,7 @@ async def test_a_dead_server_fails_trajectories_and_a_live_one_takes_over() -> N
     dead = Endpoint(f"http://127.0.0.1:{free_port()}", model=MODEL, name="dead")
     config = EngineConfig(max_attempts=3, retry_backoff_s=0.01)
     with running_emulator(EmulatorConfig(latency=LatencyModel.zero())) as url:
-        async with http_transport("aiohttp") as http:
+        async with http_transport() as http:
             alone: list[TrajectoryRecord] = []
             engine = Engine(
                 http,

@@ -49,7 +49,7 @@ async def greedy_rollout(
     sampling = SamplingConfig(temperature=0.0, max_tokens_per_turn=256)
     config = EngineConfig(sampling=sampling, max_turns=3, max_context_tokens=2048)
     records: list[TrajectoryRecord] = []
-    async with http_transport("aiohttp") as http:
+    async with http_transport() as http:
         endpoint = Endpoint(server.url, model=REAL_MODEL_NAME)
         engine = Engine(
             http,
@@ -68,7 +68,7 @@ async def tokenize(server: VLLMServer, record: TrajectoryRecord) -> list[int]:
     request = openai.TokenizeRequest(
         model=REAL_MODEL_NAME, messages=record.messages[: last + 1], add_generation_prompt=False
     )
-    async with http_transport("aiohttp") as http:
+    async with http_transport() as http:
         status, body = await http.post(
             server.url + "/tokenize", msgspec.json.encode(request), JSON, 60
         )

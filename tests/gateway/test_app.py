@@ -483,7 +483,7 @@ async def test_a_pydantic_ai_agent_with_a_tool_runs_through_the_gateway() -> Non
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # one server, one backend is enough
 async def test_the_sdk_through_the_gateway_to_real_vllm(real_server: VLLMServer) -> None:
     endpoint = Endpoint(real_server.url, model=REAL_MODEL_NAME)
-    async with http_transport("aiohttp") as http:
+    async with http_transport() as http:
         engine = Engine(http, LeastLoadedScheduler([endpoint]), config=EngineConfig())
         async with Sessions(engine, GatewayConfig()) as core:
             sdk = client(create_gateway(core, KEYS))
