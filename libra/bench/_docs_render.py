@@ -9,7 +9,7 @@ ablations, means over seeds) is computed from the same saved outputs as the rest
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from statistics import mean, median
 from typing import Any
 
@@ -103,6 +103,7 @@ def engine(outputs: Sequence[Output]) -> list[str]:
             f"{r['cpu_us_per_call']:,.0f}",
             f"{r['bare_aiohttp_cpu_us_per_call']:,.0f}",
             _median_and_range(r["cpu_ratio_per_pair"]),
+            *_own_transport(r),
             f"{r['errors']}",
         ]
         for r in outputs[0]["results"]
@@ -117,9 +118,25 @@ def engine(outputs: Sequence[Output]) -> list[str]:
         "engine CPU µs/call",
         "bare aiohttp CPU µs/call",
         "CPU ratio (its pairs)",
+        "bare httptools calls/s",
+        "ratio to it",
+        "bare httptools CPU µs/call",
+        "CPU ratio to it",
         "errors",
     )
     return table_lines(header, rows)
+
+
+def _own_transport(r: Mapping[str, Any]) -> list[str]:
+    """The engine beside its own transport alone (runs saved before it was measured: -)."""
+    if "bare_httptools_calls_s" not in r:
+        return ["-"] * 4
+    return [
+        f"{r['bare_httptools_calls_s']:,.0f}",
+        _median_and_range(r["httptools_calls_ratio_per_pair"]),
+        f"{r['bare_httptools_cpu_us_per_call']:,.0f}",
+        _median_and_range(r["httptools_cpu_ratio_per_pair"]),
+    ]
 
 
 def _median_and_range(pairs: Sequence[float], shown: float | None = None) -> str:

@@ -3,10 +3,12 @@
 A zero-latency emulated server runs on a real port in its own process, so every
 second measured is spent in HTTP and in the client. At each concurrency level the
 engine runs trajectories of a small tool-using env (the emulator's ``agent`` script
-decides turns and tool calls); then a bare aiohttp client and a bare httpx client replay
-the engine's generation requests, body for body, with as many in flight, to the same
-server. The ratio of the engine's calls/s to bare aiohttp's is the
-engine's overhead; bare httpx shows why the engine does not use httpx's own transport.
+decides turns and tool calls); then bare clients replay the engine's generation
+requests, body for body, with as many in flight, to the same server: aiohttp, the
+engine's own transport alone (``HttptoolsTransport``, no engine above it) and httpx.
+The ratio of the engine's calls/s to bare aiohttp's is the engine's cost against the
+common client; its ratio to the bare transport's is what the engine adds above the HTTP
+it uses; bare httpx shows why the engine does not use httpx's own transport.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import (
     Engine,
     EngineConfig,
+    HttptoolsTransport,
     HTTPTransport,
     SamplingConfig,
+    TransportError,
     http_transport,
     jobs_for,
     rollout,
@@ -39,7 +43,7 @@ from libra.envs import Env, tool
 from libra.fleet import Endpoint
 from libra.sched.policies import LeastLoadedScheduler
 
-MAX_CONNECTIONS = 1024  # the same pool bound for the engine and both bare clients
+MAX_CONNECTIONS = 1024  # the same pool bound for the engine and the bare clients
 HTTPX_BUDGET_S = 15.0
 _HEADERS = {"content-type": "application/json"}
 
@@ -73,6 +77,7 @@ class EngineBenchResult:
     trajectories_s: float
     calls_s: float
     bare_aiohttp_calls_s: float
+    bare_httptools_calls_s: float
     bare_httpx_calls_s: float
     bare_httpx_in_flight: int
     errors: int
@@ -80,9 +85,13 @@ class EngineBenchResult:
     # Client CPU per call: robust to other load on the machine, unlike calls/s.
     cpu_us_per_call: float
     bare_aiohttp_cpu_us_per_call: float
+    bare_httptools_cpu_us_per_call: float
     # Engine over bare aiohttp within each pair: calls/s, and CPU per call.
     calls_ratio_per_pair: list[float]
     cpu_ratio_per_pair: list[float]
+    # Engine over its own transport alone (bare httptools), within each pair.
+    httptools_calls_ratio_per_pair: list[float]
+    httptools_cpu_ratio_per_pair: list[float]
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,8 @@ class _Pair:
     bare_calls_s: float
     bare_cpu_s_per_call: float
     bare_errors: int
+    transport_calls_s: float
+    transport_cpu_s_per_call: float
 
 
 async def bench_engine(
@@ -124,6 +135,7 @@ async def bench_engine(
         trajectories_s=round(statistics.median(r.trajectories_s for r in runs), 1),
         calls_s=round(statistics.median(r.calls_s for r in runs), 1),
         bare_aiohttp_calls_s=round(statistics.median(r.bare_calls_s for r in runs), 1),
+        bare_httptools_calls_s=round(statistics.median(r.transport_calls_s for r in runs), 1),
         bare_httpx_calls_s=round(httpx_rate, 1),
         bare_httpx_in_flight=httpx_in_flight,
         errors=sum(r.errors for r in runs),
@@ -132,20 +144,28 @@ async def bench_engine(
         bare_aiohttp_cpu_us_per_call=round(
             statistics.median(r.bare_cpu_s_per_call for r in runs) * 1e6, 1
         ),
+        bare_httptools_cpu_us_per_call=round(
+            statistics.median(r.transport_cpu_s_per_call for r in runs) * 1e6, 1
+        ),
         calls_ratio_per_pair=[round(r.calls_s / r.bare_calls_s, 3) for r in runs],
         cpu_ratio_per_pair=[round(r.cpu_s_per_call / r.bare_cpu_s_per_call, 3) for r in runs],
+        httptools_calls_ratio_per_pair=[round(r.calls_s / r.transport_calls_s, 3) for r in runs],
+        httptools_cpu_ratio_per_pair=[
+            round(r.cpu_s_per_call / r.transport_cpu_s_per_call, 3) for r in runs
+        ],
     )
 
 
 async def _pair(
     url: str, concurrency: int, trajectories: int, api: Literal["chat", "tokens"]
 ) -> tuple[_Pair, list[tuple[str, bytes]]]:
-    """The engine's run, then bare aiohttp replaying its generation requests; and those."""
+    """The engine's run, then bare aiohttp and the bare transport replaying its
+    generation requests; and those."""
     endpoint = Endpoint(url, model=EmulatorConfig().model_name, api=api)
     config = EngineConfig(
         concurrency=concurrency, sampling=SamplingConfig(max_tokens_per_turn=256, seed=0)
     )
-    async with _Recording(http_transport("aiohttp", max_connections=MAX_CONNECTIONS)) as http:
+    async with _Recording(http_transport(max_connections=MAX_CONNECTIONS)) as http:
         engine = Engine(http, LeastLoadedScheduler([endpoint]), config=config)
         jobs = jobs_for(Lookup, "lookup", trajectories, seed=concurrency)
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -154,7 +174,11 @@ async def _pair(
     calls = stats.turns
     # The bare client replays the engine's own generation requests, body for body.
     requests = [(path, body) for path, body in http.sent if path.startswith("/v1/")]
-    rate, bare_cpu, bare_errors = await _bare(_bare_aiohttp, url, requests, min(concurrency, calls))
+    in_flight = min(concurrency, calls)
+    rate, bare_cpu, bare_errors = await _bare(_bare_aiohttp, url, requests, in_flight)
+    transport_rate, transport_cpu, transport_errors = await _bare(
+        _bare_httptools, url, requests, in_flight
+    )
     pair = _Pair(
         trajectories_s=trajectories / elapsed,
         calls_s=calls / elapsed,
@@ -162,7 +186,9 @@ async def _pair(
         errors=stats.statuses["failed"],
         bare_calls_s=rate,
         bare_cpu_s_per_call=bare_cpu,
-        bare_errors=bare_errors,
+        bare_errors=bare_errors + transport_errors,
+        transport_calls_s=transport_rate,
+        transport_cpu_s_per_call=transport_cpu,
     )
     return pair, requests
 
@@ -236,6 +262,21 @@ async def _bare_aiohttp(url: str) -> AsyncIterator[Post]:
                     return response.status == 200
             except aiohttp.ClientError:
                 return False
+
+        yield post
+
+
+@asynccontextmanager
+async def _bare_httptools(url: str) -> AsyncIterator[Post]:
+    async with HttptoolsTransport(MAX_CONNECTIONS) as transport:
+
+        async def post(path: str, body: bytes) -> bool:
+            try:
+                status, answer = await transport.post(url + path, body, _HEADERS, 120.0)
+            except TransportError:
+                return False
+            msgspec.json.decode(answer)
+            return status == 200
 
         yield post
 

@@ -30,7 +30,7 @@ from libra.bench._train import bench_train
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser("bench", help="benchmarks")
     benches = parser.add_subparsers(title="benchmarks", metavar="BENCH", required=True)
-    engine = benches.add_parser("engine", help="engine overhead vs bare aiohttp and httpx")
+    engine = benches.add_parser("engine", help="engine overhead vs bare clients")
     engine.add_argument(
         "--concurrency",
         type=int,
@@ -42,7 +42,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--pairs",
         type=int,
         default=3,
-        help="runs of the engine and bare aiohttp per level, back to back (default 3)",
+        help="runs of the engine and the bare clients per level, back to back (default 3)",
     )
     engine.add_argument("--json", action="store_true", help="print JSON instead of a table")
     engine.set_defaults(run=run_engine)
@@ -104,16 +104,20 @@ def run_engine(args: argparse.Namespace) -> int:
         print(json.dumps(as_json(results)))
         return 0
     table = Table(title="libra bench engine: zero-latency emulated server on a real port")
-    columns = ("concurrent", "traj/s", "calls/s", "aiohttp calls/s", "ratio", "httpx calls/s",
-               "CPU µs/call", "aiohttp CPU µs/call", "errors")  # fmt: skip
+    columns = ("concurrent", "traj/s", "calls/s", "aiohttp calls/s", "ratio",
+               "httptools calls/s", "ratio", "httpx calls/s", "CPU µs/call",
+               "aiohttp CPU µs/call", "httptools CPU µs/call", "errors")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(
             f"{r.concurrency:,}", f"{r.trajectories_s:,.0f}", f"{r.calls_s:,.0f}",
             f"{r.bare_aiohttp_calls_s:,.0f}", f"{statistics.median(r.calls_ratio_per_pair):.2f}",
+            f"{r.bare_httptools_calls_s:,.0f}",
+            f"{statistics.median(r.httptools_calls_ratio_per_pair):.2f}",
             f"{r.bare_httpx_calls_s:,.0f}", f"{r.cpu_us_per_call:,.0f}",
-            f"{r.bare_aiohttp_cpu_us_per_call:,.0f}", f"{r.errors}",
+            f"{r.bare_aiohttp_cpu_us_per_call:,.0f}", f"{r.bare_httptools_cpu_us_per_call:,.0f}",
+            f"{r.errors}",
         )  # fmt: skip
     Console().print(table)
     return 0

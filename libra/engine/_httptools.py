@@ -33,6 +33,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import httptools
 
@@ -93,8 +94,8 @@ class _Connection(asyncio.Protocol):
     # ----------------------------------------------------------- asyncio's side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # (uvloop's transports are asyncio.Transports in all but their class)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -193,6 +194,21 @@ class HttptoolsTransport(BaseTransport):
     # ------------------------------------------------------------------ the pool
 
     async def _connection(self, origin: _Origin, deadline: float, timeout_s: float) -> _Connection:
+        """An idle connection to ``origin``, else a new one once there is room for it."""
+        while (connection := self._take_idle(origin)) is None:
+            if self._open < self.max_connections:
+                self._open += 1
+                try:
+                    return await self._connect(origin, deadline, timeout_s)
+                except BaseException:
+                    self._open -= 1
+                    self._wake_one()
+                    raise
+            if not self._close_an_idle_one():  # (to another origin: this one has none)
+                await self._wait_for_room(deadline, timeout_s)
+        return connection
+
+    def _take_idle(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
@@ -200,16 +216,7 @@ class HttptoolsTransport(BaseTransport):
             if not connection.closed and now - connection.idle_since < self.keep_alive_s:
                 return connection
             self._discard(connection)
-        while self._open >= self.max_connections:
-            if not self._close_an_idle_one():
-                await self._wait_for_room(deadline, timeout_s)
-        self._open += 1
-        try:
-            return await self._connect(origin, deadline, timeout_s)
-        except BaseException:
-            self._open -= 1
-            self._wake_one()
-            raise
+        return None
 
     async def _connect(self, origin: _Origin, deadline: float, timeout_s: float) -> _Connection:
         scheme, host, port = origin
@@ -273,6 +280,10 @@ class HttptoolsTransport(BaseTransport):
                 await room
         except TimeoutError as exc:
             raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
+        except BaseException:
+            if room.done() and not room.cancelled():  # woken, then cancelled: pass it on
+                self._wake_one()
+            raise
         finally:
             if room in self._waiting:
                 self._waiting.remove(room)

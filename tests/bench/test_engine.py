@@ -20,7 +20,9 @@ async def test_a_short_run_measures_each_pair_and_reports_their_medians() -> Non
     assert result.trajectories == 16 and result.calls > result.trajectories  # multi-turn
     assert len(result.calls_ratio_per_pair) == len(result.cpu_ratio_per_pair) == 2
     assert all(ratio > 0 for ratio in result.calls_ratio_per_pair + result.cpu_ratio_per_pair)
-    assert result.calls_s > 0 and result.bare_aiohttp_calls_s > 0 and result.bare_httpx_calls_s > 0
+    assert len(result.httptools_calls_ratio_per_pair) == 2
+    assert min(result.bare_aiohttp_calls_s, result.bare_httptools_calls_s) > 0
+    assert result.calls_s > 0 and result.bare_httpx_calls_s > 0
     table = engine_table([as_json([result])])
     median = statistics.median(result.calls_ratio_per_pair)
     assert f"{median:.2f} (" in table[-1]

@@ -21,9 +21,10 @@ pytestmark = pytest.mark.anyio
 JSON = {"content-type": "application/json"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the transport is asyncio's protocols
+@pytest.fixture(params=[pytest.param(False, id="asyncio"), pytest.param(True, id="uvloop")])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """asyncio's protocols: on its own loop, and on uvloop's (``libra serve``'s)."""
+    return "asyncio", {"use_uvloop": request.param}
 
 
 Answer = Callable[[int, int, bytes], Awaitable[bytes | None]]  # (connection, request, body)
