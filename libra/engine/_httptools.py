@@ -273,6 +273,8 @@ class HttptoolsTransport(BaseTransport):
         return False
 
     async def _wait_for_room(self, deadline: float, timeout_s: float) -> None:
+        # A caller that gives up leaves its future in the queue, cancelled, and
+        # _wake_one skips it: removing it would cost a scan of the queue.
         room = asyncio.get_running_loop().create_future()
         self._waiting.append(room)
         try:
@@ -284,9 +286,6 @@ class HttptoolsTransport(BaseTransport):
             if room.done() and not room.cancelled():  # woken, then cancelled: pass it on
                 self._wake_one()
             raise
-        finally:
-            if room in self._waiting:
-                self._waiting.remove(room)
 
     def _wake_one(self) -> None:
         while self._waiting:

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from libra.engine import HttptoolsTransport, TransportError
+from libra.engine import HttptoolsTransport, TransportError, TransportTimeout
 
 pytestmark = pytest.mark.anyio
 JSON = {"content-type": "application/json"}
@@ -190,6 +190,21 @@ async def test_max_connections_bounds_the_sockets_and_callers_wait_for_one() -> 
                 group.start_soon(call, number)
     assert sorted(answers) == sorted((200, b"%d" % n) for n in range(8))
     assert server.most_open == 2
+
+
+async def test_a_caller_waiting_for_a_connection_times_out_and_leaves_the_pool_working() -> None:
+    async def slow(connection: int, request: int, body: bytes) -> bytes:
+        await anyio.sleep(0.3)
+        return ok(body)
+
+    async with serving(slow) as server, HttptoolsTransport(max_connections=1) as http:
+        async with anyio.create_task_group() as group:
+            group.start_soon(http.post, server.url, b"first", JSON, 5.0)
+            await anyio.sleep(0.05)
+            with pytest.raises(TransportTimeout, match=r"no answer within 0\.1 s"):
+                await http.post(server.url, b"waits", JSON, 0.1)
+        assert await http.post(server.url, b"after", JSON, 5.0) == (200, b"after")
+    assert server.connections == 1
 
 
 async def test_a_full_pool_closes_an_idle_connection_to_another_server() -> None:
