@@ -58,7 +58,8 @@ class _Target:
             raise TransportError(f"not an http(s) URL: {url!r}")
         port = split.port or (443 if split.scheme == "https" else 80)
         path = (split.path or "/") + (f"?{split.query}" if split.query else "")
-        return cls((split.scheme, split.hostname, port), path.encode(), split.netloc.encode())
+        host = split.netloc.rpartition("@")[2]  # (no user:password@ in a Host header)
+        return cls((split.scheme, split.hostname, port), path.encode(), host.encode())
 
 
 class _Connection(asyncio.Protocol):
