@@ -40,6 +40,7 @@ import httptools
 from libra.engine._http import BaseTransport, TransportError, TransportTimeout
 
 _Origin = tuple[str, str, int]  # scheme, host, port
+_DELIMITING = (b"content-length", b"transfer-encoding")
 _Answer = tuple[int, bytes]
 
 
@@ -78,12 +79,15 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._answer: asyncio.Future[_Answer] | None = None
         self._body: list[bytes] = []
+        # An answer with neither a length nor chunks ends when its connection closes.
+        self._until_close = False
+        self._delimited = False
 
     # ----------------------------------------------------------- the call's side
 
     def send(self, request: bytes, answer: asyncio.Future[_Answer]) -> None:
         assert self.transport is not None
-        self.received = False
+        self.received = self._until_close = False
         self._answer = answer
         self.transport.write(request)
 
@@ -108,6 +112,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._until_close and exc is None:
+            self.on_message_complete()
         reason = f"{type(exc).__name__}: {exc}" if exc is not None else "closed by the server"
         self._fail(TransportError(f"the connection broke ({reason})"))
         if self.on_lost is not None:
@@ -120,10 +126,22 @@ class _Connection(asyncio.Protocol):
 
     # ----------------------------------------------------------- httptools' callbacks
 
+    def on_headers_complete(self) -> None:
+        # httptools cannot be told of the close that ends such an answer: note it here.
+        self._until_close = not self._delimited and self._parser.get_status_code() >= 200
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in _DELIMITING:
+            self._delimited = True
+
+    def on_message_begin(self) -> None:
+        self._delimited = False
+
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._until_close = False
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = []
         answer, self._answer = self._answer, None

@@ -36,6 +36,7 @@ class Server:
     close the connection without one)."""
 
     answer: Answer
+    close_after_answer: bool = False
     url: str = ""
     connections: int = 0
     open_now: int = 0
@@ -58,6 +59,8 @@ class Server:
                     break
                 writer.write(reply)
                 await writer.drain()
+                if self.close_after_answer:
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             self.closed_by_client.append(number)
         finally:
@@ -66,8 +69,10 @@ class Server:
 
 
 @asynccontextmanager
-async def serving(answer: Answer, context: ssl.SSLContext | None = None) -> AsyncIterator[Server]:
-    server = Server(answer)
+async def serving(
+    answer: Answer, context: ssl.SSLContext | None = None, *, close_after_answer: bool = False
+) -> AsyncIterator[Server]:
+    server = Server(answer, close_after_answer)
     listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=context)
     port = listener.sockets[0].getsockname()[1]
     server.url = f"{'https' if context else 'http'}://127.0.0.1:{port}"
@@ -102,6 +107,19 @@ async def test_a_chunked_answer_is_read_whole() -> None:
         assert await http.post(server.url, b"{}", JSON, 5.0) == (201, b"abcde")
         assert await http.post(server.url, b"{}", JSON, 5.0) == (201, b"abcde")
     assert server.connections == 1
+
+
+async def test_an_answer_without_a_length_ends_when_its_connection_closes() -> None:
+    async def until_close(connection: int, request: int, body: bytes) -> bytes:
+        return b"HTTP/1.0 200 OK\r\n\r\nall of it"
+
+    async with (
+        serving(until_close, close_after_answer=True) as server,
+        HttptoolsTransport() as http,
+    ):
+        for _ in range(2):
+            assert await http.post(server.url, b"{}", JSON, 5.0) == (200, b"all of it")
+    assert server.connections == 2
 
 
 async def test_an_answer_that_closes_its_connection_is_read_and_the_connection_not_reused() -> None:
