@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP client the engine generates with.
 
-It speaks to any OpenAI-compatible server through an :class:`HTTPTransport` (aiohttp
-for real ports, httpx's ASGI transport for an in-process fleet) and
+It speaks to any OpenAI-compatible server through an :class:`HTTPTransport` (httptools
+for real ports, an ASGI transport for an in-process fleet) and
 uses vLLM's extensions when the server has them: ``return_token_ids`` and ``logprobs``
 for exact training data, ``priority`` for the scheduler, ``/tokenize`` for rendering
 tool results into tokens. Bodies are encoded and decoded with msgspec: on a busy engine

@@ -1,7 +1,7 @@
 """Fewer cyclic garbage collections while a rollout runs.
 
 Each generation call allocates a few dozen objects the cyclic collector tracks
-(coroutines, the dataclasses of routing and records, aiohttp's request state), so
+(coroutines, the dataclasses of routing and records, the HTTP call's state), so
 CPython's default young-generation threshold (700 allocations) ran a collection every
 dozen or so calls: about a tenth of the engine's CPU at 1,000 concurrent trajectories
 (``libra bench engine``), for garbage that is nearly all freed by reference counting
