@@ -36,6 +36,9 @@ pytestmark = pytest.mark.anyio
 NEVER = 1e9  # a re-plan trigger that never fires: the ratio rule alone decides
 
 
+STEPS = 4  # the hybrid worker is lent after step 0, 1 or 2, and trains at least once
+
+
 def alloc_section(cores: list[int]) -> dict[str, Any]:
     """Three workers on the machine's cores (one core may be in two sets): 0 trains,
     1 serves for good, 2 serves until the loop lends it to training."""
@@ -153,7 +156,7 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
                 "server": "embedded",
                 "engine": {"sampling": {"max_tokens_per_turn": 8, "temperature": 0.7}},
             },
-            "steps": 3,
+            "steps": STEPS,
             "prompts_per_step": 2,
             "samples_per_prompt": 2,
             "run_dir": str(run_dir),
@@ -180,17 +183,19 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
     print("timings:", timings)  # the figures a report quotes (pytest -s)
 
     lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 1, 2] == [r.step for r in records]
+    assert [line["step"] for line in lines] == list(range(STEPS)) == [r.step for r in records]
     allocs = [line["alloc"] for line in lines]
     print("alloc:", json.dumps(allocs, indent=1))
-    # Step 0's rollout includes vLLM's first calls: training outlasts it from step 0 or 1.
+    # Step 0's rollout includes vLLM's first calls: training outlasts it from step 0 or 1,
+    # or (the ratio at step 1 is near 1 when the machine is loaded: it measured 0.9998
+    # once in the full suite) step 2.
     lent = next(step for step, alloc in enumerate(allocs) if alloc["decision"] == "borrow")
-    assert lent < 2 and allocs[lent]["moving"] == ["borrow w2"]
+    assert lent < STEPS - 1 and allocs[lent]["moving"] == ["borrow w2"]
     assert allocs[lent]["trained_on"] == 1 and allocs[lent]["training"] == [0]
-    assert [move["outcome"] for move in allocs[2]["moves"]] == ["done"]
-    assert allocs[2]["training"] == [0, 2] and allocs[2]["serving"] == ["w1"]
+    assert [move["outcome"] for move in allocs[-1]["moves"]] == ["done"]
+    assert allocs[-1]["training"] == [0, 2] and allocs[-1]["serving"] == ["w1"]
     # The trainer's world grew: the steps after the move split their batch over two ranks.
-    assert [alloc["trained_on"] for alloc in allocs[lent + 1 :]] == [2] * (2 - lent)
+    assert [alloc["trained_on"] for alloc in allocs[lent + 1 :]] == [2] * (STEPS - 1 - lent)
     for step, line in enumerate(lines):
         logged = (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
         ids = Counter(json.loads(record)["id"] for record in logged)
