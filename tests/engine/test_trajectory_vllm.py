@@ -34,7 +34,7 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
-    return "asyncio"  # aiohttp and the Docker SDK's threads
+    return "asyncio"  # the HTTP transport's protocols and the Docker SDK's threads
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,12 @@ async def greedy_rollout(
     server: VLLMServer, sandboxes: DockerSandboxProvider | None, n: int
 ) -> list[TrajectoryRecord]:
     sampling = SamplingConfig(temperature=0.0, max_tokens_per_turn=256)
-    config = EngineConfig(sampling=sampling, max_turns=3, max_context_tokens=2048)
+    # vLLM on two loaded CPU cores is slow, not hung: in the full suite it sampled 7-14
+    # tokens/s over six requests, so a 256-token turn can take minutes, past the default
+    # 30 s + 0.05 s a token after which a call is taken as hung (a record was lost so).
+    config = EngineConfig(
+        sampling=sampling, max_turns=3, max_context_tokens=2048, call_timeout_s=300.0
+    )
     records: list[TrajectoryRecord] = []
     async with http_transport() as http:
         endpoint = Endpoint(server.url, model=REAL_MODEL_NAME)
