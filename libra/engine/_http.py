@@ -35,6 +35,10 @@ class TransportError(Exception):
 class TransportTimeout(TransportError):
     """No answer within the request's ``timeout_s``."""
 
+    @classmethod
+    def after(cls, timeout_s: float) -> TransportTimeout:
+        return cls(f"no answer within {timeout_s:.1f} s")
+
 
 class HTTPTransport(Protocol):
     async def post(
@@ -119,7 +123,7 @@ class AiohttpTransport(BaseTransport):
             ) as response:
                 return response.status, await response.read()
         except TimeoutError as exc:  # aiohttp's timer: every request arms one anyway
-            raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
+            raise TransportTimeout.after(timeout_s) from exc
         except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -155,7 +159,7 @@ class HttpxTransport(BaseTransport):
                     method, url, content=body, headers=headers, timeout=timeout_s
                 )
         except (TimeoutError, httpx.TimeoutException) as exc:
-            raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
+            raise TransportTimeout.after(timeout_s) from exc
         except httpx.TransportError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from exc
         return response.status_code, response.content

@@ -253,7 +253,7 @@ class HttptoolsTransport(BaseTransport):
                     server_hostname=host if context is not None else None,
                 )
         except TimeoutError as exc:
-            raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
+            raise TransportTimeout.after(timeout_s) from exc
         except OSError as exc:
             raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
         connection.on_lost = self._lost
@@ -300,7 +300,7 @@ class HttptoolsTransport(BaseTransport):
             async with asyncio.timeout_at(deadline):
                 await room
         except TimeoutError as exc:
-            raise TransportTimeout(f"no answer within {timeout_s:.1f} s") from exc
+            raise TransportTimeout.after(timeout_s) from exc
         except BaseException:
             if room.done() and not room.cancelled():  # woken, then cancelled: pass it on
                 self._wake_one()
@@ -345,4 +345,4 @@ def _request_bytes(
 
 def _expire(answer: asyncio.Future[_Answer], timeout_s: float) -> None:
     if not answer.done():
-        answer.set_exception(TransportTimeout(f"no answer within {timeout_s:.1f} s"))
+        answer.set_exception(TransportTimeout.after(timeout_s))
