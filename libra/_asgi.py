@@ -25,6 +25,26 @@ class BodyTooLarge(Exception):
     """The request's body is over the app's limit."""
 
 
+DISCONNECT_EXTENSION = "libra.disconnect"
+"""A scope extension: the server calls the ``"callback"`` the app puts in it when the
+client goes away before the response is complete.
+
+ASGI tells an app of a disconnect only through ``receive()``, so an app that must notice
+one while it works keeps a task waiting there, a task a request. ``libra serve``'s
+uvicorn protocol (``libra/cli/_http_protocol.py``) offers this hook instead; other servers
+do not, and the app falls back to the waiting task."""
+
+
+def on_disconnect(scope: Scope, callback: Callable[[], object]) -> bool:
+    """Have the server call ``callback`` if the client goes away before the response is
+    complete; False when the server offers no such hook."""
+    extension = scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+    if extension is None:
+        return False
+    extension["callback"] = callback
+    return True
+
+
 async def read_body(receive: Receive, limit: int | None = None) -> bytes:
     """The request's whole body; :class:`BodyTooLarge` as soon as it passes ``limit``."""
     chunks: list[bytes] = []

@@ -1,6 +1,7 @@
-"""uvicorn's HTTP protocol, writing each answer to its socket once instead of twice.
+"""uvicorn's HTTP protocol for ``libra serve``: each answer written to its socket once
+instead of twice, and the app told of a client's disconnect without a task waiting.
 
-uvicorn writes a response's status line and headers when the app sends
+**One write.** uvicorn writes a response's status line and headers when the app sends
 ``http.response.start`` and its body when the app sends ``http.response.body``: two
 socket writes, and on loopback two deliveries, each waking the client. ``libra serve``
 sends both messages back to back, and sampled with py-spy under ``libra bench serve``
@@ -9,6 +10,11 @@ makes within one turn of the event loop goes out as one, at the end of the turn
 (``call_soon``): the bytes and their order are unchanged; a close, an abort or an
 end-of-file flushes what is held first, and what is held when the connection has gone
 is dropped, as a write to a closed socket would be.
+
+**Disconnects.** Each request's scope carries the ``libra.disconnect`` extension
+(``libra/_asgi.py``): the callback the app puts there is called when the connection is
+lost before the response is complete, so the gateway cancels a generation without a
+task per request waiting on ``receive()`` for the news.
 """
 
 from __future__ import annotations
@@ -18,13 +24,28 @@ from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from libra._asgi import DISCONNECT_EXTENSION
 
-class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """``HttpToolsProtocol`` over a :class:`CoalescingTransport`."""
+
+class ServeHttpToolsProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` over a :class:`CoalescingTransport`, offering each request
+    the ``libra.disconnect`` extension (see the module)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are asyncio.Transports in all but their class)
         super().connection_made(CoalescingTransport(cast(asyncio.Transport, transport)))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: {}}
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # (its response was not complete)
+            callback = cycle.scope["extensions"][DISCONNECT_EXTENSION].get("callback")
+            if callable(callback):
+                callback()
 
 
 class CoalescingTransport(asyncio.Transport):

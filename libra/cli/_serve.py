@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.live import Live
 
 from libra.cli._config import add_config_arguments
-from libra.cli._http_protocol import CoalescingHttpToolsProtocol
+from libra.cli._http_protocol import ServeHttpToolsProtocol
 from libra.config import load_config
 from libra.emulation import EmulatorConfig
 from libra.engine import Engine, EngineConfig, TransportName
@@ -178,7 +178,7 @@ def _uvicorn_config(app: Callable[..., object], config: ServeConfig) -> uvicorn.
         app,
         host=config.host,
         port=config.port,
-        http=CoalescingHttpToolsProtocol,  # httptools, one socket write an answer
+        http=ServeHttpToolsProtocol,  # httptools, one socket write an answer
         loop="none",  # anyio's loop (uvloop) is already running
         lifespan="off",
         log_level="warning",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import anyio
@@ -44,8 +43,7 @@ class CallTimedOut(ServerUnavailable):
     """A generation call had no answer within its per-call timeout: its server is hung."""
 
 
-@dataclass(frozen=True, slots=True)
-class CallDeadline:
+class CallDeadline(msgspec.Struct, frozen=True):
     """When the generation call in progress must have its answer (anyio's clock).
 
     Every request the call makes (a probe, a rendering, the generation) gets the time
@@ -63,8 +61,7 @@ class CallDeadline:
 call_deadline: ContextVar[CallDeadline | None] = ContextVar("call_deadline", default=None)
 
 
-@dataclass(frozen=True, slots=True)
-class Generation:
+class Generation(msgspec.Struct, frozen=True):
     """One generation as the server returned it (``finish_reason`` ``"abort"``: a pause
     or a drain ended it early, with what it had sampled so far).
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from libra.config import Section
@@ -93,8 +93,7 @@ class EngineConfig(Section):
     sampling: SamplingConfig = SamplingConfig()
 
 
-@dataclass(frozen=True, slots=True)
-class TurnSampling:
+class TurnSampling(msgspec.Struct, frozen=True):
     """Every sampling parameter of one generation request, built in one place (the
     ``_turn_sampling`` of ``_turn.py``) and sent as is by either API path of the client."""
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+import msgspec
 
 from libra import openai
 from libra._clock import now
@@ -311,8 +312,7 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     return generation
 
 
-@dataclass(frozen=True, slots=True)
-class _Prompt:
+class _Prompt(msgspec.Struct, frozen=True):
     """A generation request's conversation (see ``OpenAIClient.generate``): the chat, or
     the exact token list, a partial turn included, with pending messages rendered."""
 
@@ -370,8 +370,7 @@ def _turn_sampling(d: Dialogue, config: EngineConfig, route: Route, turn: Turn) 
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(msgspec.Struct, frozen=True):
     """One generation of a turn, and where and by which weights it was sampled."""
 
     generation: Generation

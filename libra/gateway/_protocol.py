@@ -11,8 +11,9 @@ The surface sees the core only through :class:`GatewayCore`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+import msgspec
 
 from libra import openai
 from libra.signals import ToolStatus
@@ -20,23 +21,21 @@ from libra.signals import ToolStatus
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-@dataclass(frozen=True, slots=True)
-class ChatTurn:
+class ChatTurn(msgspec.Struct, frozen=True):
     """A validated chat request, as the core needs it: the surface has already checked
     every field and refused what it does not support (with a 400)."""
 
     messages: list[openai.Message]
-    tools: list[dict[str, object]] = field(default_factory=list)
+    tools: list[dict[str, object]] = msgspec.field(default_factory=list)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
     session: str | None = None  # the client's session key (header or ``user``), if any
 
 
-@dataclass(frozen=True, slots=True)
-class ChatReply:
+class ChatReply(msgspec.Struct, frozen=True):
     """One assistant turn, returned whole or streamed by the surface."""
 
     session: str  # the session it belongs to (echoed to the client in a header)
@@ -50,8 +49,7 @@ class ChatReply:
     weight_version: int
 
 
-@dataclass(frozen=True, slots=True)
-class FleetStatus:
+class FleetStatus(msgspec.Struct, frozen=True):
     """What the admin API reports: each upstream endpoint's weight version and health."""
 
     versions: dict[str, int]

@@ -129,7 +129,7 @@ class Sessions:
     # ------------------------------------------------------------------ GatewayCore
 
     def models(self) -> list[str]:
-        return sorted({e.model for e in self.engine.scheduler.router.endpoints().values()})
+        return sorted({i.endpoint.model for i in self.engine.scheduler.router.instances})
 
     async def chat(self, turn: ChatTurn) -> ChatReply:
         sampling = self._sampling(turn)  # (invalid values raise before a session starts)

@@ -13,7 +13,6 @@ content as a string or a list of text parts, the ``developer`` role (a system me
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -482,8 +481,7 @@ def tool_calls_out(reply: ChatReply, parallel: bool) -> list[ToolCallOut]:
     return [ToolCallOut(c.id, FunctionOut(c.function.name, c.function.arguments)) for c in calls]
 
 
-@dataclass(frozen=True, slots=True)
-class Head:
+class Head(msgspec.Struct, frozen=True):
     """What every object of one answer repeats, and whether tool calls may be parallel."""
 
     id: str
