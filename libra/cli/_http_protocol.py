@@ -55,10 +55,12 @@ class CoalescingTransport(asyncio.Transport):
         super().__init__()
         self._transport = transport
         self._held: list[bytes] = []
+        # (asyncio.get_running_loop() makes a system call, getpid, each time)
+        self._loop = asyncio.get_running_loop()
 
     def write(self, data: bytes | bytearray | memoryview[Any]) -> None:
         if not self._held:
-            asyncio.get_running_loop().call_soon(self.flush)
+            self._loop.call_soon(self.flush)
         self._held.append(bytes(data))
 
     def writelines(self, list_of_data: Any) -> None:

@@ -185,7 +185,7 @@ class HttptoolsTransport(BaseTransport):
         for retry in (True, False):  # retried only when a reused connection was stale
             connection = await self._connection(target.origin, deadline, timeout_s)
             try:
-                return await self._exchange(connection, request, deadline, timeout_s)
+                return await self._exchange(loop, connection, request, deadline, timeout_s)
             except TransportTimeout:
                 raise
             except TransportError:
@@ -194,9 +194,13 @@ class HttptoolsTransport(BaseTransport):
         raise AssertionError("unreachable")
 
     async def _exchange(
-        self, connection: _Connection, request: bytes, deadline: float, timeout_s: float
+        self,
+        loop: asyncio.AbstractEventLoop,
+        connection: _Connection,
+        request: bytes,
+        deadline: float,
+        timeout_s: float,
     ) -> _Answer:
-        loop = asyncio.get_running_loop()
         answer: asyncio.Future[_Answer] = loop.create_future()
         timer = loop.call_at(deadline, _expire, answer, timeout_s)
         connection.send(request, answer)

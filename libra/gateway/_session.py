@@ -107,6 +107,39 @@ class Mark:
 class Session:
     """One session's state (see the module); ``key`` keys the scheduler and the record."""
 
+    __slots__ = (
+        "busy",
+        "call_names",
+        "client_key",
+        "digest",
+        "done",
+        "endpoints",
+        "env",
+        "idle",
+        "key",
+        "last_endpoint",
+        "last_used",
+        "messages",
+        "output_tokens",
+        "parser",
+        "pending",
+        "prompt_key",
+        "replied_at",
+        "reward",
+        "sampling",
+        "seen",
+        "started_at",
+        "stop_strings",
+        "timings",
+        "tokens",
+        "tool_returns",
+        "tools",
+        "turns",
+        "uses_tools",
+        "weight_version",
+        "weights_changed_turns",
+    )
+
     def __init__(
         self,
         key: str,
