@@ -185,6 +185,7 @@ def _uvicorn_config(app: Callable[..., object], config: ServeConfig) -> uvicorn.
         access_log=False,  # a log of requests would hold their headers' neighbours
         backlog=4096,
         proxy_headers=False,  # the gateway reads no client address: no per-request middleware
+        server_header=False,  # no banner naming the server (and one header less an answer)
         timeout_keep_alive=60,
     )
 

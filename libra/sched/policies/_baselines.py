@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from libra.fleet import Endpoint
+from libra.fleet import Endpoint, FleetSpec
 from libra.sched._buckets import Bucket, Instance, Router
 from libra.sched._protocol import RouteRequest
 from libra.sched.policies._base import Choice, RoutedPolicy, Track
@@ -65,6 +65,7 @@ class LeastLoadedScheduler(RoutedPolicy):
         """``fleet``: a router, or endpoints (a one-bucket router over those objects)."""
         super().__init__(fleet if isinstance(fleet, Router) else Router.over(fleet))
         self._turn = itertools.count()
+        self._ordered: tuple[FleetSpec, Callable[[Instance], int]] | None = None
 
     def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
         candidates = sorted(self.router.usable(exclude), key=self._fleet_order())
@@ -81,8 +82,11 @@ class LeastLoadedScheduler(RoutedPolicy):
     def _fleet_order(self) -> Callable[[Instance], int]:
         """Turns go in the fleet's instance order (the router keeps bucket order), then
         instances that joined since: blind to buckets, as this policy is."""
-        order = {spec.name: index for index, spec in enumerate(self.router.fleet.instances)}
-        return lambda instance: order.get(instance.name, len(order))
+        fleet = self.router.fleet
+        if self._ordered is None or self._ordered[0] is not fleet:  # (the router moved)
+            order = {spec.name: index for index, spec in enumerate(fleet.instances)}
+            self._ordered = (fleet, lambda instance: order.get(instance.name, len(order)))
+        return self._ordered[1]
 
 
 class LeastLoadedCapacity(LeastLoadedScheduler):
