@@ -27,7 +27,8 @@ class BodyTooLarge(Exception):
 
 DISCONNECT_EXTENSION = "libra.disconnect"
 """A scope extension: the server calls the ``"callback"`` the app puts in it when the
-client goes away before the response is complete.
+client goes away before the response is complete (and notes ``"disconnected"`` there,
+for a callback put in later).
 
 ASGI tells an app of a disconnect only through ``receive()``, so an app that must notice
 one while it works keeps a task waiting there, a task a request. ``libra serve``'s
@@ -37,11 +38,13 @@ do not, and the app falls back to the waiting task."""
 
 def on_disconnect(scope: Scope, callback: Callable[[], object]) -> bool:
     """Have the server call ``callback`` if the client goes away before the response is
-    complete; False when the server offers no such hook."""
+    complete (at once if it has gone); False when the server offers no such hook."""
     extension = scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
     if extension is None:
         return False
     extension["callback"] = callback
+    if extension.get("disconnected"):  # already gone (after its body came)
+        callback()
     return True
 
 

@@ -6,7 +6,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from libra._asgi import ASGIMessage, BodyTooLarge, ClientDisconnected, Receive, header, read_body
+from libra._asgi import (
+    DISCONNECT_EXTENSION,
+    ASGIMessage,
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    header,
+    on_disconnect,
+    read_body,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -38,3 +47,15 @@ def test_headers_are_found_by_their_lower_case_name() -> None:
     scope = {"headers": [(b"content-type", b"application/json"), (b"x-libra-session", b"s1")]}
     assert header(scope, b"x-libra-session") == b"s1"
     assert header(scope, b"authorization") is None
+
+
+def test_a_disconnect_callback_goes_where_the_server_offers_the_extension() -> None:
+    calls: list[str] = []
+    assert not on_disconnect({"type": "http"}, lambda: calls.append("plain"))
+    offered: dict[str, dict[str, object]] = {DISCONNECT_EXTENSION: {}}
+    assert on_disconnect({"extensions": offered}, lambda: calls.append("offered"))
+    assert calls == [] and callable(offered[DISCONNECT_EXTENSION]["callback"])
+    # A client gone before the app asked: the callback runs at once.
+    gone: dict[str, dict[str, object]] = {DISCONNECT_EXTENSION: {"disconnected": True}}
+    assert on_disconnect({"extensions": gone}, lambda: calls.append("gone"))
+    assert calls == ["gone"]

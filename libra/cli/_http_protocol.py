@@ -43,7 +43,9 @@ class ServeHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:  # (its response was not complete)
-            callback = cycle.scope["extensions"][DISCONNECT_EXTENSION].get("callback")
+            extension = cycle.scope["extensions"][DISCONNECT_EXTENSION]
+            extension["disconnected"] = True
+            callback = extension.get("callback")
             if callable(callback):
                 callback()
 

@@ -417,6 +417,8 @@ class GatewayApp:
         """``call``'s result; cancelled, and :class:`ClientDisconnected` raised, when the
         client goes away first (so the upstream request is cancelled too)."""
         assert watch is not None  # generation routes are watched
+        if watch.ended:  # gone already, once its request had come
+            raise ClientDisconnected
         started = time.perf_counter()
         try:
             return await watch.call(call)

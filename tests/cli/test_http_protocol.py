@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -18,18 +19,12 @@ from libra.cli._http_protocol import ServeHttpToolsProtocol
 pytestmark = pytest.mark.anyio
 
 BODY = b'{"answer": 42}'
-LEFT: list[str] = []  # the paths whose client went away before their answer
-RELEASE = anyio.Event()  # (re-made by the test that waits on it)
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Answers ``/close`` with ``connection: close``, ``/wait`` once ``RELEASE`` is set,
-    anything else at once and kept alive; notes its disconnected clients in ``LEFT``."""
+    """Answers ``/close`` with ``connection: close``, anything else kept alive."""
     assert scope["type"] == "http"
-    assert on_disconnect(scope, lambda: LEFT.append(scope["path"]))
     await receive()
-    if scope["path"] == "/wait":
-        await RELEASE.wait()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"14")]
     if scope["path"] == "/close":
         headers.append((b"connection", b"close"))
@@ -38,10 +33,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 @asynccontextmanager
-async def serving() -> AsyncIterator[int]:
+async def serving(application: Any = app) -> AsyncIterator[int]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=ServeHttpToolsProtocol, lifespan="off", log_level="warning")
+    config = uvicorn.Config(
+        application, http=ServeHttpToolsProtocol, lifespan="off", log_level="warning"
+    )
     server = uvicorn.Server(config)
     with listener:
         async with anyio.create_task_group() as group:
@@ -84,10 +81,21 @@ async def test_what_is_held_goes_out_before_a_close() -> None:
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_client_gone_before_its_answer_is_reported_to_the_app() -> None:
-    global RELEASE
-    RELEASE = anyio.Event()
-    LEFT.clear()
-    async with serving() as port:
+    left: list[str] = []  # the paths whose client went away before their answer
+    gone, release = anyio.Event(), anyio.Event()
+
+    def went(path: str) -> None:
+        left.append(path)
+        gone.set()
+
+    async def waiting(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """``/wait`` answers once released, the rest at once."""
+        assert on_disconnect(scope, partial(went, scope["path"]))
+        if scope["path"] == "/wait":
+            await release.wait()
+        await app(scope, receive, send)
+
+    async with serving(waiting) as port:
         async with await anyio.connect_tcp("127.0.0.1", port) as client:
             await client.send(request("/"))  # answered: its close is no news
             with anyio.fail_after(5):
@@ -96,7 +104,6 @@ async def test_a_client_gone_before_its_answer_is_reported_to_the_app() -> None:
             await client.send(request("/wait"))
             await anyio.sleep(0.2)  # (the app is waiting)
         with anyio.fail_after(5):
-            while not LEFT:
-                await anyio.sleep(0.01)
-        RELEASE.set()
-    assert LEFT == ["/wait"]
+            await gone.wait()
+        release.set()
+    assert left == ["/wait"]
