@@ -47,7 +47,7 @@ class PolicyOptions:
 REGISTRY: dict[str, type[RoutedPolicy]] = {}
 
 
-@dataclass
+@dataclass(slots=True)
 class Track:
     """What a policy knows of one live trajectory."""
 
