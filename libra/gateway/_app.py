@@ -506,7 +506,7 @@ def _asyncio_task() -> asyncio.Task[Any] | None:
 def _bare_task(watching: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """On asyncio, ``watching`` as a bare task: an anyio task group and its task cost
     ~0.1 ms a request, a sixth of the gateway's CPU. The watcher needs no cancel scope
-    of its own (it only waits on ``receive`` and cancels the watched scope), and the
+    of its own (it only waits on ``receive`` and cancels the watched call), and the
     caller cancels it when the exchange ends. None elsewhere (trio): use a task group."""
     try:
         loop = asyncio.get_running_loop()
