@@ -508,12 +508,11 @@ def _bare_task(watching: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None
     ~0.1 ms a request, a sixth of the gateway's CPU. The watcher needs no cancel scope
     of its own (it only waits on ``receive`` and cancels the watched call), and the
     caller cancels it when the exchange ends. None elsewhere (trio): use a task group."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
+    task = _asyncio_task()
+    if task is None:
         watching.close()
         return None
-    return loop.create_task(watching)
+    return task.get_loop().create_task(watching)
 
 
 async def _with_admin_marker(send: Send, message: ASGIMessage) -> None:
