@@ -157,22 +157,29 @@ async def generate_turn(d: Dialogue, engine: Engine, trouble: ServerTrouble | No
     continuation of the token list with what is left of the turn's token budget; the
     pieces make one turn. The chat path cannot continue a partial reply, so there the
     turn starts over (what it had sampled is dropped). After ``max_continuations`` such
-    restarts a further abort raises ``ServerUnavailable``. ``trouble``, if given, follows
-    the servers' failures while the turn runs.
+    restarts a further abort raises ``ServerUnavailable``. A generation that stopped at
+    its route's quantum (``Route.max_tokens``) is continued the same way, routed again, so
+    the scheduler can move a turn that runs long; those pieces are no restarts.
+    ``trouble``, if given, follows the servers' failures while the turn runs.
     """
     config = engine.config
     trouble = trouble if trouble is not None else ServerTrouble()
     turn = Turn()
-    for _ in range(config.max_continuations + 1):
+    aborts = 0
+    while True:
         if turn.pieces and _turn_budget(d, config, turn) <= 0:
             return turn.ended("length")  # the abort came on the turn's last token
         piece = await _attempt(d, engine, turn, trouble)
         if piece.generation.path == "chat":
             turn.pieces.clear()  # a chat reply is always the whole turn
         turn.pieces.append(piece)
+        if piece.quantum_reached:
+            continue
         if piece.generation.finish_reason != "abort":
             return turn
-    raise ServerUnavailable(f"a turn was aborted {config.max_continuations + 1} times")
+        aborts += 1
+        if aborts > config.max_continuations:
+            raise ServerUnavailable(f"a turn was aborted {aborts} times")
 
 
 async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTrouble) -> Piece:
@@ -196,7 +203,8 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             outcome = "migrated" if generation.finish_reason == "abort" else "ok"
             d.weights_changed_turns += route.weights_changed
             trouble.unresolved = None
-            return Piece(generation, route.endpoint, route.weight_version, route.bucket)
+            reached = _quantum_reached(route, generation, _turn_budget(d, config, turn))
+            return Piece(generation, route.endpoint, route.weight_version, route.bucket, reached)
         except ServerUnavailable as exc:
             capacity.last_error = str(exc)
             if route.retired:
@@ -217,6 +225,19 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             scheduler.release(route, outcome=outcome, new_tokens=sampled)
         await anyio.sleep(backoff)
         backoff *= 2
+
+
+def _quantum_reached(route: Route, generation: Generation, budget: int) -> bool:
+    """The call stopped at its route's quantum, with the turn's own budget not spent
+    (``budget``: what the turn could still sample when the call was made)."""
+    quantum = route.max_tokens
+    return (
+        quantum is not None
+        and quantum < budget
+        and generation.path == "tokens"
+        and generation.finish_reason == "length"
+        and generation.completion_tokens >= quantum
+    )
 
 
 def _failed_attempts(attempts: int, last: Exception) -> str:
@@ -302,9 +323,11 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     endpoint, client = route.endpoint, engine.client
     if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
         d.describe_tools_in_system_message()
-    if d.tokens.source == "exact" and await client.speaks_tokens(endpoint):
+    on_tokens = d.tokens.source == "exact" and await client.speaks_tokens(endpoint)
+    if on_tokens:
         await render_pending(d, engine.renderer, endpoint)  # the budget sees the whole prompt
-    sampling = _turn_sampling(d, engine.config, route, turn)
+    quantum = route.max_tokens if on_tokens else None  # a chat reply cannot be continued
+    sampling = _turn_sampling(d, engine.config, route, turn, quantum)
     generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
     if generation.path == "chat":
         d.tokens.absorb_prompt(generation.prompt_token_ids)
@@ -350,17 +373,21 @@ def _turn_budget(d: Dialogue, config: EngineConfig, turn: Turn) -> int:
     return min(room, d.sampling.max_tokens_per_turn) - turn.produced
 
 
-def _turn_sampling(d: Dialogue, config: EngineConfig, route: Route, turn: Turn) -> TurnSampling:
+def _turn_sampling(
+    d: Dialogue, config: EngineConfig, route: Route, turn: Turn, quantum: int | None = None
+) -> TurnSampling:
     """Every sampling parameter of the next request: the turn's remaining budget (capped
-    by the room left in the context), a per-turn seed, the route's priority."""
+    by the room left in the context, and by ``quantum``), a per-turn seed, the route's
+    priority."""
     if config.max_context_tokens - len(d.tokens) <= 0:
         raise ContextFull(f"{len(d.tokens)} tokens fill max_context_tokens")
     sampling = d.sampling
     seed = sampling.seed
     if seed is not None:  # reproducible, yet different for every sample and turn
         seed = zlib.crc32(f"{seed}/{d.key}/{d.turns}".encode())
+    budget = _turn_budget(d, config, turn)
     return TurnSampling(
-        max_tokens=_turn_budget(d, config, turn),
+        max_tokens=budget if quantum is None else min(budget, quantum),
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         seed=seed,
@@ -371,17 +398,20 @@ def _turn_sampling(d: Dialogue, config: EngineConfig, route: Route, turn: Turn) 
 
 
 class Piece(msgspec.Struct, frozen=True):
-    """One generation of a turn, and where and by which weights it was sampled."""
+    """One generation of a turn, where and by which weights it was sampled, and whether
+    it stopped at its route's quantum (the turn goes on)."""
 
     generation: Generation
     endpoint: Endpoint
     weight_version: int
     bucket: str = ""
+    quantum_reached: bool = False
 
 
 @dataclass(slots=True)
 class Turn:
-    """A model turn: one generation, or several when aborted ones were continued."""
+    """A model turn: one generation, or several when aborted or quantum-cut ones were
+    continued."""
 
     pieces: list[Piece] = field(default_factory=list)
     finish_reason: str | None = None  # set when the turn ended for a reason of its own

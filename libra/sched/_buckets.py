@@ -300,7 +300,11 @@ class Router:
     # ------------------------------------------------------------------ accounting
 
     def acquire(
-        self, instance: Instance, request: RouteRequest, priority: int | None = None
+        self,
+        instance: Instance,
+        request: RouteRequest,
+        priority: int | None = None,
+        max_tokens: int | None = None,
     ) -> Route:
         """Count a call on ``instance`` and make its route (with the weights it has now)."""
         endpoint = instance.endpoint
@@ -311,6 +315,7 @@ class Router:
             request.trajectory_id,
             weight_version=endpoint.weight_version,
             instance=instance,
+            max_tokens=max_tokens,
         )
         instance.in_flight += 1
         instance.in_flight_tokens += request.context_tokens

@@ -68,7 +68,9 @@ class Route:
     can account the call's tokens to it. ``weight_version`` is the endpoint's weights when
     the call was routed; ``instance`` is the router's incarnation of the endpoint that
     counts the call (a name re-added later is another incarnation, never decremented by
-    this call's release).
+    this call's release). ``max_tokens``, when set, is the policy's quantum: the call
+    samples at most that many tokens, and a turn that is not done by then is routed again
+    for the rest (on the token path; a chat reply cannot be continued, so it is not cut).
     """
 
     endpoint: Endpoint
@@ -77,6 +79,7 @@ class Route:
     trajectory_id: str = ""
     weight_version: int = 0
     instance: Instance | None = field(default=None, repr=False, compare=False)
+    max_tokens: int | None = None
 
     @property
     def retired(self) -> bool:

@@ -89,6 +89,7 @@ def test_ablate_adds_cmlfq_without_each_mechanism_in_the_registry_s_order() -> N
         "cmlfq",
         "cmlfq-no-signal",
         "cmlfq-no-priority",
+        "cmlfq-no-quantum",
         "cmlfq-history",
     ]
     assert set(parse_policies("", ablate=True)) == set(DEFAULT_POLICIES) | set(ABLATIONS)

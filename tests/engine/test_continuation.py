@@ -1,5 +1,6 @@
-"""A turn that a pause in abort mode cuts short goes on, on the same server or another:
-emulated servers on real ports, paused and resumed through their HTTP routes."""
+"""A turn that a pause in abort mode cuts short, or that reaches its route's quantum, goes
+on, on the same server or another: emulated servers on real ports, paused and resumed
+through their HTTP routes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from libra.engine import (
 )
 from libra.envs import Env
 from libra.fleet import Api, Endpoint
-from libra.sched.policies import LeastLoadedScheduler
+from libra.sched import Router, RouteRequest
+from libra.sched.policies import Choice, LeastLoadedScheduler, RoundRobin, Track
 from tests._helpers import MODEL, assert_tokens_consistent
 
 pytestmark = pytest.mark.anyio
@@ -206,3 +208,44 @@ async def test_a_server_that_keeps_aborting_fails_the_trajectory_as_a_server_err
     assert (record.status, record.stop_reason) == ("failed", "server_error")
     assert "aborted 2 times" in (record.error or "")
     assert record.turns == 0
+
+
+class InQuanta(RoundRobin):
+    """Round robin over the endpoints, every call cut at ``quantum`` tokens."""
+
+    def __init__(self, endpoints: list[Endpoint], quantum: int) -> None:
+        super().__init__(Router.over(endpoints))
+        self.quantum = quantum
+        self.requests: list[RouteRequest] = []
+
+    def choose(self, request: RouteRequest, track: Track, exclude: frozenset[str]) -> Choice:
+        self.requests.append(request)
+        return super().choose(request, track, exclude)._replace(max_tokens=self.quantum)
+
+
+async def test_a_turn_cut_at_its_quantum_goes_on_through_routing(url: str, other_url: str) -> None:
+    uninterrupted = await reference(url)
+    first = Endpoint(url, model=MODEL, api="tokens", name="a", weight_version=3)
+    second = Endpoint(other_url, model=MODEL, api="tokens", name="b", weight_version=4)
+    scheduler = InQuanta([first, second], quantum=100)
+    async with http_transport("httpx") as http:
+        config = EngineConfig(max_continuations=0, sampling=SamplingConfig(seed=0))
+        record = await run_trajectory(JOB, Engine(http, scheduler, config=config))
+    assert_one_whole_turn(record, uninterrupted)
+    # The reply's 421 tokens in calls of 100, each routed again (so in turn on "a" and
+    # "b"); quanta are not restarts: max_continuations=0 allows none.
+    assert [request.generated_tokens for request in scheduler.requests] == [0, 100, 200, 300, 400]
+    assert [request.turn for request in scheduler.requests] == [0] * 5
+    assert [span.version for span in record.weight_versions] == [3, 4, 3, 4, 3]
+    assert [span.end - span.start for span in record.weight_versions] == [100] * 4 + [21]
+    assert scheduler.calls_in_flight() == {"a": 0, "b": 0}
+
+
+async def test_on_the_chat_path_a_turn_is_never_cut_at_a_quantum(url: str) -> None:
+    uninterrupted = await reference(url, api="chat")
+    scheduler = InQuanta([Endpoint(url, model=MODEL, api="chat", name="a")], quantum=100)
+    async with http_transport("httpx") as http:
+        engine = Engine(http, scheduler, config=EngineConfig(sampling=SamplingConfig(seed=0)))
+        record = await run_trajectory(JOB, engine)
+    assert_one_whole_turn(record, uninterrupted)
+    assert len(scheduler.requests) == 1  # a chat reply cannot be continued: one call

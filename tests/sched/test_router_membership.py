@@ -330,6 +330,7 @@ def test_policies_register_by_name_in_the_order_reports_list_them() -> None:
         "cmlfq-fit",
         "cmlfq-no-signal",
         "cmlfq-no-priority",
+        "cmlfq-no-quantum",
         "cmlfq-history",
         "oracle",
         "oracle-finish",

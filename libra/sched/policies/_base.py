@@ -60,6 +60,7 @@ class Track:
     context: int = 0  # prompt tokens of its latest call
     prompt_tokens: int = 0  # prompt tokens of its first call (its prompt, templated)
     turn: int = 0
+    continues_turn: bool = False  # its next call goes on with its latest call's turn
     instance: Instance | None = None  # where its latest call ran, while it takes calls
     bucket: str | None = None  # the bucket of its latest call (kept when the instance left)
     estimate: Residual | None = None  # what the policy expects is left
@@ -71,6 +72,7 @@ class Choice(NamedTuple):
     instance: Instance
     priority: int | None
     reason: str
+    max_tokens: int | None = None  # the call's quantum (see ``Route.max_tokens``)
 
 
 class Decision(NamedTuple):
@@ -139,7 +141,7 @@ class RoutedPolicy(ABC):
     def route(self, request: RouteRequest, exclude: frozenset[str] = frozenset()) -> Route:
         track = self._track(request)
         choice = self.choose(request, track, exclude)
-        route = self.router.acquire(choice.instance, request, choice.priority)
+        route = self.router.acquire(choice.instance, request, choice.priority, choice.max_tokens)
         self._log(track, choice)
         track.instance, track.bucket = choice.instance, choice.instance.bucket
         return route
@@ -179,6 +181,7 @@ class RoutedPolicy(ABC):
                 request.trajectory_id, request.prompt_id, request.env
             )
             track.prompt_tokens = request.context_tokens
+        track.continues_turn = track.instance is not None and track.turn == request.turn
         track.turn = request.turn
         track.context = request.context_tokens
         # The engine's count is authoritative (a release may have been missed on a crash).

@@ -23,6 +23,14 @@ one of three rules picks the instance of its next call:
     crowded instances and short trajectories fill the rest: bucket sizing follows from
     the load instead of being fixed.
 
+Any rule decides again within a turn: a call samples at most ``quantum_tokens`` (on the
+token path), and a turn that is not done by then is routed again with the tokens it has,
+so a turn that runs long (turn lengths are heavy-tailed, and no tool return announces
+one) can move to a faster instance. Mid-turn it may stay or go to a longer bucket, never
+a shorter one: it has outrun most estimates already. Moving costs the context's
+prefill, which the ``finish`` rule prices; staying costs next to nothing (the server
+has the prefix cached).
+
 Any rule can add vLLM's per-request priority inside an instance. ``shortest_first``
 (the default) admits the calls of trajectories expected to finish soon before those of
 likely stragglers when a server's queue forms, and makes a likely straggler the one
@@ -78,6 +86,12 @@ class CMLFQConfig(Section):
         "the rule places them too, from the tree's root estimate",
     )
     tie_tolerance: float = Field(0.02, ge=0, description="relative cost difference that ties")
+    quantum_tokens: PositiveInt | None = Field(
+        1024,
+        description="a call samples at most this many tokens, then the turn is routed "
+        "again (on the token path), so a turn that runs long can move to a longer bucket; "
+        "none: whole turns",
+    )
     fit_costs: bool = Field(
         False,
         description="decide with each instance's step cost fitted online from the calls "
@@ -140,7 +154,7 @@ class CMLFQ(RoutedPolicy):
             instance, reason = self._simple(request, track, estimate, exclude)
         else:
             instance, reason = self._by_cost(request, track, estimate, exclude)
-        return Choice(instance, self._priority(estimate), reason)
+        return Choice(instance, self._priority(estimate), reason, self.config.quantum_tokens)
 
     def learn(self, track: Track, output_tokens: int) -> None:
         self.predictor.learn(track, output_tokens)
@@ -205,7 +219,7 @@ class CMLFQ(RoutedPolicy):
     ) -> tuple[Instance, str]:
         router = self.router
         previous = self.previous_instance(request, track)
-        candidates, reason = self._candidates(track, exclude)
+        candidates, reason = self._candidates(track, exclude, previous)
         if self.config.rule == "cost":
             costs = [self._decode_cost(i, track, estimate, previous) for i in candidates]
         else:
@@ -230,9 +244,13 @@ class CMLFQ(RoutedPolicy):
         direction = "to_longer" if moved > 0 else "to_shorter" if moved < 0 else "rebalance"
         return chosen, f"{direction}+{reason}" if reason else direction
 
-    def _candidates(self, track: Track, exclude: frozenset[str]) -> tuple[list[Instance], str]:
+    def _candidates(
+        self, track: Track, exclude: frozenset[str], previous: Instance | None
+    ) -> tuple[list[Instance], str]:
         """Ready instances to compare: not down, not full (unless all are); on the first
-        call only those of the shortest bucket, when configured."""
+        call only those of the shortest bucket, when configured. A turn that outran its
+        quantum has outrun most estimates too: it may go on in a longer bucket or its
+        own, never in a shorter one."""
         router = self.router
         available = router.usable(exclude)
         with_room = [i for i in available if not router.is_full(i)]
@@ -240,6 +258,11 @@ class CMLFQ(RoutedPolicy):
             top = [i for i in with_room if i.bucket == router.shortest.name]
             if top:
                 return top, "start"
+        if track.continues_turn and previous is not None:
+            floor = _bucket_index(router, previous)
+            longer = [i for i in with_room if _bucket_index(router, i) >= floor]
+            if longer:
+                return longer, ""
         if with_room:
             return with_room, ""
         return available, "all_full"
@@ -324,13 +347,13 @@ def _batch_that_fits(instance: Instance, size: int, context: float) -> int:
 def reference_simple() -> CMLFQConfig:
     """The reference implementation's rule: start in the shortest bucket, then bucket by
     mean and p90; no priority."""
-    return CMLFQConfig(rule="simple", priority="none", start_in_shortest=True)
+    return CMLFQConfig(rule="simple", priority="none", start_in_shortest=True, quantum_tokens=None)
 
 
 def reference_cost() -> CMLFQConfig:
     """The reference implementation's cost form: start in the shortest bucket; no
     priority."""
-    return CMLFQConfig(rule="cost", priority="none", start_in_shortest=True)
+    return CMLFQConfig(rule="cost", priority="none", start_in_shortest=True, quantum_tokens=None)
 
 
 # ------------------------------------------------------- the registered variants
@@ -420,6 +443,18 @@ class NoPriorityCMLFQ(_Ablation):
         return config.model_copy(update={"priority": "none"})
 
 
+class NoQuantumCMLFQ(_Ablation):
+    """Whole turns: a call samples until its turn ends, so a turn that runs long stays
+    where it started."""
+
+    name: ClassVar[str] = "cmlfq-no-quantum"
+    ablates: ClassVar[str] = "the quantum (whole turns instead)"
+
+    @classmethod
+    def ablated(cls, config: CMLFQConfig) -> CMLFQConfig:
+        return config.model_copy(update={"quantum_tokens": None})
+
+
 class HistoryCMLFQ(_Ablation):
     """The prompt-history predictor (each prompt's mean total, shrunk to the global mean)
     in place of the prefix forest: what the tree's paths buy over a per-prompt average."""
@@ -440,7 +475,9 @@ class Oracle(CMLFQ):
     needs_truth: ClassVar[bool] = True
 
     def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
-        config = CMLFQConfig(rule="simple", priority="none", start_in_shortest=False)
+        config = CMLFQConfig(
+            rule="simple", priority="none", start_in_shortest=False, quantum_tokens=None
+        )
         super().__init__(router, config, predictor=OraclePredictor(truth))
 
     @classmethod

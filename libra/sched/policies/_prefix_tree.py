@@ -8,10 +8,14 @@ deepest node of its path that has enough samples: its mean and an upper quantile
 
 A :class:`PrefixForest` holds one tree per prompt (GRPO samples of a prompt share a
 difficulty) and one global tree (paths generalise across prompts) and answers from
-whichever matches the path more deeply. Memory is bounded three ways: each node keeps
-the last ``max_samples`` samples (so the tree follows the length drift of training),
-trees stop growing new nodes at ``max_nodes`` and ``max_depth``, and per-prompt trees
-are evicted least recently used beyond ``max_prompts``. The forest is saved and
+whichever matches the path more deeply. Long exact paths are rarely seen twice, so the
+forest also keeps what followed each state at each depth on any path (how far into its
+turns a trajectory is says much of what is left): asked about a path whose own node has
+too few samples, it answers from there before falling back to the path's ancestors.
+Memory is bounded three ways: each node keeps the last ``max_samples`` samples (so the
+tree follows the length drift of training), trees (and the per-depth table) stop growing
+new nodes at ``max_nodes`` and ``max_depth``, and per-prompt trees are evicted least
+recently used beyond ``max_prompts``. The forest is saved and
 restored with msgspec, so a resumed run keeps what it learnt.
 """
 
@@ -23,7 +27,7 @@ import math
 import os
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -141,20 +145,20 @@ class PrefixTree:
             node = child
             node.samples.add(remaining[depth])
 
-    def deepest(self, path: Sequence[str], min_samples: int) -> tuple[_Node, int] | None:
-        """The deepest node along ``path`` with at least ``min_samples`` samples, and its
-        depth; None when even the root has fewer."""
-        node, best = self.root, None
-        if len(node.samples) >= min_samples:
-            best = (node, 0)
+    def along(self, path: Sequence[str], min_samples: int) -> list[tuple[_Node, int]]:
+        """The nodes along ``path`` with at least ``min_samples`` samples, and their
+        depths, deepest first (empty when even the root has fewer)."""
+        node = self.root
+        found = [(node, 0)] if len(node.samples) >= min_samples else []
         for depth, key in enumerate(path[: self.max_depth], start=1):
             child = node.children.get(key)
             if child is None:
                 break
             node = child
             if len(node.samples) >= min_samples:
-                best = (node, depth)
-        return best
+                found.append((node, depth))
+        found.reverse()
+        return found
 
 
 class _NodeState(msgspec.Struct, array_like=True):
@@ -167,6 +171,7 @@ class _ForestState(msgspec.Struct):
     config: dict[str, float | int]
     global_tree: _NodeState
     prompts: list[tuple[str, _NodeState]]  # least recently used first
+    by_depth: list[tuple[int, str, list[int]]] = []  # (absent from older files)
 
 
 class PrefixForest:
@@ -176,6 +181,8 @@ class PrefixForest:
         self.config = config or TreeConfig()
         self.global_tree = self._tree(self.config.max_nodes)
         self.prompts: OrderedDict[str, PrefixTree] = OrderedDict()
+        # What followed the d-th state, whatever the path before it: (d, state) -> samples.
+        self.by_depth: dict[tuple[int, str], _Samples] = {}
 
     def _tree(self, max_nodes: int) -> PrefixTree:
         return PrefixTree(self.config.max_samples, self.config.max_depth, max_nodes)
@@ -185,6 +192,13 @@ class PrefixForest:
     def observe(self, prompt_id: str, path: Sequence[str], remaining: Sequence[int]) -> None:
         """A trajectory of ``prompt_id`` finished (see :meth:`PrefixTree.insert`)."""
         self.global_tree.insert(path, remaining)
+        for depth, state in enumerate(path[: self.config.max_depth], start=1):
+            samples = self.by_depth.get((depth, state))
+            if samples is None:
+                if len(self.by_depth) >= self.config.max_nodes:
+                    continue
+                samples = self.by_depth[depth, state] = _Samples(self.config.max_samples)
+            samples.add(remaining[depth])
         tree = self.prompts.get(prompt_id)
         if tree is None:
             tree = self.prompts[prompt_id] = self._tree(self.config.max_prompt_nodes)
@@ -206,31 +220,41 @@ class PrefixForest:
 
         ``marks[d]`` is how many tokens the trajectory had generated when it reached the
         ``d+1``-th state and ``generated`` how many it has now, so that a node matched
-        above the end of the path is read as what is left *given* the tokens since.
+        above the end of the path is read as what is left *given* the tokens since. An
+        answer needs ``min_samples`` samples that outlived those tokens: a node with
+        fewer (the trajectory has outlived most of its samples) gives way to a shallower
+        one, then to the other tree; past every node, there is no estimate.
         """
-        config = self.config
-        found_global = self.global_tree.deepest(path, config.min_samples)
+        min_samples, quantile = self.config.min_samples, self.config.quantile
+        for samples, depth, source in self._candidates(prompt_id, path):
+            reached_at = marks[depth - 1] if depth and len(marks) >= depth else 0
+            mean, upper, count = samples.residual(generated - reached_at, quantile)
+            if count >= min_samples:
+                return Residual(mean, upper, count, depth, source)
+        return NO_ESTIMATE
+
+    def _candidates(
+        self, prompt_id: str, path: Sequence[str]
+    ) -> Iterator[tuple[_Samples, int, Literal["prompt", "global"]]]:
+        """Where to look, best first: the deeper-matching tree's nodes along the path,
+        deepest first, then the other's; in the global tree, before any node above the
+        path's end, what followed the path's last state at its depth on any path."""
+        min_samples = self.config.min_samples
+        in_global = self.global_tree.along(path, min_samples)
         tree = self.prompts.get(prompt_id)
-        found_prompt = tree.deepest(path, config.min_samples) if tree is not None else None
-        if found_prompt is not None and (
-            found_global is None or found_prompt[1] >= found_global[1]
-        ):
-            node, depth = found_prompt
-            source: Literal["prompt", "global"] = "prompt"
-        elif found_global is not None:
-            node, depth = found_global
-            source = "global"
-        else:
-            return NO_ESTIMATE
-        reached_at = marks[depth - 1] if depth and len(marks) >= depth else 0
-        mean, upper, count = node.samples.residual(generated - reached_at, config.quantile)
-        if count > 0:
-            return Residual(mean, upper, count, depth, source)
-        # It has outlived every sample of its node: ask what is left of the trajectories
-        # (of any path) that generated at least as much in all.
-        root = self.global_tree.root.samples
-        mean, upper, count = root.residual(generated, config.quantile) if len(root) else (0, 0, 0)
-        return Residual(mean, upper, count, 0, "global") if count else NO_ESTIMATE
+        in_prompt = tree.along(path, min_samples) if tree is not None else []
+        prompt_first = in_prompt and (not in_global or in_prompt[0][1] >= in_global[0][1])
+        if prompt_first:
+            yield from ((node.samples, depth, "prompt") for node, depth in in_prompt)
+        by_depth = self.by_depth.get((len(path), path[-1])) if path else None
+        for node, depth in in_global:
+            if by_depth is not None and depth < len(path):
+                if len(by_depth) >= min_samples:
+                    yield by_depth, len(path), "global"
+                by_depth = None
+            yield node.samples, depth, "global"
+        if not prompt_first:
+            yield from ((node.samples, depth, "prompt") for node, depth in in_prompt)
 
     # ------------------------------------------------------------------ persistence
 
@@ -240,6 +264,7 @@ class PrefixForest:
             config=self.config.model_dump(),
             global_tree=_dump(self.global_tree.root),
             prompts=[(prompt, _dump(tree.root)) for prompt, tree in self.prompts.items()],
+            by_depth=[(d, state, s.oldest_first()) for (d, state), s in self.by_depth.items()],
         )
         return msgspec.json.encode(state)
 
@@ -253,6 +278,8 @@ class PrefixForest:
         for prompt, root in state.prompts:
             tree = forest._tree(forest.config.max_prompt_nodes)
             forest.prompts[prompt] = _load(root, tree)
+        for depth, key, values in state.by_depth[: forest.config.max_nodes]:
+            forest.by_depth[depth, key] = _Samples(forest.config.max_samples, values)
         return forest
 
     def save(self, path: str | Path) -> None:

@@ -93,6 +93,23 @@ def test_finish_rule_gives_stragglers_the_fast_instance_and_keeps_others_off_it(
     assert route.priority < slow.priority
 
 
+def test_a_turn_past_its_quantum_goes_on_in_its_bucket_or_a_longer_one() -> None:
+    policy = cmlfq(CMLFQConfig(quantum_tokens=150))
+    teach(policy)
+    straggler = Trajectory(policy, "new/1#0")
+    straggler.call(1000)
+    straggler.tool(FAIL)
+    assert straggler.call(100).endpoint.name == "c"
+    quick = Trajectory(policy, "new/2#0")
+    quick.call(1000)
+    quick.tool(PASS)  # ~200 tokens left: a turn starting now is kept off "c" (see above)
+    started = quick.call(150, exclude=frozenset({"a1", "a2", "b"}))  # it starts on "c"
+    assert (started.endpoint.name, started.max_tokens) == ("c", 150)
+    quick.turn -= 1  # it outran its quantum: the same turn goes on
+    assert quick.call(30).endpoint.name == "c"  # not moved to a shorter bucket mid-turn
+    assert policy.decisions[-1].reason == "stay"
+
+
 def test_finish_rule_priorities_follow_the_configured_order() -> None:
     for order, sign in (("shortest_first", 1), ("longest_first", -1)):
         policy = cmlfq(CMLFQConfig(priority=order))
@@ -131,7 +148,12 @@ def test_each_ablation_takes_out_its_one_mechanism() -> None:
     config = CMLFQConfig(tree=TreeConfig(min_samples=3))
     options = PolicyOptions(config=config)
     made = {name: REGISTRY[name].create(Router(fleet()), options) for name in ABLATIONS}
-    assert set(made) == {"cmlfq-no-signal", "cmlfq-no-priority", "cmlfq-history"}
+    assert set(made) == {
+        "cmlfq-no-signal",
+        "cmlfq-no-priority",
+        "cmlfq-no-quantum",
+        "cmlfq-history",
+    }
     for policy in made.values():
         assert isinstance(policy, CMLFQ)
         teach(policy)
@@ -146,6 +168,8 @@ def test_each_ablation_takes_out_its_one_mechanism() -> None:
         assert track_path == ([] if name == "cmlfq-no-signal" else ["run_tests:large:failure"])
     assert routes["cmlfq-no-priority"].priority is None
     assert routes["cmlfq-no-signal"].priority is not None
+    assert routes["cmlfq-no-quantum"].max_tokens is None
+    assert routes["cmlfq-no-signal"].max_tokens == CMLFQConfig().quantum_tokens
     # Without the tree's paths a failing check says nothing: the estimate is the mean of
     # every trajectory seen (21,200 and 1,200 tokens), less the 1,000 generated.
     history = made["cmlfq-history"]

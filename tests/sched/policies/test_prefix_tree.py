@@ -20,12 +20,11 @@ def forest(**config: int | float) -> PrefixForest:
 def test_insert_records_the_remaining_output_at_every_node_of_the_path() -> None:
     tree = PrefixTree()
     tree.insert([VIEW, FAIL], [1000, 800, 300])
-    found = tree.deepest([VIEW, FAIL], min_samples=1)
-    assert found is not None
-    node, depth = found
+    (node, depth), *_ = tree.along([VIEW, FAIL], min_samples=1)
     assert depth == 2 and list(node.samples.values) == [300]
-    root = tree.deepest([], min_samples=1)
-    assert root is not None and list(root[0].samples.values) == [1000]
+    assert [depth for _, depth in tree.along([VIEW, FAIL], min_samples=1)] == [2, 1, 0]
+    ((root, _),) = tree.along([], min_samples=1)
+    assert list(root.samples.values) == [1000]
     with pytest.raises(ValueError, match="one value per state"):
         tree.insert([VIEW], [1000])
 
@@ -73,6 +72,34 @@ def test_longer_than_everything_seen_falls_back_to_trajectories_that_long() -> N
     estimate = trees.residual("swe/2", [FAIL], marks=[5000], generated=7500)
     assert (estimate.depth, estimate.mean) == (0, 2500)
     assert trees.residual("swe/2", [FAIL], marks=[5000], generated=20000).samples == 0
+
+
+def test_an_answer_needs_min_samples_that_went_on_longer_than_the_trajectory() -> None:
+    trees = forest(min_samples=2)
+    for total, after in ((3000, 1000), (4000, 2000), (13000, 11000)):
+        trees.observe("swe/1", [FAIL], [total, after])
+    for total in (20000, 22000):
+        trees.observe("swe/1", [PASS], [total, 100])
+    # 10,500 tokens after its failure: one trajectory went on that long after a failure,
+    # too few to answer; of all trajectories, three went past its 12,500 in all.
+    estimate = trees.residual("swe/2", [FAIL], marks=[2000], generated=12500)
+    assert (estimate.depth, estimate.samples) == (0, 3)
+    assert estimate.mean == pytest.approx((500 + 7500 + 9500) / 3)
+
+
+def test_an_unseen_path_is_answered_by_its_last_state_at_its_depth_before_its_parent() -> None:
+    trees = forest(min_samples=2)
+    for _ in range(2):
+        trees.observe("swe/1", [VIEW, FAIL], [9000, 8500, 6000])
+        trees.observe("swe/2", [FAIL, FAIL], [9000, 8000, 5000])
+        trees.observe("swe/3", [FAIL, PASS], [3000, 2500, 100])
+    # [PASS, FAIL] was never seen: a failure as the second state was followed by 6,000
+    # and 5,000 tokens, whatever came first; its parent [PASS] is unknown too.
+    estimate = trees.residual("swe/4", [PASS, FAIL], marks=[400, 900], generated=900)
+    assert (estimate.depth, estimate.samples, estimate.mean) == (2, 4, 5500)
+    restored = PrefixForest.from_bytes(trees.to_bytes())
+    again = restored.residual("swe/4", [PASS, FAIL], marks=[400, 900], generated=900)
+    assert again == estimate
 
 
 def test_nodes_keep_only_the_latest_samples_so_the_tree_follows_drift() -> None:
