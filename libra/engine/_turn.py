@@ -158,8 +158,9 @@ async def generate_turn(d: Dialogue, engine: Engine, trouble: ServerTrouble | No
     pieces make one turn. The chat path cannot continue a partial reply, so there the
     turn starts over (what it had sampled is dropped). After ``max_continuations`` such
     restarts a further abort raises ``ServerUnavailable``. A generation that stopped at
-    its route's quantum (``Route.max_tokens``) is continued the same way, routed again, so
-    the scheduler can move a turn that runs long; those pieces are no restarts.
+    its route's quantum (``Route.max_tokens``; on the token path, without stop strings) is
+    continued the same way, routed again, so the scheduler can move a turn that runs
+    long; those pieces are no restarts.
     ``trouble``, if given, follows the servers' failures while the turn runs.
     """
     config = engine.config
@@ -326,7 +327,9 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     on_tokens = d.tokens.source == "exact" and await client.speaks_tokens(endpoint)
     if on_tokens:
         await render_pending(d, engine.renderer, endpoint)  # the budget sees the whole prompt
-    quantum = route.max_tokens if on_tokens else None  # a chat reply cannot be continued
+    # A chat reply cannot be continued; a stop string could straddle two calls, where the
+    # server would not see it: such turns are never cut at a quantum.
+    quantum = route.max_tokens if on_tokens and not d.stop_strings else None
     sampling = _turn_sampling(d, engine.config, route, turn, quantum)
     generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
     if generation.path == "chat":

@@ -70,7 +70,8 @@ class Route:
     counts the call (a name re-added later is another incarnation, never decremented by
     this call's release). ``max_tokens``, when set, is the policy's quantum: the call
     samples at most that many tokens, and a turn that is not done by then is routed again
-    for the rest (on the token path; a chat reply cannot be continued, so it is not cut).
+    for the rest (on the token path, and only for turns without stop strings, which could
+    straddle two calls: a chat reply or such a turn is not cut).
     """
 
     endpoint: Endpoint

@@ -241,6 +241,21 @@ async def test_a_turn_cut_at_its_quantum_goes_on_through_routing(url: str, other
     assert scheduler.calls_in_flight() == {"a": 0, "b": 0}
 
 
+class StoppingDictation(Dictation):
+    stop_strings = ("THE END",)  # the reply never says it
+
+
+async def test_a_turn_with_stop_strings_is_never_cut_at_a_quantum(url: str) -> None:
+    """A stop string could straddle two calls, where the server would not see it."""
+    scheduler = InQuanta([Endpoint(url, model=MODEL, api="tokens", name="a")], quantum=100)
+    job = TrajectoryJob.seeded(StoppingDictation, "dictation", 0)
+    async with http_transport("httpx") as http:
+        engine = Engine(http, scheduler, config=EngineConfig(sampling=SamplingConfig(seed=0)))
+        record = await run_trajectory(job, engine)
+    assert (record.status, record.messages[-1].content) == ("completed", TEXT)
+    assert len(scheduler.requests) == 1
+
+
 async def test_on_the_chat_path_a_turn_is_never_cut_at_a_quantum(url: str) -> None:
     uninterrupted = await reference(url, api="chat")
     scheduler = InQuanta([Endpoint(url, model=MODEL, api="chat", name="a")], quantum=100)
