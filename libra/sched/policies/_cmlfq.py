@@ -23,13 +23,13 @@ one of three rules picks the instance of its next call:
     crowded instances and short trajectories fill the rest: bucket sizing follows from
     the load instead of being fixed.
 
-Any rule decides again within a turn: a call samples at most ``quantum_tokens`` (on the
-token path), and a turn that is not done by then is routed again with the tokens it has,
-so a turn that runs long (turn lengths are heavy-tailed, and no tool return announces
-one) can move to a faster instance. Mid-turn it may stay or go to a longer bucket, never
-a shorter one: it has outrun most estimates already. Moving costs the context's
-prefill, which the ``finish`` rule prices; staying costs next to nothing (the server
-has the prefix cached).
+A call samples at most ``quantum_tokens`` (on the token path), and a turn that is not
+done by then is routed again with the tokens it has, so that the cost rules can move a
+turn that runs long (turn lengths are heavy-tailed, and no tool return announces one) to
+a faster instance; the simple rule, seeing no new signal, keeps it where it is. Mid-turn
+it may stay or go to a longer bucket, never a shorter one: it has outrun most estimates
+already. Moving costs the context's prefill, which the ``finish`` rule prices; staying
+costs next to nothing (the server has the prefix cached).
 
 Any rule can add vLLM's per-request priority inside an instance. ``shortest_first``
 (the default) admits the calls of trajectories expected to finish soon before those of
