@@ -200,11 +200,10 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
         generation: Generation | None = None
         outcome: CallOutcome = "cancelled"  # unless the call says otherwise below
         try:
-            generation = await _call(d, engine, route, turn)
+            generation, reached = await _call(d, engine, route, turn)
             outcome = "migrated" if generation.finish_reason == "abort" else "ok"
             d.weights_changed_turns += route.weights_changed
             trouble.unresolved = None
-            reached = _quantum_reached(route, generation, _turn_budget(d, config, turn))
             return Piece(generation, route.endpoint, route.weight_version, route.bucket, reached)
         except ServerUnavailable as exc:
             capacity.last_error = str(exc)
@@ -226,19 +225,6 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             scheduler.release(route, outcome=outcome, new_tokens=sampled)
         await anyio.sleep(backoff)
         backoff *= 2
-
-
-def _quantum_reached(route: Route, generation: Generation, budget: int) -> bool:
-    """The call stopped at its route's quantum, with the turn's own budget not spent
-    (``budget``: what the turn could still sample when the call was made)."""
-    quantum = route.max_tokens
-    return (
-        quantum is not None
-        and quantum < budget
-        and generation.path == "tokens"
-        and generation.finish_reason == "length"
-        and generation.completion_tokens >= quantum
-    )
 
 
 def _failed_attempts(attempts: int, last: Exception) -> str:
@@ -294,23 +280,24 @@ async def _route(
         return route
 
 
-async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
-    """The generation, within the call's timeout (past it the server is taken as hung:
-    ``CallTimedOut``). Each of the call's requests gets the time left to its deadline."""
+async def _call(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> tuple[Generation, bool]:
+    """The generation, and whether it stopped at the route's quantum, within the call's
+    timeout (past it the server is taken as hung: ``CallTimedOut``). Each of the call's
+    requests gets the time left to its deadline."""
     timeout_s = _call_timeout(engine.config, route.endpoint, _turn_budget(d, engine.config, turn))
     watch = engine.generations
     watch.started()
     started = now()
     deadline = call_deadline.set(CallDeadline(started + timeout_s, timeout_s))
     try:
-        generation = await _generate(d, engine, route, turn)
+        generated = await _generate(d, engine, route, turn)
     finally:
         call_deadline.reset(deadline)
         watch.ended()
     returned = now()
     watch.returned(returned)
     d.timings.generation_s += returned - started
-    return generation
+    return generated
 
 
 def _call_timeout(config: EngineConfig, endpoint: Endpoint, max_tokens: int) -> float:
@@ -320,7 +307,11 @@ def _call_timeout(config: EngineConfig, endpoint: Endpoint, max_tokens: int) -> 
     return base + config.call_timeout_per_token_s * max(max_tokens, 0)
 
 
-async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Generation:
+async def _generate(
+    d: Dialogue, engine: Engine, route: Route, turn: Turn
+) -> tuple[Generation, bool]:
+    """The generation, and whether it stopped at the route's quantum with the turn's own
+    budget not spent (the turn goes on)."""
     endpoint, client = route.endpoint, engine.client
     if d.turns == 0 and d.tools and not await client.renders_tools(endpoint):
         d.describe_tools_in_system_message()
@@ -330,12 +321,19 @@ async def _generate(d: Dialogue, engine: Engine, route: Route, turn: Turn) -> Ge
     # A chat reply cannot be continued; a stop string could straddle two calls, where the
     # server would not see it: such turns are never cut at a quantum.
     quantum = route.max_tokens if on_tokens and not d.stop_strings else None
-    sampling = _turn_sampling(d, engine.config, route, turn, quantum)
+    budget = _turn_budget(d, engine.config, turn)
+    max_tokens = budget if quantum is None else min(budget, quantum)
+    sampling = _turn_sampling(d, engine.config, route, max_tokens)
     generation = await client.generate(endpoint, _Prompt(d, turn, engine.renderer), sampling)
     if generation.path == "chat":
         d.tokens.absorb_prompt(generation.prompt_token_ids)
     d.last_endpoint = endpoint
-    return generation
+    reached = (
+        max_tokens < budget
+        and generation.finish_reason == "length"
+        and generation.completion_tokens >= max_tokens
+    )
+    return generation, reached
 
 
 class _Prompt(msgspec.Struct, frozen=True):
@@ -377,20 +375,19 @@ def _turn_budget(d: Dialogue, config: EngineConfig, turn: Turn) -> int:
 
 
 def _turn_sampling(
-    d: Dialogue, config: EngineConfig, route: Route, turn: Turn, quantum: int | None = None
+    d: Dialogue, config: EngineConfig, route: Route, max_tokens: int
 ) -> TurnSampling:
-    """Every sampling parameter of the next request: the turn's remaining budget (capped
-    by the room left in the context, and by ``quantum``), a per-turn seed, the route's
-    priority."""
+    """Every sampling parameter of the next request: ``max_tokens`` (the turn's remaining
+    budget, capped by the room left in the context and by the route's quantum), a per-turn
+    seed, the route's priority."""
     if config.max_context_tokens - len(d.tokens) <= 0:
         raise ContextFull(f"{len(d.tokens)} tokens fill max_context_tokens")
     sampling = d.sampling
     seed = sampling.seed
     if seed is not None:  # reproducible, yet different for every sample and turn
         seed = zlib.crc32(f"{seed}/{d.key}/{d.turns}".encode())
-    budget = _turn_budget(d, config, turn)
     return TurnSampling(
-        max_tokens=budget if quantum is None else min(budget, quantum),
+        max_tokens=max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         seed=seed,
