@@ -87,6 +87,15 @@ _SCHED = Runs(
 )
 #: swe-agent's seeds under ``none``, for what in-server priority does where it acts.
 _SCHED_NONE = Runs("sched-none", tuple(_sched("swe-agent", "none", seed) for seed in range(5)))
+#: The web-research workload's seeds (dozens of turns a trajectory: no ablations, to keep
+#: the run under an hour).
+_SCHED_WEB = Runs(
+    "sched-web",
+    tuple(
+        _command(f"bench sched --workload web-research --seed {seed} --json")
+        for seed in range(5)
+    ),
+)
 #: The README's figure of a scheduling run: drawn by the run whose makespans it shows.
 _SCHED_FIGURE = Runs(
     "sched-figure",
@@ -116,6 +125,7 @@ RUNS: dict[str, Runs] = {
         Runs("serve", (_command("bench serve --json"),)),
         _SCHED,
         _SCHED_NONE,
+        _SCHED_WEB,
         _SCHED_FIGURE,
         _QUICK,
     )

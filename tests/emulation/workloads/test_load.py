@@ -16,7 +16,7 @@ from tests._helpers import USER_WORKLOAD, write
 
 
 def test_the_shipped_workloads_load_and_cite_their_sources() -> None:
-    assert {"swe-agent", "search-agent", "math-code"} <= set(available_workloads())
+    assert {"swe-agent", "search-agent", "math-code", "web-research"} <= set(available_workloads())
     for name in available_workloads():
         workload = load_workload(name)
         assert workload.name == name and workload.sources and workload.description
@@ -33,7 +33,7 @@ def test_a_workload_written_from_the_documentation_loads_and_plays(tmp_path: Pat
 
 def test_missing_files_and_names_and_broken_toml_are_explained(tmp_path: Path) -> None:
     with pytest.raises(
-        WorkloadError, match="shipped: math-code, search-agent, swe-agent, swe-drift"
+        WorkloadError, match="shipped: math-code, search-agent, swe-agent, swe-drift, web-research"
     ):
         load_workload("no-such-workload")
     with pytest.raises(WorkloadError, match="no such file"):
