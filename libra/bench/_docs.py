@@ -92,8 +92,7 @@ _SCHED_NONE = Runs("sched-none", tuple(_sched("swe-agent", "none", seed) for see
 _SCHED_WEB = Runs(
     "sched-web",
     tuple(
-        _command(f"bench sched --workload web-research --seed {seed} --json")
-        for seed in range(5)
+        _command(f"bench sched --workload web-research --seed {seed} --json") for seed in range(5)
     ),
 )
 #: The README's figure of a scheduling run: drawn by the run whose makespans it shows.
@@ -149,8 +148,13 @@ TABLES: dict[str, DocTable] = {
         ),
         DocTable("sched-workloads", _SCHED, render.workloads),
         DocTable("sched-ablations", _SCHED, render.ablations),
-        DocTable("sched-seeds", _SCHED, partial(render.seeds, "datasheet")),
-        DocTable("sched-seeds-none", _SCHED_NONE, partial(render.seeds, "none")),
+        DocTable("sched-seeds", _SCHED, partial(render.seeds, "swe-agent", "datasheet")),
+        DocTable("sched-seeds-none", _SCHED_NONE, partial(render.seeds, "swe-agent", "none")),
+        DocTable(
+            "sched-seeds-web",
+            _SCHED_WEB,
+            partial(render.seeds, "web-research", "datasheet", columns=render.PLAIN_COLUMNS),
+        ),
         DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure),
         DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
     )

@@ -318,30 +318,61 @@ def _vs_cmlfq(output: Output, policy: str) -> float:
 _SEED_COLUMNS = tuple(p for p in _WORKLOAD_COLUMNS if p != "static-prompt")
 
 
-def seeds(mismatch: str, outputs: Sequence[Output]) -> list[str]:
-    """swe-agent under ``mismatch`` on every saved seed, the mean, the best baseline, and
-    the requests preempted in ``cmlfq``'s run (where in-server priority can act)."""
-    runs = [o for o in outputs if (o["workload"], o["mismatch"]) == ("swe-agent", mismatch)]
-    rows = []
+def seeds(
+    workload: str,
+    mismatch: str,
+    outputs: Sequence[Output],
+    columns: Sequence[str] = _SEED_COLUMNS,
+) -> list[str]:
+    """``workload`` under ``mismatch`` on every saved seed, the mean, the best baseline,
+    ``cmlfq``'s makespan over it, and the requests preempted in ``cmlfq``'s run (where
+    in-server priority can act); then how the ratios spread."""
+    runs = [o for o in outputs if (o["workload"], o["mismatch"]) == (workload, mismatch)]
+    rows, ratios = [], []
     for output in runs:
         spans = makespans(output)
-        best = _best_baseline(spans)
+        best = _best_baseline(spans, columns)
+        ratios.append(spans["cmlfq"] / spans[best])
         rows.append(
-            [f"{output['seed']}", *_bold_best(spans, _SEED_COLUMNS), best, _cmlfq_preempted(output)]
+            [
+                f"{output['seed']}",
+                *_bold_best(spans, columns),
+                best,
+                f"{ratios[-1]:.3f}",
+                _cmlfq_preempted(output),
+            ]
         )
-    means = {p: mean(makespans(o)[p] for o in runs) for p in _SEED_COLUMNS}
+    means = {p: mean(makespans(o)[p] for o in runs) for p in columns}
+    best = _best_baseline(means, columns)
     preempted = mean(int(_cmlfq_preempted(o)) for o in runs)
     rows.append(
-        ["mean", *_bold_best(means, _SEED_COLUMNS), _best_baseline(means), f"{preempted:.1f}"]
+        [
+            "mean",
+            *_bold_best(means, columns),
+            best,
+            f"{means['cmlfq'] / means[best]:.3f}",
+            f"{preempted:.1f}",
+        ]
     )
-    header = ("seed", *_SEED_COLUMNS, "best baseline", "cmlfq preempted")
-    return table_lines(header, rows)
+    header = ("seed", *columns, "best baseline", "cmlfq x best", "cmlfq preempted")
+    within = sum(ratio <= 1.02 for ratio in ratios)
+    return [
+        *table_lines(header, rows),
+        "",
+        f"`cmlfq` over the best baseline, per seed: median {median(ratios):.3f}, best "
+        f"{min(ratios):.3f}, worst {max(ratios):.3f}; best or within 2% of it on {within} "
+        f"of {len(ratios)} seeds.",
+    ]
 
 
 def _cmlfq_preempted(output: Output) -> str:
     return str(next(r["preemptions"] for r in output["results"] if r["policy"] == "cmlfq"))
 
 
-def _best_baseline(spans: dict[str, float]) -> str:
-    baselines = [p for p in _SEED_COLUMNS if _contender(p) and p != "cmlfq"]
+def _best_baseline(spans: dict[str, float], columns: Sequence[str] = _SEED_COLUMNS) -> str:
+    baselines = [p for p in columns if _contender(p) and p != "cmlfq"]
     return min(baselines, key=lambda p: spans[p])
+
+
+#: The columns of a run without ``--ablate``.
+PLAIN_COLUMNS = tuple(p for p in _SEED_COLUMNS if p not in ABLATIONS)
