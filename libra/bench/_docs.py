@@ -95,6 +95,15 @@ _SCHED_WEB = Runs(
         _command(f"bench sched --workload web-research --seed {seed} --json") for seed in range(5)
     ),
 )
+#: The seeds of the other shipped workloads (no ablations: those are read on seed 0).
+_SCHED_MORE = Runs(
+    "sched-more",
+    tuple(
+        _command(f"bench sched --workload {workload} --seed {seed} --json")
+        for workload in ("math-code", "search-agent")
+        for seed in range(5)
+    ),
+)
 #: The README's figure of a scheduling run: drawn by the run whose makespans it shows.
 _SCHED_FIGURE = Runs(
     "sched-figure",
@@ -125,6 +134,7 @@ RUNS: dict[str, Runs] = {
         _SCHED,
         _SCHED_NONE,
         _SCHED_WEB,
+        _SCHED_MORE,
         _SCHED_FIGURE,
         _QUICK,
     )
@@ -154,6 +164,14 @@ TABLES: dict[str, DocTable] = {
             "sched-seeds-web",
             _SCHED_WEB,
             partial(render.seeds, "web-research", "datasheet", columns=render.PLAIN_COLUMNS),
+        ),
+        *(
+            DocTable(
+                f"sched-seeds-{workload}",
+                _SCHED_MORE,
+                partial(render.seeds, workload, "datasheet", columns=render.PLAIN_COLUMNS),
+            )
+            for workload in ("math-code", "search-agent")
         ),
         DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure),
         DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
