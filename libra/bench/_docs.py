@@ -96,11 +96,12 @@ _SCHED_WEB = Runs(
     ),
 )
 #: The seeds of the other shipped workloads (no ablations: those are read on seed 0).
+_MORE_WORKLOADS = ("math-code", "search-agent")
 _SCHED_MORE = Runs(
     "sched-more",
     tuple(
         _command(f"bench sched --workload {workload} --seed {seed} --json")
-        for workload in ("math-code", "search-agent")
+        for workload in _MORE_WORKLOADS
         for seed in range(5)
     ),
 )
@@ -171,7 +172,7 @@ TABLES: dict[str, DocTable] = {
                 _SCHED_MORE,
                 partial(render.seeds, workload, "datasheet", columns=render.PLAIN_COLUMNS),
             )
-            for workload in ("math-code", "search-agent")
+            for workload in _MORE_WORKLOADS
         ),
         DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure),
         DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
