@@ -132,6 +132,7 @@ RUNS: dict[str, Runs] = {
         Runs("alloc", (_command("bench alloc --json --plot docs/bench-alloc.png"),)),
         Runs("engine", (_command("bench engine --json"),)),
         Runs("serve", (_command("bench serve --json"),)),
+        Runs("train", (_command("bench train --json"),)),
         _SCHED,
         _SCHED_NONE,
         _SCHED_WEB,
@@ -147,6 +148,7 @@ TABLES: dict[str, DocTable] = {
         DocTable("alloc", RUNS["alloc"], render.alloc),
         DocTable("engine", RUNS["engine"], render.engine),
         DocTable("serve", RUNS["serve"], render.serve),
+        DocTable("train", RUNS["train"], render.train),
         DocTable(
             "sched-swe-datasheet",
             _SCHED,

@@ -170,6 +170,23 @@ def serve(outputs: Sequence[Output]) -> list[str]:
     return table_lines(header, rows)
 
 
+def train(outputs: Sequence[Output]) -> list[str]:
+    rows = [
+        [
+            row["name"],
+            str(row["ranks"]),
+            f"{row['tokens_per_step']:,}",
+            f"{row['step_s']:.2f}",
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['ratio_to_plain']:.2f}",
+            "" if row["export_s"] is None else f"{row['export_s']:.2f}",
+        ]
+        for row in outputs[0]["results"]
+    ]
+    header = ("trainer", "ranks", "tokens/step", "s/step", "tokens/s", "x plain loop", "export s")
+    return table_lines(header, rows)
+
+
 # ------------------------------------------------------------------- scheduling
 
 

@@ -7,7 +7,10 @@ micro-batches, three ways, each in processes of its own:
   micro-batch, clip, step (one process, every core);
 - :class:`FSDPTrainer` on 1 rank and on 2 ranks (each rank its share of the micro-batches
   and of the cores), and after each step the weight export a sync into the servers
-  starts with (``export_weights``: the shards gathered and written as a model folder).
+  starts with (``export_weights``: the shards gathered and written as a model folder);
+- the same shares on one core rank and hybrid replicas (``libra.train._hybrid``: the
+  gradients and parameters cross the hybrid gradient group's bridge every step), as the
+  :class:`~libra.train._elastic.ElasticTrainer` runs them once hybrid workers join.
 
 The batch is built by ``build_batch`` from samples of real token ids (the model's
 tokenizer on chat-like prompts and answers), in GRPO groups with varied rewards. The
@@ -27,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from libra.train import (
     Batch,
     FSDPTrainer,
@@ -40,6 +45,8 @@ from libra.train import (
     spawn,
     token_logprobs,
 )
+from libra.train._elastic import ElasticTrainer
+from libra.train._worker import Export, Train
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +129,8 @@ def bench_train(
     for world in ranks:
         with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
             results.append(spawn(world, _fsdp_rank, model_dir, batch, steps, Path(run_dir))[0])
+    if batch.ranks > 1:
+        results.append(anyio.run(_hybrid_group, model_dir, batch, steps))
     return results
 
 
@@ -187,6 +196,36 @@ def _fsdp_rank(model_dir: Path, batch: Batch, steps: int, run_dir: Path) -> Trai
         tokens,
         _slowest_rank_median(step_s[1:]),
         _slowest_rank_median(export_s[1:]),
+    )
+
+
+async def _hybrid_group(model_dir: Path, batch: Batch, steps: int) -> TrainBenchResult:
+    """One core rank and ``batch.ranks - 1`` hybrid replicas, each on its share of the
+    cores, joined as the allocation pool joins them; then timed as :func:`_fsdp_rank`."""
+    cores = sorted(os.sched_getaffinity(0))
+    workers = {w: tuple(cores[w :: batch.ranks]) or (cores[0],) for w in range(batch.ranks)}
+    config = TrainerConfig(lr=_LR, backend="gloo")
+    step_s, export_s = [], []
+    async with ElasticTrainer(model_dir, config, workers, members=(0,)) as trainer:
+        for worker in range(1, batch.ranks):
+            await trainer.fetch_replica(worker)
+            await trainer.sync_replica(worker)
+            await trainer.activate_replica(worker)
+        with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
+            for version in range(steps + 1):
+                result = await trainer.call(Train(batch, GRPOConfig(), 1.0))
+                step_s.append(result.step.seconds)
+                started = time.perf_counter()
+                await trainer.call(Export(Path(run_dir), version, None))
+                export_s.append(time.perf_counter() - started)
+    replicas = batch.ranks - 1
+    return TrainBenchResult(
+        f"FSDPTrainer, 1 rank + {replicas} hybrid replica{'s' if replicas > 1 else ''}",
+        batch.ranks,
+        steps,
+        sum(micro.positions for micro in batch.micro_batches),
+        statistics.median(step_s[1:]),
+        statistics.median(export_s[1:]),
     )
 
 

@@ -4,16 +4,17 @@ their workers, and training is the :class:`ElasticTrainer`, one rank per trainin
 worker, pinned to its worker's cores. It is what the allocation pool drives (a
 ``libra.alloc.Cluster``).
 
-Training operations, per worker (a unit of several workers joins one resize at a time):
+Training operations, per hybrid worker: it joins the trainer's hybrid gradient group as
+a one-rank replica beside the core's world, which is never rebuilt for it (see
+``_hybrid``):
 
-- ``fetch_state``: the next world (the current ranks and this worker) starts and loads
-  the model while the current world trains;
-- ``zero_sync``: at the next step boundary the state moves to the new world, resharded,
-  and its ranks exchange one gradient of zeros (see ``_elastic``);
-- ``activate``: the worker takes its share of the next batch (a batch is split over the
-  trainer's world as it is then: nothing is left to do but check it is in);
-- ``leave_training``: a world without the worker is prepared and switched to; a worker
-  whose join is under way calls it off.
+- ``fetch_state``: its replica starts and loads the model while the core trains;
+- ``zero_sync``: at the next step boundary it enters the group's bridge, contributes a
+  gradient of zeros and takes the core's parameters;
+- ``activate``: from the next batch on it takes a share (a batch is split over the
+  core's ranks and the active replicas);
+- ``leave_training``: its replica stops at a step boundary (or, mid-fetch, at once);
+  the group goes on without it. A core worker leaving rebuilds the core's world.
 
 With ``[alloc] backend = "local"`` the servers and ranks are processes of this machine;
 with ``"ray"`` they are Ray actors (``_ray``). :class:`WorkerCluster` is one class for
@@ -175,8 +176,6 @@ class WorkerCluster:
     supervisor: ServerSupervisor | None = None
     #: Seconds each operation took, in order: ``(what, worker or instance, seconds)``.
     timings: list[tuple[str, str, float]] = field(default_factory=list)
-    _joining: set[int] = field(default_factory=set)
-    _resizing: anyio.Lock = field(default_factory=anyio.Lock)
 
     @property
     def workers(self) -> int:
@@ -233,45 +232,34 @@ class WorkerCluster:
     async def fetch_state(self, worker: int) -> None:
         if worker in self.trainer.members:
             return  # a core-training worker: in the world from the start
-        self._joining.add(worker)
         started = time.perf_counter()
-        async with self._resizing:
-            await self.trainer.prepare(self._world_with_joiners())
+        await self.trainer.fetch_replica(worker)
         self.timings.append(("fetch_state", f"w{worker}", time.perf_counter() - started))
 
     async def zero_sync(self, worker: int) -> None:
         if worker in self.trainer.members:
-            return  # switched in with another worker of its unit
+            return
         started = time.perf_counter()
-        async with self._resizing:
-            if worker not in (self.trainer.preparing or ()):
-                raise RuntimeError(f"worker {worker} has no world prepared to join")
-            await self.trainer.switch()
-        self._joining -= set(self.trainer.members)
+        await self.trainer.sync_replica(worker)
         self.timings.append(("zero_sync", f"w{worker}", time.perf_counter() - started))
 
     async def activate(self, worker: int) -> None:
         if worker not in self.trainer.members:
-            raise RuntimeError(f"worker {worker} is not in the trainer's world")
+            await self.trainer.activate_replica(worker)
 
     async def leave_training(self, worker: int) -> None:
-        self._joining.discard(worker)
         started = time.perf_counter()
-        async with self._resizing:
-            if worker in (self.trainer.preparing or ()):
-                await self.trainer.discard()
-            if worker not in self.trainer.members:
-                return
+        if worker in self.trainer.members:  # a core worker: its world is rebuilt
             remaining = tuple(m for m in self.trainer.members if m != worker)
             if not remaining:
                 raise RuntimeError("the trainer's last worker cannot leave")
             await self.trainer.prepare(remaining)
             await self.trainer.switch()
+        elif worker in self.trainer.hybrid.replicas:
+            await self.trainer.drop_replica(worker)
+        else:
+            return
         self.timings.append(("leave", f"w{worker}", time.perf_counter() - started))
-
-    def _world_with_joiners(self) -> tuple[int, ...]:
-        members = self.trainer.members
-        return members + tuple(sorted(self._joining - set(members)))
 
 
 @asynccontextmanager
@@ -352,7 +340,7 @@ class Allocation:
             "ratio": round(decision.ratio, 4),
             "pressure": round(decision.pressure, 4),
             "moving": [f"{m.direction} {m.unit}" for m in decision.moves],
-            "training": list(self.cluster.trainer.members),
+            "training": list(self.cluster.trainer.training),
             "serving": sorted(self.cluster.servers),
             "moves": [_move_line(m) for m in self.pool.moves],  # every one so far
         }

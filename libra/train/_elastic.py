@@ -15,9 +15,11 @@ its cores. A world change is a restart at a step boundary, in two halves:
    in step (:class:`ZeroSync`), and the old ranks exit. The next command runs on the new
    world: a batch is split over :attr:`ElasticTrainer.world_size` ranks.
 
-This is not a hybrid gradient group that a joiner enters while the others keep stepping:
-the step boundary waits for the handover (the ranks' state written and read back), which
-on a small model is seconds.
+That rebuilds the core's world. Hybrid workers lent to training do not: they join the
+:class:`~libra.train._hybrid.HybridGroup` as one-rank replicas beside the core's world
+(:meth:`ElasticTrainer.fetch_replica`, :meth:`~ElasticTrainer.sync_replica`,
+:meth:`~ElasticTrainer.activate_replica`, :meth:`~ElasticTrainer.drop_replica`), and a
+batch is split over the core's ranks and the active replicas.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ import anyio
 
 from libra.train._checkpoint import load_trainer_state, save_trainer_state
 from libra.train._fsdp import TrainerConfig
-from libra.train._worker import TrainerCommand, TrainerError, TrainerProcess, TrainerWorld
+from libra.train._hybrid import HybridGroup
+from libra.train._worker import (
+    Train,
+    TrainerCommand,
+    TrainerError,
+    TrainerProcess,
+    TrainerWorld,
+)
 
 if TYPE_CHECKING:
     from libra.train._fsdp import FSDPTrainer
@@ -136,12 +145,16 @@ class ElasticTrainer:
         *,
         members: Sequence[int] = (0,),
         worlds: WorldFactory | None = None,
+        bridge_timeout_s: float = 600.0,
     ) -> None:
+        """``bridge_timeout_s`` bounds the hybrid gradient group's rendezvous and each of
+        its collectives (the core waits there for the slowest replica's share)."""
         self.model_dir, self.config = model_dir, config
         self.cores = dict(cores) if cores is not None else None
         self._worlds = worlds if worlds is not None else self._local_world
         self._current = self._world(tuple(members))
         self._members = tuple(members)
+        self.hybrid = HybridGroup(lambda worker: self._world((worker,)), bridge_timeout_s)
         self._next: tuple[tuple[int, ...], TrainerWorld, float] | None = None
         self._lock = anyio.Lock()
         self._watching: anyio.CancelScope | None = None
@@ -149,12 +162,19 @@ class ElasticTrainer:
 
     @property
     def members(self) -> tuple[int, ...]:
-        """The workers training now, in rank order."""
+        """The core's workers, in rank order."""
         return self._members
 
     @property
+    def training(self) -> tuple[int, ...]:
+        """Every worker that takes a share of the batch: the core's, then the active
+        replicas'."""
+        return self._members + self.hybrid.active
+
+    @property
     def world_size(self) -> int:
-        return len(self._members)
+        """How many shares a batch is split into."""
+        return len(self.training)
 
     @property
     def preparing(self) -> tuple[int, ...] | None:
@@ -182,22 +202,70 @@ class ElasticTrainer:
     ) -> None:
         with anyio.CancelScope(shield=True):
             await self.discard()
+            await self.hybrid.close()
             await self._current.__aexit__(exc_type, exc, traceback)
 
     async def ready(self) -> None:
         await self._current.ready()
 
     async def call(self, command: TrainerCommand[T]) -> T:
-        """Run ``command`` on every rank of the current world; rank 0's result."""
+        """Run ``command`` on every rank of the current world; rank 0's result. A
+        :class:`Train` runs over the hybrid gradient group too, when it has replicas."""
+        train: object = command
+        if isinstance(train, Train):
+            wanted = train.batch.ranks
+
+            def same(shares: int) -> TrainerCommand[T]:
+                if shares != wanted:
+                    raise ValueError(f"a batch for {wanted} ranks, but {shares} train")
+                return command
+
+            result: T = await self.call_sized(same)  # type: ignore[assignment]
+            return result
         async with self._lock:
             return await self._current.call(command)
 
     async def call_sized(self, make: Callable[[int], TrainerCommand[T] | None]) -> T | None:
-        """Run the command ``make`` builds for the world size it will run on (a batch is
-        split over that many ranks): no switch comes between the two. None: nothing."""
+        """Run the command ``make`` builds for the shares it will run on (a batch is
+        split over :attr:`world_size` ranks): no switch or join comes between the two.
+        None: nothing. A :class:`Train` runs over the hybrid gradient group when it has
+        replicas (and again without a replica that fails mid-step)."""
         async with self._lock:
+            if self.hybrid.bridged:
+                result: T | None = await self.hybrid.train(self._current, make)
+                return result
             command = make(self.world_size)
             return None if command is None else await self._current.call(command)
+
+    # ---------------------------------------------------------- hybrid workers
+
+    async def fetch_replica(self, worker: int) -> None:
+        """Start ``worker``'s replica and wait until it has loaded the model, while the
+        core trains (``fetching_state``)."""
+        await self.hybrid.fetch(worker)
+
+    async def sync_replica(self, worker: int) -> int:
+        """At the next step boundary, take ``worker``'s replica into the hybrid gradient
+        group (``zero_sync``); the step count. It contributes zeros until activated."""
+        async with self._lock:
+            with anyio.CancelScope(shield=True):  # half a bridge hangs its members
+                steps = await self.hybrid.sync(self._current, worker)
+        return steps
+
+    async def activate_replica(self, worker: int) -> None:
+        """From the next step, ``worker``'s replica takes a share of every batch."""
+        async with self._lock:
+            self.hybrid.activate(worker)
+
+    async def drop_replica(self, worker: int) -> None:
+        """Stop ``worker``'s replica (at a step boundary if it is in the group)."""
+        replica = self.hybrid.replicas.get(worker)
+        if replica is not None and replica.state == "fetching":
+            await self.hybrid.drop(self._current, worker)  # no collective is under way
+            return
+        async with self._lock:
+            with anyio.CancelScope(shield=True):
+                await self.hybrid.drop(self._current, worker)
 
     async def watch(self) -> None:
         """As :meth:`TrainerWorld.watch`, following the world through its changes."""
@@ -259,5 +327,7 @@ class ElasticTrainer:
             self._watching.cancel()  # before the old ranks exit: their end is no death
         with contextlib.suppress(TrainerError):
             await old.__aexit__(None, None, None)
+        if self.hybrid.bridged:
+            await self.hybrid.reopen(self._current)
         self.resizes.append(Resize(members, prepare_s, time.perf_counter() - started))
         return steps

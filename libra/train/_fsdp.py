@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DistContext",
     "FSDPTrainer",
+    "GradientExchange",
     "StepMetrics",
     "TrainerConfig",
     "init_distributed",
@@ -111,6 +112,23 @@ class StepMetrics:
     lr: float
     micro_batches: int
     seconds: float
+
+
+class GradientExchange(Protocol):
+    """What one optimizer step does over a hybrid gradient group (``_hybrid.BridgedStep``)."""
+
+    @property
+    def core(self) -> bool:
+        """Whether this rank is the core's: it holds optimizer state and steps."""
+        ...
+
+    def reduce_gradients(self, model: nn.Module) -> bool:
+        """The group's gradient into this rank's; False: the step is off, on every core rank."""
+        ...
+
+    def send_parameters(self, model: nn.Module) -> bool:
+        """After the core's step, the replicas take its parameters; False: that failed."""
+        ...
 
 
 def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistContext:
@@ -188,20 +206,35 @@ class FSDPTrainer:
 
     # ------------------------------------------------------------------ training
 
-    def step(self, micro_batches: Sequence[B], loss_fn: LossFn[B]) -> StepMetrics:
+    def step(
+        self,
+        micro_batches: Sequence[B],
+        loss_fn: LossFn[B],
+        exchange: GradientExchange | None = None,
+    ) -> StepMetrics:
         """Accumulate gradients over ``micro_batches``, clip, and take one optimizer step.
 
         The loss that is minimized is the mean of ``loss_fn`` over this rank's micro-batches,
         averaged over ranks: scale each loss inside ``loss_fn`` for another normalization.
+        With ``exchange`` (a hybrid gradient group, ``libra.train._hybrid``) the gradients
+        are the whole group's before the optimizer steps; a replica passes no
+        micro-batches until it takes a share (it contributes zeros), and never steps.
         """
         started = time.perf_counter()
-        loss = self.accumulate(micro_batches, loss_fn)
-        grad_norm = self._clip_gradients()
+        loss = 0.0
+        if micro_batches or exchange is None:
+            loss = self.accumulate(micro_batches, loss_fn)
+        reduced = exchange is None or exchange.reduce_gradients(self.model)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.lr_schedule.step()
+        grad_norm = float("nan")
+        if reduced and (exchange is None or exchange.core):
+            grad_norm = self._clip_gradients()
+            self.optimizer.step()
+            self.lr_schedule.step()
+            self.steps_done += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
+        if exchange is not None and reduced:
+            exchange.send_parameters(self.model)
         metrics = StepMetrics(
             step=self.steps_done,
             loss=loss,

@@ -135,6 +135,41 @@ async def test_a_ray_world_grows_and_shrinks_and_trains_as_a_local_world_does(
         )
 
 
+@asyncio_only
+async def test_a_ray_replica_joins_the_hybrid_gradient_group_and_trains_a_share_exactly(
+    ray_instance: None, tiny_model: Path
+) -> None:
+    workers = two_workers()
+    async with (
+        RayWorkers(workers, gpus=False) as ray,
+        TrainerProcess(tiny_model, CONFIG, world_size=1) as local,
+        ElasticTrainer(
+            tiny_model,
+            CONFIG,
+            dict(enumerate(workers)),
+            members=(0,),
+            worlds=ray.worlds(tiny_model, CONFIG),
+        ) as elastic,
+    ):
+        started = time.perf_counter()
+        await elastic.fetch_replica(1)
+        fetched = time.perf_counter()
+        await elastic.sync_replica(1)
+        await elastic.activate_replica(1)
+        synced = time.perf_counter()
+        print(f"ray replica: fetch {fetched - started:.1f} s, sync {synced - fetched:.1f} s")
+        for seed in range(2):
+            expected = await local.call(Train(batch(seed, ranks=1), GRPO, 1.0))
+            result = await elastic.call(Train(batch(seed, ranks=2), GRPO, 1.0))
+            assert result.step.loss == pytest.approx(expected.step.loss, rel=1e-5)
+            trained = await elastic.call(FullParameters())
+            # Two halves summed over the bridge, in another order than one rank's sum.
+            assert_close(trained, await local.call(FullParameters()), atol=1e-5)
+        await elastic.drop_replica(1)
+        assert elastic.training == (0,)
+    assert elastic.resizes == []
+
+
 async def test_a_rank_actor_killed_between_commands_stops_watch_and_every_later_call(
     ray_instance: None, tiny_model: Path
 ) -> None:

@@ -1,0 +1,135 @@
+"""The hybrid gradient group: a replica joins the core's training and leaves it again,
+and every step is the step a trainer of fixed size takes on the same batch, while the
+core's world is never rebuilt; a replica that dies or never starts costs no step."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from libra.train import GRPOConfig, TrainerConfig, TrainerProcess
+from libra.train._elastic import ElasticTrainer
+from libra.train._worker import Train, TrainResult
+from tests._helpers import tiny_llama
+from tests.train._ranks import FullParameters, RankPids, assert_close, assert_equal, batch
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
+GRPO = GRPOConfig()
+# Each world is processes loading the model: one event loop's run is enough.
+asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def workers() -> dict[int, tuple[int, ...]]:
+    cores = sorted(os.sched_getaffinity(0))
+    return {0: (cores[0],), 1: (cores[-1],)}  # one core each (the same one on one core)
+
+
+async def replica_parameters(trainer: ElasticTrainer, worker: int) -> object:
+    return await trainer.hybrid.replicas[worker].world.call(FullParameters())
+
+
+@asyncio_only
+async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact(
+    tiny_model: Path,
+) -> None:
+    async with (
+        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
+        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0,)) as elastic,
+    ):
+
+        async def step(seed: int) -> tuple[TrainResult, TrainResult]:
+            alone = await fixed.call(Train(batch(seed, ranks=1), GRPO, 1.0))
+            shared = await elastic.call(Train(batch(seed, ranks=elastic.world_size), GRPO, 1.0))
+            trained = await elastic.call(FullParameters())
+            # Shares summed over the bridge, in another order than one rank's sum.
+            assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
+            return alone, shared
+
+        await step(0)
+        await elastic.fetch_replica(1)  # loads the model folder: the base weights
+        assert await elastic.sync_replica(1) == 1  # in step: the core's step count ...
+        assert_equal(await replica_parameters(elastic, 1), await elastic.call(FullParameters()))
+        assert elastic.world_size == 1  # ... and zero gradients until it is active
+        await step(1)
+        await elastic.activate_replica(1)
+        assert elastic.training == (0, 1) and elastic.members == (0,)
+        alone, shared = await step(2)  # half the batch on the replica
+        assert shared.step.step == alone.step.step == 3
+        assert shared.step.loss == pytest.approx(alone.step.loss, rel=1e-5)
+        assert shared.step.grad_norm == pytest.approx(alone.step.grad_norm, rel=1e-5)
+        assert shared.loss["tokens"] == alone.loss["tokens"]
+        assert_equal(await replica_parameters(elastic, 1), await elastic.call(FullParameters()))
+        await elastic.drop_replica(1)
+        assert elastic.training == (0,) and elastic.hybrid.replicas == {}
+        await step(3)
+    assert elastic.resizes == []  # the core's world was never rebuilt
+
+
+@pytest.mark.faults
+@asyncio_only
+async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it(
+    tiny_model: Path,
+) -> None:
+    async with (
+        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
+        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0,)) as elastic,
+    ):
+        await elastic.fetch_replica(1)
+        await elastic.sync_replica(1)
+        await elastic.activate_replica(1)
+        (pid,) = await elastic.hybrid.replicas[1].world.call(RankPids())
+        os.kill(pid, signal.SIGKILL)
+        splits: list[int] = []
+
+        def train_on(ranks: int) -> Train:
+            splits.append(ranks)
+            return Train(batch(0, ranks=ranks), GRPO, 1.0)
+
+        result = await elastic.call_sized(train_on)
+        await fixed.call(Train(batch(0, ranks=1), GRPO, 1.0))
+        assert splits == [2, 1] and result is not None and result.step.step == 1
+        assert_close(await elastic.call(FullParameters()), await fixed.call(FullParameters()))
+        assert [worker for worker, _ in elastic.hybrid.failures] == [1]
+        assert elastic.training == (0,) and elastic.hybrid.replicas == {}
+
+
+@asyncio_only
+async def test_a_replica_that_cannot_start_leaves_nothing_behind(tiny_model: Path) -> None:
+    cores = workers() | {1: (10_000,)}  # no such core: the rank cannot pin itself
+    async with ElasticTrainer(tiny_model, CONFIG, cores, members=(0,)) as elastic:
+        with pytest.raises(Exception, match="trainer"):
+            await elastic.fetch_replica(1)
+        assert elastic.hybrid.replicas == {}
+        with pytest.raises(RuntimeError, match="no replica fetched"):
+            await elastic.sync_replica(1)
+        result = await elastic.call(Train(batch(0, ranks=1), GRPO, 1.0))
+        assert result.step.step == 1
+
+
+@pytest.mark.faults
+@asyncio_only
+async def test_a_replica_that_dies_before_it_syncs_fails_its_join_and_costs_no_step(
+    tiny_model: Path,
+) -> None:
+    # The core waits for a missing member to open the bridge up to this long.
+    async with ElasticTrainer(
+        tiny_model, CONFIG, workers(), members=(0,), bridge_timeout_s=5
+    ) as elastic:
+        await elastic.fetch_replica(1)
+        (pid,) = await elastic.hybrid.replicas[1].world.call(RankPids())
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="worker 1's replica failed to join"):
+            await elastic.sync_replica(1)
+        assert elastic.hybrid.replicas == {} and elastic.training == (0,)
+        result = await elastic.call(Train(batch(0, ranks=1), GRPO, 1.0))
+        assert result.step.step == 1 and not result.broken
