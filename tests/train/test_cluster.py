@@ -120,12 +120,12 @@ async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_opera
     ) as cluster:
         await join(cluster, 0)  # a core-training worker is in from the start: nothing to do
         await join(cluster, 2)
-        assert cluster.trainer.training == (0, 2) and cluster.trainer.world_size == 2
+        assert list(cluster.trainer.training) == [0, 2] and cluster.trainer.world_size == 2
         await cluster.leave_training(2)
-        assert cluster.trainer.training == (0,)
+        assert list(cluster.trainer.training) == [0]
         await cluster.fetch_state(2)  # a join called off before it synced
         await cluster.leave_training(2)
-        assert cluster.trainer.training == (0,) and cluster.trainer.hybrid.replicas == {}
+        assert list(cluster.trainer.training) == [0] and cluster.trainer.hybrid.replicas == {}
         with pytest.raises(RuntimeError, match="not in the trainer"):
             await cluster.activate(2)
     assert cluster.trainer.resizes == []  # the core's world was never rebuilt

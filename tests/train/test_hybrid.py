@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from libra.train import GRPOConfig, TrainerConfig, TrainerProcess
 from libra.train._elastic import ElasticTrainer
@@ -34,7 +35,7 @@ def workers() -> dict[int, tuple[int, ...]]:
     return {0: (cores[0],), 1: (cores[-1],)}  # one core each (the same one on one core)
 
 
-async def replica_parameters(trainer: ElasticTrainer, worker: int) -> object:
+async def replica_parameters(trainer: ElasticTrainer, worker: int) -> dict[str, torch.Tensor]:
     return await trainer.hybrid.replicas[worker].world.call(FullParameters())
 
 
@@ -62,7 +63,7 @@ async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact
         assert elastic.world_size == 1  # ... and zero gradients until it is active
         await step(1)
         await elastic.activate_replica(1)
-        assert elastic.training == (0, 1) and elastic.members == (0,)
+        assert list(elastic.training) == [0, 1] and list(elastic.members) == [0]
         alone, shared = await step(2)  # half the batch on the replica
         assert shared.step.step == alone.step.step == 3
         assert shared.step.loss == pytest.approx(alone.step.loss, rel=1e-5)
@@ -70,7 +71,7 @@ async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact
         assert shared.loss["tokens"] == alone.loss["tokens"]
         assert_equal(await replica_parameters(elastic, 1), await elastic.call(FullParameters()))
         await elastic.drop_replica(1)
-        assert elastic.training == (0,) and elastic.hybrid.replicas == {}
+        assert list(elastic.training) == [0] and elastic.hybrid.replicas == {}
         await step(3)
     assert elastic.resizes == []  # the core's world was never rebuilt
 
@@ -100,7 +101,7 @@ async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it
         assert splits == [2, 1] and result is not None and result.step.step == 1
         assert_close(await elastic.call(FullParameters()), await fixed.call(FullParameters()))
         assert [worker for worker, _ in elastic.hybrid.failures] == [1]
-        assert elastic.training == (0,) and elastic.hybrid.replicas == {}
+        assert list(elastic.training) == [0] and elastic.hybrid.replicas == {}
 
 
 @asyncio_only
