@@ -9,10 +9,10 @@ a one-rank replica beside the core's world, which is never rebuilt for it (see
 ``_hybrid``):
 
 - ``fetch_state``: its replica starts and loads the model while the core trains;
-- ``zero_sync``: at the next step boundary it enters the group's bridge, contributes a
-  gradient of zeros and takes the core's parameters;
-- ``activate``: from the next batch on it takes a share (a batch is split over the
-  core's ranks and the active replicas);
+- ``zero_sync``: between two pieces of the step under way (a run with hybrid units
+  takes every step in pieces) or between steps, it enters the group's bridge,
+  contributes a gradient of zeros and takes the core's parameters;
+- ``activate``: it takes pieces of the step under way, or of the next;
 - ``leave_training``: its replica stops at a step boundary (or, mid-fetch, at once);
   the group goes on without it. A core worker leaving rebuilds the core's world.
 
@@ -287,7 +287,12 @@ async def open_cluster(
             start_server, worlds = ray.server, ray.worlds(model_dir, trainer)
         ranks = await stack.enter_async_context(
             ElasticTrainer(
-                model_dir, trainer, dict(enumerate(cores)), members=alloc.training, worlds=worlds
+                model_dir,
+                trainer,
+                dict(enumerate(cores)),
+                members=alloc.training,
+                worlds=worlds,
+                in_pieces=bool(alloc.hybrid),  # a unit lent mid-step joins the step
             )
         )
         cluster = WorkerCluster(
@@ -341,6 +346,11 @@ class Allocation:
             "pressure": round(decision.pressure, 4),
             "moving": [f"{m.direction} {m.unit}" for m in decision.moves],
             "training": list(self.cluster.trainer.training),
+            # The micro-batches each member took of this step (taken in pieces).
+            "pieces": {
+                "core" if member is None else f"w{member}": count
+                for member, count in self.cluster.trainer.hybrid.shares.items()
+            },
             "serving": sorted(self.cluster.servers),
             "moves": [_move_line(m) for m in self.pool.moves],  # every one so far
         }

@@ -18,8 +18,8 @@ its cores. A world change is a restart at a step boundary, in two halves:
 That rebuilds the core's world. Hybrid workers lent to training do not: they join the
 :class:`~libra.train._hybrid.HybridGroup` as one-rank replicas beside the core's world
 (:meth:`ElasticTrainer.fetch_replica`, :meth:`~ElasticTrainer.sync_replica`,
-:meth:`~ElasticTrainer.activate_replica`, :meth:`~ElasticTrainer.drop_replica`), and a
-batch is split over the core's ranks and the active replicas.
+:meth:`~ElasticTrainer.activate_replica`, :meth:`~ElasticTrainer.drop_replica`), even
+during a step, which is then taken in pieces over the core and the replicas.
 """
 
 from __future__ import annotations
@@ -146,15 +146,19 @@ class ElasticTrainer:
         members: Sequence[int] = (0,),
         worlds: WorldFactory | None = None,
         bridge_timeout_s: float = 600.0,
+        in_pieces: bool = False,
     ) -> None:
-        """``bridge_timeout_s`` bounds the hybrid gradient group's rendezvous and each of
-        its collectives (the core waits there for the slowest replica's share)."""
+        """``bridge_timeout_s`` bounds the hybrid gradient group's collectives and each
+        piece a replica takes; ``in_pieces``: every step is taken in pieces, so that a
+        hybrid worker lent while it runs joins it (see ``_hybrid``)."""
         self.model_dir, self.config = model_dir, config
         self.cores = dict(cores) if cores is not None else None
         self._worlds = worlds if worlds is not None else self._local_world
         self._current = self._world(tuple(members))
         self._members = tuple(members)
-        self.hybrid = HybridGroup(lambda worker: self._world((worker,)), bridge_timeout_s)
+        self.hybrid = HybridGroup(
+            lambda worker: self._world((worker,)), bridge_timeout_s, in_pieces=in_pieces
+        )
         self._next: tuple[tuple[int, ...], TrainerWorld, float] | None = None
         self._lock = anyio.Lock()
         self._watching: anyio.CancelScope | None = None
@@ -231,7 +235,7 @@ class ElasticTrainer:
         None: nothing. A :class:`Train` runs over the hybrid gradient group when it has
         replicas (and again without a replica that fails mid-step)."""
         async with self._lock:
-            if self.hybrid.bridged:
+            if self.hybrid.bridged or self.hybrid.in_pieces:
                 result: T | None = await self.hybrid.train(self._current, make)
                 return result
             command = make(self.world_size)
@@ -245,17 +249,19 @@ class ElasticTrainer:
         await self.hybrid.fetch(worker)
 
     async def sync_replica(self, worker: int) -> int:
-        """At the next step boundary, take ``worker``'s replica into the hybrid gradient
-        group (``zero_sync``); the step count. It contributes zeros until activated."""
+        """Take ``worker``'s replica into the hybrid gradient group (``zero_sync``): now,
+        between two pieces of the step under way, or at once between steps; the step
+        count. It contributes zeros until activated."""
+        if self.hybrid.stepping:
+            return await self.hybrid.request_sync(worker)
         async with self._lock:
             with anyio.CancelScope(shield=True):  # half a bridge hangs its members
                 steps = await self.hybrid.sync(self._current, worker)
         return steps
 
     async def activate_replica(self, worker: int) -> None:
-        """From the next step, ``worker``'s replica takes a share of every batch."""
-        async with self._lock:
-            self.hybrid.activate(worker)
+        """``worker``'s replica takes pieces of the step under way, or of the next."""
+        self.hybrid.activate(worker)
 
     async def drop_replica(self, worker: int) -> None:
         """Stop ``worker``'s replica (at a step boundary if it is in the group)."""

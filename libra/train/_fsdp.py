@@ -206,26 +206,37 @@ class FSDPTrainer:
 
     # ------------------------------------------------------------------ training
 
-    def step(
-        self,
-        micro_batches: Sequence[B],
-        loss_fn: LossFn[B],
-        exchange: GradientExchange | None = None,
-    ) -> StepMetrics:
+    def step(self, micro_batches: Sequence[B], loss_fn: LossFn[B]) -> StepMetrics:
         """Accumulate gradients over ``micro_batches``, clip, and take one optimizer step.
 
         The loss that is minimized is the mean of ``loss_fn`` over this rank's micro-batches,
         averaged over ranks: scale each loss inside ``loss_fn`` for another normalization.
-        With ``exchange`` (a hybrid gradient group, ``libra.train._hybrid``) the gradients
-        are the whole group's before the optimizer steps; a replica passes no
-        micro-batches until it takes a share (it contributes zeros), and never steps.
         """
         started = time.perf_counter()
-        loss = 0.0
-        if micro_batches or exchange is None:
-            loss = self.accumulate(micro_batches, loss_fn)
+        loss = self.accumulate(micro_batches, loss_fn)
+        grad_norm, lr = self.apply_gradients()
+        metrics = StepMetrics(
+            step=self.steps_done,
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            micro_batches=len(micro_batches),
+            seconds=time.perf_counter() - started,
+        )
+        if self.dist.is_main:
+            log.info("train step %d: %s", metrics.step, metrics)
+        return metrics
+
+    def apply_gradients(self, exchange: GradientExchange | None = None) -> tuple[float, float]:
+        """Clip and step the optimizer on the gradients accumulated so far, then clear
+        them; the gradient norm (NaN where no step was taken) and the learning rate.
+
+        With ``exchange`` (a hybrid gradient group, ``libra.train._hybrid``) the gradients
+        are first the whole group's; a replica of the group never steps (it takes the
+        core's parameters), and a core whose exchange failed does not either.
+        """
         reduced = exchange is None or exchange.reduce_gradients(self.model)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])
         grad_norm = float("nan")
         if reduced and (exchange is None or exchange.core):
             grad_norm = self._clip_gradients()
@@ -235,17 +246,17 @@ class FSDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if exchange is not None and reduced:
             exchange.send_parameters(self.model)
-        metrics = StepMetrics(
-            step=self.steps_done,
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=float(lr),
-            micro_batches=len(micro_batches),
-            seconds=time.perf_counter() - started,
-        )
-        if self.dist.is_main:
-            log.info("train step %d: %s", metrics.step, metrics)
-        return metrics
+        return grad_norm, lr
+
+    def backward(self, micro_batch: B, loss_fn: LossFn[B]) -> float:
+        """Forward and backward one micro-batch (collective), its gradient reduced at once
+        and added to the step's: a step taken in pieces (``libra.train._hybrid``). Its
+        loss on this rank."""
+        self.model.train()
+        self.model.set_requires_gradient_sync(True)
+        loss = loss_fn(self.model, micro_batch)
+        loss.backward()
+        return float(loss.detach())
 
     def accumulate(self, micro_batches: Sequence[B], loss_fn: LossFn[B]) -> float:
         """Forward and backward every micro-batch; gradients are reduced once, on the last.

@@ -1,30 +1,28 @@
 """The hybrid gradient group: workers lent to training join it as data-parallel replicas
-beside the core trainer's FSDP world, which is never rebuilt for them.
+beside the core trainer's FSDP world, which is never rebuilt for them, and they join the
+step under way.
 
 A *replica* is a one-rank trainer world on a hybrid worker: it loads the model folder
-while the core world trains (``fetching_state``). At a step boundary the core ranks and
-every replica open a gloo group of their own, the *bridge* (:class:`OpenBridge`), and
-one exchange in which every member contributes a gradient of zeros proves it whole,
-after which the core sends the replicas its current parameters (:class:`SyncBridge`:
-``zero_sync``). From then on every bridged step (:class:`BridgedStep`, which the
-``Train`` command uses) runs:
+while the core trains (``fetching_state``). Then the core's ranks and every replica open
+a gloo group of their own, the *bridge* (:class:`OpenBridge`); one exchange in which
+every member contributes a gradient of zeros proves it whole, and the core sends the
+replicas its parameters (:class:`SyncBridge`: ``zero_sync``).
 
-1. each participant (a core rank, or an *active* replica) does forward and backward on
-   its share of the batch; the core's FSDP reduction averages over the core ranks;
-2. every bridge member contributes its world's whole gradient divided by the number of
-   participants (a replica that has joined but is not active yet contributes zeros), and
-   one all-reduce sums them: every member then holds the batch's gradient;
-3. the core ranks take their shards of it, clip and step their optimizer (only the core
-   holds optimizer state), then send the new parameters to the replicas.
+While the group has replicas a step is taken in pieces (:meth:`HybridGroup.train`): the
+step's micro-batches wait in one queue, longest first; the core takes one per rank at a
+time and every *active* replica one at a time (:class:`Accumulate`), each adding the
+gradient to its own. A worker that joins mid-step is let in between two pieces (the
+bridge opened again, its parameters synced: they do not change until the step's end)
+and takes pieces from the same queue: it joins the step under way. When the queue is
+empty every member contributes its world's gradient to one all-reduce over the bridge
+(:class:`FinishStep`); the core ranks take their shards of the sum, clip and step their
+optimizer (only the core holds optimizer state), then send the replicas the new
+parameters. So a replica holds nothing the run needs: one that dies mid-step is
+dropped and the pieces it had done go back in the queue; one whose bridge fails at the
+exchange costs the step, which is taken again without it.
 
-So a replica's parameters are always the core's, a replica holds no optimizer state, and
-a replica that leaves (or dies) takes nothing with it: the bridge is opened again without
-it at the next step boundary. A bridge that fails mid-step makes the core skip that
-optimizer step on every core rank (they agree over their own world first), and its
-caller runs the step again without the failed replica.
-
-Each process holds its place in the bridge in this module (:data:`_bridge`): the trainer
-processes run one command at a time, so there is one bridge per process at most.
+Each trainer process holds its place in the bridge in this module (:data:`_bridge`): a
+process runs one command at a time, so it is in one bridge at most.
 """
 
 from __future__ import annotations
@@ -34,13 +32,18 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from libra.train._fsdp import _full
+from libra.train._batch import MicroBatch
+from libra.train._config import GRPOConfig
+from libra.train._fsdp import StepMetrics, _full
+from libra.train._loss import LossMetrics
 from libra.train._worker import (
     Train,
     TrainerCommand,
@@ -48,6 +51,7 @@ from libra.train._worker import (
     TrainerWorld,
     TrainResult,
     combine_loss_metrics,
+    grpo_micro_batch_loss,
 )
 
 if TYPE_CHECKING:
@@ -167,17 +171,69 @@ class SyncBridge:
         return steps
 
 
-# ------------------------------------------------------------------ the exchange
+# ------------------------------------------------------------- a step in pieces
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulate:
+    """One piece of a step: forward and backward ``micro[rank]`` on each rank of this
+    world, its loss weighted ``weights[rank]`` (0: padding, where fewer micro-batches
+    than ranks are left), the gradient added to the step's. Returns the loss summed over
+    the real micro-batches and each one's loss metrics."""
+
+    micro: tuple[MicroBatch, ...]
+    weights: tuple[float, ...]
+    grpo: GRPOConfig
+    temperature: float
+
+    def run(self, trainer: FSDPTrainer) -> tuple[float, list[dict[str, float]]]:
+        import torch
+        import torch.distributed as dist
+
+        rank, world = trainer.dist.rank, trainer.dist.world_size
+        collected: list[LossMetrics] = []
+        loss_fn = partial(
+            grpo_micro_batch_loss,
+            grpo=self.grpo,
+            temperature=self.temperature,
+            # FSDP averages over the world's ranks: the world's gradient is then the sum.
+            scale=self.weights[rank] * world,
+            out=collected,
+        )
+        loss = trainer.backward(self.micro[rank].to(trainer.dist.device), loss_fn)
+        summed = torch.tensor([loss / world], dtype=torch.float64)
+        dist.all_reduce(summed)
+        mine = [m.as_floats() for m in collected] if self.weights[rank] else []
+        gathered: list[list[dict[str, float]]] = [[] for _ in range(world)]
+        dist.all_gather_object(gathered, mine)
+        return float(summed), [m for part in gathered for m in part]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishStep:
+    """The step's end, on every bridge member: the gradients summed over the bridge, the
+    core's optimizer step, its parameters sent to the replicas (``bridged`` False: the
+    core alone, no replica being left). Returns the gradient norm, the learning rate,
+    the step count, whether the core stepped and whether the bridge broke."""
+
+    bridged: bool = True
+
+    def run(self, trainer: FSDPTrainer) -> tuple[float, float, int, bool, bool]:
+        exchange = BridgedStep(trainer.dist.world_size) if self.bridged else None
+        before = trainer.steps_done
+        grad_norm, lr = trainer.apply_gradients(exchange)
+        stepped = trainer.steps_done > before
+        broken = exchange is not None and exchange.broken
+        return grad_norm, lr, trainer.steps_done, stepped, broken
 
 
 @dataclass(slots=True)
 class BridgedStep:
-    """One optimizer step's exchange over the bridge, for ``participants`` sharing the
-    batch (what :meth:`FSDPTrainer.step` calls between backward and the optimizer).
-    ``broken``: the bridge failed during it (on a core rank: the step's caller drops
-    the replicas; the core stepped only if the gradients were all in)."""
+    """The exchange :meth:`FSDPTrainer.apply_gradients` makes over the bridge, for a
+    member whose world has ``world`` ranks. ``broken``: the bridge failed during it (the
+    core stepped only if the gradients were all in)."""
 
-    participants: int
+    world: int
     broken: bool = False
 
     @property
@@ -185,17 +241,18 @@ class BridgedStep:
         return _in_bridge().core
 
     def reduce_gradients(self, model: nn.Module) -> bool:
-        """Make every core rank's gradient shard the batch's (collective over the bridge
-        and the core's world). False, on every core rank alike, if the bridge failed."""
+        """Make every core rank's gradient shard the group's sum (collective over the
+        bridge and the core's world). False, on every core rank alike, if it failed."""
         import torch
         import torch.distributed as dist
 
         bridge = _in_bridge()
         params = [p for p in model.parameters()]
         whole = [_full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in params]
-        flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in whole])
+        # Each of a world's ranks holds the world's whole gradient: a share of it each.
+        flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in whole]) / self.world
         try:
-            flat = _all_reduce(bridge, flat / self.participants)
+            flat = _all_reduce(bridge, flat)
             ok = True
         except BridgeBroken:
             if not bridge.core:
@@ -309,27 +366,61 @@ ReplicaState = Literal["fetching", "fetched", "synced", "active"]
 @dataclass(slots=True)
 class Replica:
     """A hybrid worker's one-rank world: ``fetching`` (loading the model folder),
-    ``fetched``, ``synced`` (in the bridge, contributing zeros), ``active`` (taking a
-    share of every batch)."""
+    ``fetched``, ``synced`` (in the bridge, contributing zeros), ``active`` (taking
+    pieces of every step)."""
 
     worker: int
     world: TrainerWorld
     state: ReplicaState = "fetching"
-    fetch_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Joining:
+    """A worker waiting to be let in between two pieces of the step under way."""
+
+    worker: int
+    answered: anyio.Event = field(default_factory=anyio.Event)
+    outcome: int | BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Piece:
+    """A piece done: by whom (None: the core), which micro-batches, what it measured."""
+
+    by: int | None
+    indices: list[int]
+    loss: float
+    metrics: list[dict[str, float]]
 
 
 class HybridGroup:
-    """The replicas of the hybrid gradient group, driven beside the core's world (the
-    :class:`~libra.train._elastic.ElasticTrainer` owns one and calls every method but
-    :meth:`fetch` at a step boundary, under its lock). ``start`` starts a one-rank world
-    on a worker; ``timeout_s`` bounds the bridge's rendezvous and each collective."""
+    """The replicas of the hybrid gradient group, driven beside the core's world. The
+    :class:`~libra.train._elastic.ElasticTrainer` owns one: :meth:`fetch` runs while the
+    core trains, :meth:`sync` and :meth:`drop` at a step boundary (under the trainer's
+    lock) or, through :meth:`request_sync`, between two pieces of the step under way.
+    ``start`` starts a one-rank world on a worker; ``timeout_s`` bounds the bridge's
+    collectives and each piece a replica takes."""
 
-    def __init__(self, start: Callable[[int], TrainerWorld], timeout_s: float) -> None:
-        self._start, self.timeout_s = start, timeout_s
+    def __init__(
+        self, start: Callable[[int], TrainerWorld], timeout_s: float, *, in_pieces: bool = False
+    ) -> None:
+        """``in_pieces``: every step is taken in pieces, even with no replica, so that a
+        worker lent while it runs joins it (else only steps with replicas are)."""
+        self._start, self.timeout_s, self.in_pieces = start, timeout_s, in_pieces
         self.replicas: dict[int, Replica] = {}
-        self._open = False  # whether the core is in a bridge
+        #: Micro-batches of the last step taken in pieces, per member (None: the core).
+        self.shares: Counter[int | None] = Counter()
         #: Replicas dropped because they failed, and why, in order.
         self.failures: list[tuple[int, str]] = []
+        self._open = False  # whether the core is in a bridge
+        self._stepping = False  # a step is taken in pieces
+        self._joining: list[_Joining] = []
+        self._lost: list[int] = []  # replicas that failed a piece: out before the step ends
+        self._interrupt = False  # the round of pieces under way ends early
+
+    @property
+    def stepping(self) -> bool:
+        return self._stepping
 
     @property
     def bridged(self) -> list[Replica]:
@@ -344,7 +435,6 @@ class HybridGroup:
         """Start ``worker``'s replica and wait until it has loaded the model."""
         if worker in self.replicas:
             return
-        started = time.perf_counter()
         replica = self.replicas[worker] = Replica(worker, self._start(worker))
         try:
             await replica.world.__aenter__()
@@ -352,7 +442,7 @@ class HybridGroup:
         except BaseException:
             await self._stop(worker)
             raise
-        replica.state, replica.fetch_s = "fetched", time.perf_counter() - started
+        replica.state = "fetched"
 
     async def sync(self, core: TrainerWorld, worker: int) -> int:
         """Open the bridge with ``worker`` in it; one zero exchange, then the core's
@@ -373,11 +463,29 @@ class HybridGroup:
             raise RuntimeError(f"the bridge failed while worker {worker} joined it")
         return steps
 
+    async def request_sync(self, worker: int) -> int:
+        """While a step is taken in pieces: :meth:`sync`, as soon as the pieces under
+        way are done (the step goes on with ``worker`` in the group)."""
+        joining = _Joining(worker)
+        self._joining.append(joining)
+        self._interrupt = True
+        try:
+            await joining.answered.wait()
+        finally:
+            if joining in self._joining:  # called off before its turn
+                self._joining.remove(joining)
+        if isinstance(joining.outcome, BaseException):
+            raise joining.outcome
+        assert joining.outcome is not None
+        return joining.outcome
+
     def activate(self, worker: int) -> None:
+        """From the next piece (the step under way) or step on, ``worker`` takes pieces."""
         replica = self.replicas.get(worker)
         if replica is None or replica.state not in ("synced", "active"):
             raise RuntimeError(f"worker {worker} is not in the trainer's hybrid gradient group")
         replica.state = "active"
+        self._interrupt = self._stepping
 
     async def drop(self, core: TrainerWorld, worker: int) -> None:
         """Stop ``worker``'s replica; the bridge goes on without it."""
@@ -392,33 +500,24 @@ class HybridGroup:
     async def train(
         self, core: TrainerWorld, make: Callable[[int], TrainerCommand[Any] | None]
     ) -> Any:
-        """One step over the core and the bridge, the batch ``make`` builds split over the
-        core's ranks and the active replicas; run again without any replica that fails.
-        (Any other command ``make`` builds runs on the core alone.)"""
+        """The step ``make`` builds (for the core's ranks and the active replicas),
+        taken in pieces over the group, and again without a replica that breaks the
+        bridge at its end. (Any other command than a :class:`Train`, or a step while the
+        group has no replica, runs on the core alone.)"""
         while True:
-            active = self.active
-            command = make(core.world_size + len(active))
+            command = make(core.world_size + len(self.active))
             if command is None:
                 return None
-            if not self.bridged or not isinstance(command, Train):
+            if not (self.bridged or self.in_pieces) or not isinstance(command, Train):
                 return await core.call(command)
-            first = {w: core.world_size + i for i, w in enumerate(active)} | {None: 0}
-            shares = {
-                key: replace(command, first_rank=first.get(key), bridged=True)
-                for key in self._keys()
-            }
-            failed = len(self.failures)
-            results = await self._on_bridge(core, shares)
-            outcome: TrainResult = results[None]
-            if not outcome.broken:
-                return _combined(outcome, core.world_size, [results[w] for w in active])
-            if len(self.failures) == failed:  # no replica says why: none is trusted
-                for replica in self.bridged:
-                    self.failures.append((replica.worker, "the bridge broke mid-step"))
-                    await self._stop(replica.worker)
-            await self._reopen(core)
-            if outcome.stepped:
-                return outcome  # every share was in; the core's step stands
+            self._stepping = True
+            try:
+                result = await self._in_pieces(core, command)
+            finally:
+                self._stepping = False
+                await self._admit(core)
+            if result is not None:
+                return result
 
     async def close(self) -> None:
         for worker in list(self.replicas):
@@ -429,7 +528,120 @@ class HybridGroup:
         self._open = False
         await self._reopen(core)
 
-    # -------------------------------------------------------------- internals
+    # ------------------------------------------------------------ a step in pieces
+
+    async def _in_pieces(self, core: TrainerWorld, command: Train) -> TrainResult | None:
+        """The step's pieces, then its end; None if the bridge broke before the core
+        stepped (every gradient is gone: the step is to be taken again)."""
+        started = time.perf_counter()
+        micro = command.batch.micro_batches
+        queue = deque(sorted(range(len(micro)), key=lambda i: -micro[i].positions))
+        done: list[_Piece] = []
+        while queue:
+            await self._round(core, command, queue, done)
+            await self._admit(core)
+        self.shares = Counter()
+        for piece in done:
+            self.shares[piece.by] += len(piece.indices)
+        failed = len(self.failures)
+        finish = FinishStep(bridged=bool(self.bridged))
+        results = await self._on_bridge(core, dict.fromkeys(self._keys(), finish))
+        grad_norm, lr, steps, stepped, broken = results[None]
+        if broken:
+            if len(self.failures) == failed:  # no replica says why: none is trusted
+                for replica in self.bridged:
+                    self.failures.append((replica.worker, "the bridge broke at a step's end"))
+                    await self._stop(replica.worker)
+            await self._reopen(core)
+            if not stepped:
+                return None
+        step = StepMetrics(
+            step=steps,
+            loss=sum(piece.loss for piece in done),
+            grad_norm=grad_norm,
+            lr=lr,
+            micro_batches=len(micro),
+            seconds=time.perf_counter() - started,
+        )
+        return TrainResult(step, combine_loss_metrics([m for p in done for m in p.metrics]))
+
+    async def _round(
+        self, core: TrainerWorld, command: Train, queue: deque[int], done: list[_Piece]
+    ) -> None:
+        """Pieces to the core and every active replica until the queue is empty or a
+        worker is to be let in. A replica that fails a piece is out: what it had done
+        goes back in the queue."""
+        self._interrupt = False
+        micro = command.batch.micro_batches
+
+        async def feed(by: int | None, world: TrainerWorld) -> None:
+            size = world.world_size
+            while queue and not self._interrupt:
+                taken = [queue.popleft() for _ in range(min(size, len(queue)))]
+                padding = size - len(taken)  # the core's ranks all take part, some for 0
+                piece = Accumulate(
+                    tuple(micro[i] for i in [*taken, *[taken[0]] * padding]),
+                    (1.0,) * len(taken) + (0.0,) * padding,
+                    command.grpo,
+                    command.temperature,
+                )
+                try:
+                    if by is None:
+                        loss, metrics = await world.call(piece)
+                    else:
+                        with anyio.fail_after(self.timeout_s):
+                            loss, metrics = await world.call(piece)
+                except (TrainerError, TimeoutError) as error:
+                    if by is None:
+                        raise
+                    self._lose(by, str(error) or "a piece timed out", taken, queue, done)
+                    return
+                done.append(_Piece(by, taken, loss, metrics))
+
+        core_failed: TrainerError | None = None
+
+        async def feed_core() -> None:
+            nonlocal core_failed
+            try:
+                await feed(None, core)
+            except TrainerError as error:
+                core_failed = error
+                group.cancel_scope.cancel()  # the step is lost with the core
+
+        async with anyio.create_task_group() as group:
+            for worker in self.active:
+                group.start_soon(feed, worker, self.replicas[worker].world)
+            group.start_soon(feed_core)
+        if core_failed is not None:
+            raise core_failed
+
+    def _lose(
+        self, worker: int, why: str, taken: list[int], queue: deque[int], done: list[_Piece]
+    ) -> None:
+        self.failures.append((worker, why))
+        queue.extendleft(reversed(taken))
+        queue.extend(i for piece in done if piece.by == worker for i in piece.indices)
+        done[:] = [piece for piece in done if piece.by != worker]
+        if worker in self.replicas:
+            self.replicas[worker].state = "fetched"  # out of the feeding; stopped next
+        self._lost.append(worker)
+
+    async def _admit(self, core: TrainerWorld) -> None:
+        """Between two rounds: stop the replicas lost, let in those waiting."""
+        if self._lost:
+            for worker in self._lost:
+                await self._stop(worker)
+            self._lost.clear()
+            await self._reopen(core)
+        while self._joining:
+            joining = self._joining.pop(0)
+            try:
+                joining.outcome = await self.sync(core, joining.worker)
+            except RuntimeError as error:
+                joining.outcome = error
+            joining.answered.set()
+
+    # -------------------------------------------------------------- the bridge
 
     async def _reopen(self, core: TrainerWorld) -> None:
         """Open a bridge of the core and the bridged replicas, or close it when there is
@@ -507,13 +719,3 @@ class HybridGroup:
 
     def _why(self, worker: int) -> str:
         return next((why for w, why in reversed(self.failures) if w == worker), "unknown")
-
-
-def _combined(core: TrainResult, core_ranks: int, replicas: Sequence[TrainResult]) -> TrainResult:
-    """The step as one world's: the loss is the batch's (each world's is its
-    participants' sum, scaled as ``Train`` scales it), the norm and rate the core's."""
-    participants = core_ranks + len(replicas)
-    loss = (core.step.loss * core_ranks + sum(r.step.loss for r in replicas)) / participants
-    step = replace(core.step, loss=loss)
-    parts = [core.loss, *(r.loss for r in replicas)]
-    return TrainResult(step, combine_loss_metrics([p for p in parts if p]))

@@ -52,11 +52,6 @@ class TrainResult:
 
     step: StepMetrics
     loss: dict[str, float] = field(default_factory=dict)
-    #: The hybrid gradient group failed during the step (``_hybrid``): the core stepped
-    #: only if every gradient was in (``step.step`` says), the replicas are to be dropped.
-    broken: bool = False
-    #: The optimizer stepped (a broken bridge can keep the core from it).
-    stepped: bool = True
 
 
 # ------------------------------------------------------------------------ commands
@@ -64,42 +59,27 @@ class TrainResult:
 
 @dataclass(frozen=True, slots=True)
 class Train:
-    """One optimizer step on ``batch``, split over ``batch.ranks`` participants: this
-    world's ranks are participants ``first_rank`` onwards (None: no share, a replica of
-    the hybrid gradient group that has joined but is not active yet). ``bridged``: the
-    gradients are exchanged over the hybrid gradient group (``_hybrid``)."""
-
     batch: Batch
     grpo: GRPOConfig
     temperature: float
-    first_rank: int | None = 0
-    bridged: bool = False
 
     def run(self, trainer: FSDPTrainer) -> TrainResult:
         import torch.distributed as dist
 
-        from libra.train._hybrid import BridgedStep
-
         device, world = trainer.dist.device, trainer.dist.world_size
-        micro = []
-        if self.first_rank is not None:
-            micro = [m.to(device) for m in self.batch.for_rank(self.first_rank + trainer.dist.rank)]
+        micro = [m.to(device) for m in self.batch.for_rank(trainer.dist.rank)]
         collected: list[LossMetrics] = []
         loss_fn = partial(
             grpo_micro_batch_loss,
             grpo=self.grpo,
             temperature=self.temperature,
-            scale=float(len(micro) * self.batch.ranks),
+            scale=float(len(micro) * world),
             out=collected,
         )
-        exchange = BridgedStep(self.batch.ranks) if self.bridged else None
-        before = trainer.steps_done
-        step = trainer.step(micro, loss_fn, exchange)
+        step = trainer.step(micro, loss_fn)
         gathered: list[list[dict[str, float]]] = [[] for _ in range(world)]
         dist.all_gather_object(gathered, [m.as_floats() for m in collected])
-        loss = combine_loss_metrics([m for rank in gathered for m in rank])
-        broken = exchange is not None and exchange.broken
-        return TrainResult(step, loss, broken, stepped=trainer.steps_done > before)
+        return TrainResult(step, combine_loss_metrics([m for rank in gathered for m in rank]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """The hybrid gradient group: a replica joins the core's training and leaves it again,
 and every step is the step a trainer of fixed size takes on the same batch, while the
-core's world is never rebuilt; a replica that dies or never starts costs no step."""
+core's world is never rebuilt; one lent mid-step joins the step under way; a replica
+that dies or never starts costs no step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import signal
 from pathlib import Path
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -76,6 +79,36 @@ async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact
     assert elastic.resizes == []  # the core's world was never rebuilt
 
 
+@asyncio_only
+async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path) -> None:
+    async with (
+        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
+        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0,), in_pieces=True) as elastic,
+    ):
+        await elastic.fetch_replica(1)  # loaded beside training, as the pool does it
+        results: list[TrainResult] = []
+
+        async def train() -> None:
+            results.append(await elastic.call(Train(batch(0, ranks=1), GRPO, 1.0)))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(train)
+            while not elastic.hybrid.stepping:  # the step's first piece is under way
+                await anyio.lowlevel.checkpoint()
+            assert await elastic.sync_replica(1) == 0  # mid-step: no step taken yet
+            await elastic.activate_replica(1)
+        expected = await fixed.call(Train(batch(0, ranks=1), GRPO, 1.0))
+        pieces = len(batch(0, ranks=1).micro_batches)
+        shares = elastic.hybrid.shares
+        assert shares[None] + shares[1] == pieces and shares[1] > 0, shares
+        assert results[0].step.step == 1
+        assert results[0].step.loss == pytest.approx(expected.step.loss, rel=1e-5)
+        trained = await elastic.call(FullParameters())
+        assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
+        assert_equal(await replica_parameters(elastic, 1), trained)
+    assert elastic.resizes == []
+
+
 @pytest.mark.faults
 @asyncio_only
 async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it(
@@ -98,8 +131,11 @@ async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it
 
         result = await elastic.call_sized(train_on)
         await fixed.call(Train(batch(0, ranks=1), GRPO, 1.0))
-        assert splits == [2, 1] and result is not None and result.step.step == 1
-        assert_close(await elastic.call(FullParameters()), await fixed.call(FullParameters()))
+        # The core took the pieces the replica failed: one step, the whole batch.
+        assert splits == [2] and result is not None and result.step.step == 1
+        assert elastic.hybrid.shares == {None: len(batch(0, ranks=2).micro_batches)}
+        trained = await elastic.call(FullParameters())
+        assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
         assert [worker for worker, _ in elastic.hybrid.failures] == [1]
         assert list(elastic.training) == [0] and elastic.hybrid.replicas == {}
 
@@ -133,4 +169,4 @@ async def test_a_replica_that_dies_before_it_syncs_fails_its_join_and_costs_no_s
             await elastic.sync_replica(1)
         assert elastic.hybrid.replicas == {} and elastic.training == (0,)
         result = await elastic.call(Train(batch(0, ranks=1), GRPO, 1.0))
-        assert result.step.step == 1 and not result.broken
+        assert result.step.step == 1
