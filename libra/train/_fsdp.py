@@ -115,7 +115,7 @@ class StepMetrics:
 
 
 class GradientExchange(Protocol):
-    """What one optimizer step does over a hybrid gradient group (``_hybrid.BridgedStep``)."""
+    """What one optimizer step does over a hybrid gradient group (``_bridge.BridgedStep``)."""
 
     @property
     def core(self) -> bool:
