@@ -266,8 +266,8 @@ class ElasticTrainer:
     async def drop_replica(self, worker: int) -> None:
         """Stop ``worker``'s replica (at a step boundary if it is in the group)."""
         replica = self.hybrid.replicas.get(worker)
-        if replica is not None and replica.state == "fetching":
-            await self.hybrid.drop(self._current, worker)  # no collective is under way
+        if replica is not None and replica.state in ("fetching", "fetched"):
+            await self.hybrid.drop(self._current, worker)  # not in the bridge: at once
             return
         async with self._lock:
             with anyio.CancelScope(shield=True):

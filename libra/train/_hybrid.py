@@ -100,7 +100,9 @@ class HybridGroup:
         self, start: Callable[[int], TrainerWorld], timeout_s: float, *, in_pieces: bool = False
     ) -> None:
         """``in_pieces``: every step is taken in pieces, even with no replica, so that a
-        worker lent while it runs joins it (else only steps with replicas are)."""
+        worker lent while it runs joins it (else only steps with replicas are). In pieces
+        a core of several ranks reduces each piece's gradient at once, where a whole step
+        reduces once, at its last micro-batch."""
         self._start, self.timeout_s, self.in_pieces = start, timeout_s, in_pieces
         self.replicas: dict[int, Replica] = {}
         #: Micro-batches of the last step taken in pieces, per member (None: the core).
