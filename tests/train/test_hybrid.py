@@ -109,6 +109,25 @@ async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path
     assert elastic.resizes == []
 
 
+@asyncio_only
+async def test_a_core_of_two_ranks_takes_a_step_in_pieces_exactly(tiny_model: Path) -> None:
+    # Pieces of two micro-batches, the last padded when one is left: what a run with
+    # hybrid units does before any is lent.
+    async with (
+        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
+        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0, 1), in_pieces=True) as elastic,
+    ):
+        odd = batch(0, ranks=1)  # five micro-batches: the third piece is padded
+        assert len(odd.micro_batches) % 2 == 1
+        result = await elastic.call_sized(lambda _: Train(odd, GRPO, 1.0))
+        expected = await fixed.call(Train(odd, GRPO, 1.0))
+        assert result is not None and elastic.hybrid.shares == {None: len(odd.micro_batches)}
+        assert result.step.loss == pytest.approx(expected.step.loss, rel=1e-5)
+        assert result.loss["tokens"] == expected.loss["tokens"]
+        trained = await elastic.call(FullParameters())
+        assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
+
+
 @pytest.mark.faults
 @asyncio_only
 async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it(
