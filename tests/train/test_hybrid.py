@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -38,6 +41,18 @@ def workers() -> dict[int, tuple[int, ...]]:
     return {0: (cores[0],), 1: (cores[-1],)}  # one core each (the same one on one core)
 
 
+@asynccontextmanager
+async def fixed_and_elastic(
+    model: Path, members: tuple[int, ...] = (0,), **elastic: Any
+) -> AsyncIterator[tuple[TrainerProcess, ElasticTrainer]]:
+    """A one-rank trainer to compare with, and an elastic one whose core is ``members``."""
+    async with (
+        TrainerProcess(model, CONFIG, world_size=1) as fixed,
+        ElasticTrainer(model, CONFIG, workers(), members=members, **elastic) as trainer,
+    ):
+        yield fixed, trainer
+
+
 async def replica_parameters(trainer: ElasticTrainer, worker: int) -> dict[str, torch.Tensor]:
     return await trainer.hybrid.replicas[worker].world.call(FullParameters())
 
@@ -46,10 +61,7 @@ async def replica_parameters(trainer: ElasticTrainer, worker: int) -> dict[str, 
 async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact(
     tiny_model: Path,
 ) -> None:
-    async with (
-        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
-        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0,)) as elastic,
-    ):
+    async with fixed_and_elastic(tiny_model) as (fixed, elastic):
 
         async def step(seed: int) -> tuple[TrainResult, TrainResult]:
             alone = await fixed.call(Train(batch(seed, ranks=1), GRPO, 1.0))
@@ -81,10 +93,7 @@ async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact
 
 @asyncio_only
 async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path) -> None:
-    async with (
-        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
-        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0,), in_pieces=True) as elastic,
-    ):
+    async with fixed_and_elastic(tiny_model, in_pieces=True) as (fixed, elastic):
         await elastic.fetch_replica(1)  # loaded beside training, as the pool does it
         results: list[TrainResult] = []
 
@@ -113,10 +122,7 @@ async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path
 async def test_a_core_of_two_ranks_takes_a_step_in_pieces_exactly(tiny_model: Path) -> None:
     # Pieces of two micro-batches, the last padded when one is left: what a run with
     # hybrid units does before any is lent.
-    async with (
-        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
-        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0, 1), in_pieces=True) as elastic,
-    ):
+    async with fixed_and_elastic(tiny_model, (0, 1), in_pieces=True) as (fixed, elastic):
         odd = batch(0, ranks=1)  # five micro-batches: the third piece is padded
         assert len(odd.micro_batches) % 2 == 1
         result = await elastic.call_sized(lambda _: Train(odd, GRPO, 1.0))
@@ -133,10 +139,7 @@ async def test_a_core_of_two_ranks_takes_a_step_in_pieces_exactly(tiny_model: Pa
 async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it(
     tiny_model: Path,
 ) -> None:
-    async with (
-        TrainerProcess(tiny_model, CONFIG, world_size=1) as fixed,
-        ElasticTrainer(tiny_model, CONFIG, workers(), members=(0,)) as elastic,
-    ):
+    async with fixed_and_elastic(tiny_model) as (fixed, elastic):
         await elastic.fetch_replica(1)
         await elastic.sync_replica(1)
         await elastic.activate_replica(1)

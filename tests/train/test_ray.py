@@ -96,23 +96,33 @@ async def ray_world(model: Path, workers: list[tuple[int, ...]]) -> AsyncIterato
         yield world
 
 
+@asynccontextmanager
+async def local_and_ray_elastic(
+    model: Path,
+) -> AsyncIterator[tuple[TrainerProcess, ElasticTrainer]]:
+    """A local one-rank trainer to compare with, and an elastic one of Ray ranks whose
+    core is worker 0 of two."""
+    workers = two_workers()
+    async with (
+        RayWorkers(workers, gpus=False) as ray,
+        TrainerProcess(model, CONFIG, world_size=1) as local,
+        ElasticTrainer(
+            model,
+            CONFIG,
+            dict(enumerate(workers)),
+            members=(0,),
+            worlds=ray.worlds(model, CONFIG),
+        ) as elastic,
+    ):
+        yield local, elastic
+
+
 @asyncio_only
 async def test_a_ray_world_grows_and_shrinks_and_trains_as_a_local_world_does(
     ray_instance: None, tiny_model: Path
 ) -> None:
-    workers = two_workers()
     started = time.perf_counter()
-    async with (
-        RayWorkers(workers, gpus=False) as ray,
-        TrainerProcess(tiny_model, CONFIG, world_size=1) as local,
-        ElasticTrainer(
-            tiny_model,
-            CONFIG,
-            dict(enumerate(workers)),
-            members=(0,),
-            worlds=ray.worlds(tiny_model, CONFIG),
-        ) as elastic,
-    ):
+    async with local_and_ray_elastic(tiny_model) as (local, elastic):
         await elastic.ready()
         print(f"ray world of 1 ready: {time.perf_counter() - started:.1f} s")
         for seed, members in enumerate([(0,), (0, 1), (0,)]):
@@ -139,18 +149,7 @@ async def test_a_ray_world_grows_and_shrinks_and_trains_as_a_local_world_does(
 async def test_a_ray_replica_joins_the_hybrid_gradient_group_and_trains_a_share_exactly(
     ray_instance: None, tiny_model: Path
 ) -> None:
-    workers = two_workers()
-    async with (
-        RayWorkers(workers, gpus=False) as ray,
-        TrainerProcess(tiny_model, CONFIG, world_size=1) as local,
-        ElasticTrainer(
-            tiny_model,
-            CONFIG,
-            dict(enumerate(workers)),
-            members=(0,),
-            worlds=ray.worlds(tiny_model, CONFIG),
-        ) as elastic,
-    ):
+    async with local_and_ray_elastic(tiny_model) as (local, elastic):
         started = time.perf_counter()
         await elastic.fetch_replica(1)
         fetched = time.perf_counter()
