@@ -43,7 +43,6 @@ from libra.train._fsdp import (
     StepMetrics,
     TrainerConfig,
     init_distributed,
-    spawn,
     split_by_tokens,
 )
 from libra.train._gateway import GatewaySyncError
@@ -76,6 +75,7 @@ from libra.train._loss import (
 )
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
 from libra.train._run import Mode, TrainRunConfig
+from libra.train._spawn import spawn
 from libra.train._weights import (
     export_weights,
     servable_model,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -36,8 +37,6 @@ class BridgeBroken(RuntimeError):
 class _Bridge:
     group: Any  # torch.distributed.ProcessGroupGloo
     store: Any  # the rendezvous store; bridge rank 0 serves it, so it lives as long
-    rank: int
-    size: int
     core: bool  # a core-training rank: it steps the optimizer and sends parameters
 
 
@@ -98,7 +97,7 @@ class OpenBridge:
             if not self.core:
                 raise
             return f"bridge rank {rank}: {error}"
-        _bridge = _Bridge(group, store, rank, self.size, self.core)
+        _bridge = _Bridge(group, store, self.core)
         return None
 
 
@@ -209,7 +208,7 @@ class BridgedStep:
         import torch.distributed as dist
 
         bridge = _in_bridge()
-        params = [p for p in model.parameters()]
+        params = list(model.parameters())
         whole = [_full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in params]
         # Each of a world's ranks holds the world's whole gradient: a share of it each.
         flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in whole]) / self.world
@@ -228,8 +227,8 @@ class BridgedStep:
         if not int(agreed):
             self.broken = True
             return False
-        for param, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            _set_local(param.grad, value.view(param.shape))
+        for param, value in _unflattened(flat, params):
+            _set_local(param.grad, value)
         return True
 
     def send_parameters(self, model: nn.Module) -> bool:
@@ -251,7 +250,7 @@ def send_parameters(bridge: _Bridge, model: nn.Module) -> None:
     replicas copy it into theirs (collective over the bridge and the core's world)."""
     import torch
 
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     if bridge.core:
         flat = torch.cat([_full(p.detach()).reshape(-1).float().cpu() for p in params])
     else:
@@ -259,8 +258,8 @@ def send_parameters(bridge: _Bridge, model: nn.Module) -> None:
     _broadcast(bridge, flat)
     if not bridge.core:
         with torch.no_grad():
-            for param, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
-                _set_local(param, value.view(param.shape))
+            for param, value in _unflattened(flat, params):
+                _set_local(param, value)
 
 
 # -------------------------------------------------------------------- internals
@@ -297,6 +296,14 @@ def _broadcast_steps(bridge: _Bridge, steps: int) -> int:
     count = torch.tensor([float(steps)])
     _broadcast(bridge, count)
     return int(count)
+
+
+def _unflattened(
+    flat: torch.Tensor, params: list[nn.Parameter]
+) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """Each parameter with its part of ``flat`` (their values end to end), shaped as it."""
+    for param, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        yield param, value.view(param.shape)
 
 
 def _flat_zeros(model: nn.Module) -> torch.Tensor:

@@ -3,10 +3,10 @@
 Every rank loads the Hugging Face model folder, shards each decoder layer and then the
 root with ``fully_shard`` on a one-dimensional device mesh, and steps an AdamW optimizer
 over its shards. A rank is started either by ``torchrun`` (which sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) or by :func:`spawn`,
-which sets the same variables for processes it starts itself: tests and single-machine
-runs. Either way the trainer lives in its own processes, apart from the event loop that
-drives rollouts.
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``) or by
+``_spawn.spawn``, which sets the same variables for processes it starts itself: tests
+and single-machine runs. Either way the trainer lives in its own processes, apart from
+the event loop that drives rollouts.
 
 Every call that runs the model (:meth:`FSDPTrainer.step`, :meth:`FSDPTrainer.accumulate`,
 :meth:`FSDPTrainer.logprobs`, :meth:`FSDPTrainer.full_gradients`) is collective: all
@@ -15,17 +15,10 @@ ranks make it, with the same number of micro-batches.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import pickle
-import signal
-import socket
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
@@ -42,6 +35,7 @@ from libra.train._logprobs import (
     sequence_logprobs,
     server_logprob_temperature,
 )
+from libra.train._spawn import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -54,14 +48,12 @@ __all__ = [
     "StepMetrics",
     "TrainerConfig",
     "init_distributed",
-    "spawn",
     "split_by_tokens",
 ]
 
 log = logging.getLogger("libra.train")
 
 B = TypeVar("B")
-R = TypeVar("R")
 T = TypeVar("T")
 
 LossFn = Callable[["nn.Module", B], "torch.Tensor"]
@@ -144,7 +136,7 @@ def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto") -> DistC
     local_rank = int(os.environ.setdefault("LOCAL_RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     chosen = _pick_backend(backend)
     if chosen == "nccl":
         device = torch.device("cuda", local_rank)
@@ -423,89 +415,3 @@ def split_by_tokens(items: Sequence[T], lengths: Sequence[int], max_tokens: int)
         batches[-1].append(item)
         used += length
     return batches
-
-
-# ----------------------------------------------------------------------- launching
-
-
-def spawn(world_size: int, fn: Callable[..., R], *args: Any) -> list[R]:
-    """Run ``fn(*args)`` on ``world_size`` new processes, set up as torchrun would.
-
-    ``fn`` and ``args`` must be picklable (``fn`` a module-level function); returns each
-    rank's result, rank 0 first. A rank that raises makes this raise.
-    """
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="libra-spawn-") as results:
-        mp.start_processes(
-            _run_rank,
-            args=(os.getpid(), world_size, port, fn, args, results),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        return [_read_result(Path(results), rank) for rank in range(world_size)]
-
-
-def _run_rank(
-    rank: int,
-    parent: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    out: str,
-) -> None:
-    die_with_parent(parent)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    with _process_group_torn_down():
-        result = fn(*args)
-    with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
-        pickle.dump(result, file)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent: int) -> None:
-    """Have Linux kill this process when ``parent`` (the process that started it) dies.
-
-    A rank, or the trainer's process, outliving a killed loop would hold its cores and
-    memory until its command ended, and its rank 0 would then find the pipe gone.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the request was made
-        os._exit(1)
-
-
-@contextlib.contextmanager
-def _process_group_torn_down() -> Iterator[None]:
-    import torch.distributed as dist
-
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _read_result(folder: Path, rank: int) -> Any:
-    with (folder / f"rank{rank}.pkl").open("rb") as file:
-        return pickle.load(file)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port

@@ -31,9 +31,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeVar
 
 import anyio
 
@@ -54,6 +55,8 @@ from libra.train._worker import (
     TrainResult,
     combine_loss_metrics,
 )
+
+T = TypeVar("T")
 
 ReplicaState = Literal["fetching", "fetched", "synced", "active"]
 
@@ -295,22 +298,8 @@ class HybridGroup:
                     return
                 done.append(_Piece(by, taken, loss, metrics))
 
-        core_failed: TrainerError | None = None
-
-        async def feed_core() -> None:
-            nonlocal core_failed
-            try:
-                await feed(None, core)
-            except TrainerError as error:
-                core_failed = error
-                group.cancel_scope.cancel()  # the step is lost with the core
-
-        async with anyio.create_task_group() as group:
-            for worker in self.active:
-                group.start_soon(feed, worker, self.replicas[worker].world)
-            group.start_soon(feed_core)
-        if core_failed is not None:
-            raise core_failed
+        replicas = [partial(feed, w, self.replicas[w].world) for w in self.active]
+        await _beside_core(partial(feed, None, core), replicas)
 
     def _lose(
         self, worker: int, why: str, taken: list[int], queue: deque[int], done: list[_Piece]
@@ -392,17 +381,9 @@ class HybridGroup:
             except TrainerError as error:
                 self.failures.append((replica.worker, str(error)))
 
-        failed: TrainerError | None = None
-        async with anyio.create_task_group() as group:
-            for replica in members:
-                group.start_soon(run, replica)
-            try:
-                results[None] = await core.call(commands[None])
-            except TrainerError as error:
-                failed = error
-                group.cancel_scope.cancel()  # the replicas would wait for the core in vain
-        if failed is not None:
-            raise failed
+        results[None] = await _beside_core(
+            partial(core.call, commands[None]), [partial(run, r) for r in members]
+        )
         for replica in members:
             if replica.worker not in results:
                 await self._stop(replica.worker)
@@ -416,3 +397,23 @@ class HybridGroup:
 
     def _why(self, worker: int) -> str:
         return next((why for w, why in reversed(self.failures) if w == worker), "unknown")
+
+
+async def _beside_core(
+    core: Callable[[], Awaitable[T]], replicas: Sequence[Callable[[], Coroutine[Any, Any, None]]]
+) -> T:
+    """Run ``core`` and ``replicas`` together (they meet in the bridge's collectives);
+    the core's result. The core's failure stops the replicas (they would wait for it in
+    vain) and is raised as it is."""
+    failed: TrainerError | None = None
+    async with anyio.create_task_group() as group:
+        for replica in replicas:
+            group.start_soon(replica)
+        try:
+            result = await core()
+        except TrainerError as error:
+            failed = error
+            group.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    return result

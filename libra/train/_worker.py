@@ -33,8 +33,9 @@ import anyio
 
 from libra.train._batch import Batch, MicroBatch
 from libra.train._config import GRPOConfig
-from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig, die_with_parent, spawn
+from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig
 from libra.train._loss import LossMetrics, token_logprobs
+from libra.train._spawn import die_with_parent, spawn
 from libra.train._weights import export_weights
 
 if TYPE_CHECKING:
