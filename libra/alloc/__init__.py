@@ -44,7 +44,7 @@ from libra.alloc._protocol import (
     StepTiming,
     Workload,
 )
-from libra.alloc._tail import TailRule, lend_tail, tail_borrow
+from libra.alloc._tail import TailLender, TailRule, lend_tail, tail_borrow
 from libra.fleet import Corrections  # moved down: the scheduler fits with it too
 
 __all__ = [
@@ -78,6 +78,7 @@ __all__ = [
     "RooflinePlanner",
     "Stage",
     "StepTiming",
+    "TailLender",
     "TailRule",
     "TrainCost",
     "TrainSpec",

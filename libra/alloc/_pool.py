@@ -21,7 +21,7 @@ Every worker's state and every transition (with its time) are kept for tests and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -240,9 +240,11 @@ class HybridPool:
             movable = movable[1:]  # the rollout keeps at least one instance
         return [self._spawn(unit, "borrow", self._borrow) for unit in movable]
 
-    def release(self, units: int = 1) -> list[Move]:
-        """Start moving up to ``units`` borrowed units back to rollout."""
-        movable = self._movable("training")[-units:] if units > 0 else []
+    def release(self, units: int = 1, *, only: Collection[str] | None = None) -> list[Move]:
+        """Start moving up to ``units`` borrowed units back to rollout (of the units
+        named in ``only``, when given)."""
+        named = [u for u in self._movable("training") if only is None or u.name in only]
+        movable = named[-units:] if units > 0 else []
         return [self._spawn(unit, "release", self._release) for unit in movable]
 
     def apply(self, plan: Plan) -> list[Move]:

@@ -8,17 +8,23 @@ would do for what is left and training has long enough to go to be worth a resta
 borrowed workers join the training step under way. They go back when the next step's
 rollout starts (each release restarts an instance while that rollout runs on the others).
 It never reads the emulator's truth: only counts a real run has.
+
+:class:`TailLender` is the same rule over a whole run (``libra train``'s ``[alloc.tail]``):
+it lends inside each step's training and gives the units back when the next rollout
+starts.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import anyio
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from libra.alloc._pool import HybridPool
+from libra.alloc._pool import HybridPool, Move
 from libra.config import Section
 
 
@@ -77,3 +83,43 @@ async def lend_tail(
             pool.borrow(count)
         with anyio.move_on_after(rule.poll_s):
             await training_done.wait()
+
+
+@dataclass
+class TailLender:
+    """:func:`lend_tail` over a run's steps: ``lending`` wraps each step's training, and
+    ``give_back`` returns the units it lent when the next rollout starts."""
+
+    pool: HybridPool
+    rule: TailRule
+    #: Units the tail lent and has not given back yet, by name.
+    lent: list[str] = field(default_factory=list)
+    #: The units lent inside the last step's training.
+    last: list[str] = field(default_factory=list)
+
+    @asynccontextmanager
+    async def lending(
+        self, unfinished: Callable[[], int], train_left_s: Callable[[], float]
+    ) -> AsyncIterator[None]:
+        """Lend idle hybrid units to the training that runs in the body."""
+        first = len(self.pool.moves)
+        done = anyio.Event()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lend_tail, self.pool, self.rule, unfinished, train_left_s, done)
+                try:
+                    yield
+                finally:
+                    done.set()
+        finally:
+            self.last = [m.unit for m in self.pool.moves[first:] if m.direction == "borrow"]
+            self.lent += self.last
+
+    def give_back(self) -> list[Move]:
+        """Release the lent units that reached training. One still on its way is given
+        back at the next call (it trains meanwhile); one whose borrow failed is serving."""
+        latest = {move.unit: move for move in self.pool.moves}
+        borrowed = [u for u in self.lent if latest[u].direction == "borrow"]
+        done = [u for u in borrowed if latest[u].outcome == "done"]
+        self.lent = [u for u in borrowed if latest[u].outcome == "pending"]
+        return self.pool.release(len(done), only=done) if done else []

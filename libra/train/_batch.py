@@ -195,6 +195,11 @@ class Batch:
     def trained_tokens(self) -> int:
         return sum(sample.trained_tokens for sample in self.samples)
 
+    @property
+    def positions(self) -> int:
+        """The inputs the forward and backward passes run over: what a step costs."""
+        return sum(sample.positions for sample in self.samples)
+
     def for_rank(self, rank: int) -> list[MicroBatch]:
         """Data-parallel rank ``rank``'s share: as many micro-batches as every other rank
         (FSDP's collectives hang otherwise), longest first to the rank with the fewest

@@ -48,6 +48,8 @@ from libra.alloc import (
     PoolConfig,
     RooflinePlanner,
     StepTiming,
+    TailLender,
+    TailRule,
     Workload,
 )
 from libra.config import Section
@@ -120,6 +122,12 @@ class AllocConfig(Section):
         (), description="hybrid units: they serve, and the loop lends them to training"
     )
     loop: LoopConfig = Field(default_factory=LoopConfig)
+    tail: TailRule | None = Field(
+        None,
+        description="lend the hybrid units the rollout's tail leaves idle to the training "
+        "under way, and take them back when the next rollout starts; None: units move "
+        "only on the loop's decisions after a step",
+    )
     pool: PoolConfig = Field(default_factory=PoolConfig)
     gpu: str = Field("H100", description="the preset the planner prices a re-plan on")
     backend: Literal["local", "ray"] = Field(
@@ -314,6 +322,7 @@ class Allocation:
     cluster: WorkerCluster
     pool: HybridPool
     loop: AllocationLoop
+    tail: TailLender | None = None  # [alloc.tail]: lending inside a step's training
 
     def after_step(
         self,
@@ -352,6 +361,7 @@ class Allocation:
                 for member, count in self.cluster.trainer.hybrid.shares.items()
             },
             "serving": sorted(self.cluster.servers),
+            **({"lent_by_tail": self.tail.last} if self.tail is not None else {}),
             "moves": [_move_line(m) for m in self.pool.moves],  # every one so far
         }
 

@@ -27,7 +27,9 @@ rollout session for the whole run. Then, per step ``k``:
 7. with ``[alloc]`` (``_cluster``), the step's line also holds what the allocation loop
    decided from the step's timing (and every call's, taken as it ended): a hybrid unit
    that moves between serving and training does so beside the next step, and the
-   trainer's world changes at a step boundary (``_elastic``).
+   trainer's world changes at a step boundary (``_elastic``); with ``[alloc.tail]`` the
+   hybrid units the rollout leaves idle also join step 4's training under way, and go
+   back when the next rollout's jobs are submitted (1).
 
 ``resume=True`` starts from the run folder's newest checkpoint instead of step 0: the
 trainer's state is restored (and ``metrics.jsonl`` cut back to what it held then), the
@@ -52,7 +54,13 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AbstractContextManager, AsyncExitStack, asynccontextmanager, nullcontext
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    nullcontext,
+)
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -61,7 +69,14 @@ import anyio
 import httpx
 from rich.console import Console
 
-from libra.alloc import AllocationLoop, HybridPool, Layout, PoolConfig, start_layout
+from libra.alloc import (
+    AllocationLoop,
+    HybridPool,
+    Layout,
+    PoolConfig,
+    TailLender,
+    start_layout,
+)
 from libra.engine import (
     Group,
     RolloutSession,
@@ -266,6 +281,7 @@ class TrainRun:
     reused: dict[int, int] = field(default_factory=dict)
     _changed: anyio.Event = field(default_factory=anyio.Event)
     _stream_ended: bool = False
+    _train_s_per_position: float | None = None  # the last step's: what the tail expects
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -322,6 +338,8 @@ class TrainRun:
         """Submit step ``step``'s jobs, but for those whose record the log gave back."""
         if step >= self.config.steps:
             return
+        if self.allocation is not None and self.allocation.tail is not None:
+            self.allocation.tail.give_back()  # the rollout's servers restart beside it
         jobs = jobs_for(
             self.env_cls,
             self.env_name,
@@ -368,9 +386,11 @@ class TrainRun:
             return Train(built[-1], grpo, temperature) if built[-1].micro_batches else None
 
         started = time.perf_counter()
-        result: TrainResult | None = await self.trainer.call_sized(train_on)
+        async with self._lending_tail(built):
+            result: TrainResult | None = await self.trainer.call_sized(train_on)
         batch = built[-1]
         train_s = time.perf_counter() - started
+        self._train_s_per_position = train_s / max(1, batch.positions)
         export_s, sync_s = await self._publish(self.version + 1)
         self.version += 1
         if result is not None and result.loss.get("gap_tokens", 0) > 0:
@@ -388,6 +408,23 @@ class TrainRun:
             decided = self.allocation.after_step(step, timing, batch.trained_tokens, step_records)
             record = replace(record, alloc={"trained_on": batch.ranks, **decided})
         return record
+
+    def _lending_tail(self, built: list[Batch]) -> AbstractAsyncContextManager[None]:
+        """With ``[alloc.tail]``, from the second step: the hybrid units the rollout
+        leaves idle join this training (``libra.alloc.TailLender``). What it has left is
+        priced at the last step's seconds per input position (the prompts and tool
+        returns cost a pass as the sampled tokens do)."""
+        lender = self.allocation.tail if self.allocation is not None else None
+        rate = self._train_s_per_position
+        if lender is None or rate is None:
+            return nullcontext()
+        started = time.perf_counter()
+
+        def left_s() -> float:
+            positions = built[-1].positions if built else 0
+            return rate * positions - (time.perf_counter() - started)
+
+        return lender.lending(lambda: len(self._jobs), left_s)
 
     async def _groups_of(self, step: int, tick: Callable[[], None]) -> list[Group]:
         while len(self.groups[step]) < self.config.prompts_per_step:
@@ -722,7 +759,9 @@ async def _allocation(
         HybridPool(cluster, scheduler.router, layout, pool_config)
     )
     planner = rule_planner(cluster.base, config.alloc.gpu)
-    return Allocation(cluster, pool, AllocationLoop(planner, pool, config.alloc.loop))
+    tail = config.alloc.tail
+    lender = TailLender(pool, tail) if tail is not None else None
+    return Allocation(cluster, pool, AllocationLoop(planner, pool, config.alloc.loop), lender)
 
 
 def iter_metrics(run_dir: Path) -> Iterator[dict[str, object]]:

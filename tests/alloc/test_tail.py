@@ -9,7 +9,7 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
-from libra.alloc import HybridPool, TailRule, lend_tail, start_layout, tail_borrow
+from libra.alloc import HybridPool, TailLender, TailRule, lend_tail, start_layout, tail_borrow
 from libra.sched import Router
 from tests._helpers import POOL_CONFIG, POOL_LAYOUT, emulated_cluster
 
@@ -59,3 +59,42 @@ async def test_a_borrowed_unit_joins_the_step_under_way_and_shortens_it() -> Non
         assert [pool.path_of(w)[-1] for w in (1, 2, 3)] == ["serving", "active", "active"]
         assert trainer.active == {0, 2, 3}
     assert took < alone
+
+
+async def test_the_lender_gives_back_at_the_next_rollout_what_it_lent_in_a_step() -> None:
+    cluster = emulated_cluster()
+    trainer = cluster.trainer
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    alone = trainer.step_seconds(2_000_000, 1)
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        lender = TailLender(pool, RULE)
+        started = anyio.current_time()
+        async with lender.lending(lambda: 0, lambda: alone - anyio.current_time() + started):
+            await trainer.step(2_000_000)
+        assert lender.last == lender.lent == ["w2", "w3"]
+        assert trainer.active == {0, 2, 3}
+        released = lender.give_back()  # the next rollout starts
+        assert sorted(move.unit for move in released) == ["w2", "w3"] and lender.lent == []
+        await pool.settled()
+        assert [pool.path_of(w)[-1] for w in (1, 2, 3)] == ["serving"] * 3
+        assert trainer.active == {0}
+        assert [m.outcome for m in pool.moves] == ["done"] * 4
+
+
+async def test_a_unit_still_on_its_way_to_training_is_given_back_once_it_arrives() -> None:
+    cluster = emulated_cluster()
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        lender = TailLender(pool, RULE)
+        # Four trajectories left: two instances keep them, one unit is lent; training
+        # ends before its join does.
+        async with lender.lending(lambda: 4, lambda: 100.0):
+            await anyio.sleep(RULE.poll_s / 2)
+        assert lender.last == ["w3"] and pool.pending()
+        assert lender.give_back() == [] and lender.lent == ["w3"]
+        await pool.settled()
+        assert pool.path_of(3)[-1] == "active"  # it trains the next step meanwhile
+        [move] = lender.give_back()
+        assert (move.unit, move.direction) == ("w3", "release") and lender.lent == []
+        await pool.settled()
+        assert pool.path_of(3)[-1] == "serving"

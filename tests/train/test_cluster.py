@@ -138,18 +138,10 @@ async def join(cluster: WorkerCluster, worker: int) -> None:
         await operation(worker)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
-async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
-    embedded_model: Path, tmp_path: Path, backend: str
-) -> None:
-    """With ``backend = "ray"``, on a local Ray instance the run starts itself."""
-    if backend == "ray" and (missing := ray_missing()):
-        unavailable(missing)
-    run_dir = tmp_path / "run"
-    cores = sorted(os.sched_getaffinity(0))
-    config = TrainRunConfig.model_validate(
+def run_config(run_dir: Path, alloc: dict[str, Any], **loop: Any) -> TrainRunConfig:
+    """A run on the embedded model with the ``[alloc]`` section ``alloc``; ``loop``
+    overrides the loop's fields (steps, group sizes)."""
+    return TrainRunConfig.model_validate(
         {
             "rollout": {
                 "env": BREVITY,
@@ -164,9 +156,34 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
             "trainer": {"lr": 1e-4},
             "train": {"micro_batch_tokens": 1024},
             "vllm": {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1},
-            "alloc": alloc_section(cores) | {"backend": backend},
+            "alloc": alloc,
         }
+        | loop
     )
+
+
+def assert_each_trajectory_recorded_once(run_dir: Path, lines: list[dict[str, Any]]) -> None:
+    jobs = lines[0]["trajectories"]
+    for step, line in enumerate(lines):
+        logged = (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
+        ids = Counter(json.loads(record)["id"] for record in logged)
+        assert len(ids) == jobs and set(ids.values()) == {1}  # each trajectory, one record
+        assert line["trajectories"] == jobs and "failed" not in line["statuses"], line
+        assert line["samples_trained"] + sum(line["dropped"].values()) == jobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
+async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
+    embedded_model: Path, tmp_path: Path, backend: str
+) -> None:
+    """With ``backend = "ray"``, on a local Ray instance the run starts itself."""
+    if backend == "ray" and (missing := ray_missing()):
+        unavailable(missing)
+    run_dir = tmp_path / "run"
+    cores = sorted(os.sched_getaffinity(0))
+    config = run_config(run_dir, alloc_section(cores) | {"backend": backend})
     timings: list[tuple[str, str, float]] = []
 
     async def after(run: TrainRun, record: StepRecord) -> None:
@@ -194,14 +211,54 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
     assert allocs[-1]["training"] == [0, 2] and allocs[-1]["serving"] == ["w1"]
     # Training grew: the steps after the move split their batch over the core and the replica.
     assert [alloc["trained_on"] for alloc in allocs[lent + 1 :]] == [2] * (STEPS - 1 - lent)
-    for step, line in enumerate(lines):
-        logged = (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
-        ids = Counter(json.loads(record)["id"] for record in logged)
-        assert len(ids) == 4 and set(ids.values()) == {1}  # each trajectory, one record
-        assert line["trajectories"] == 4 and "failed" not in line["statuses"], line
-        assert line["samples_trained"] + sum(line["dropped"].values()) == 4
+    assert_each_trajectory_recorded_once(run_dir, lines)
     assert [kind for kind, _, _ in timings if kind in ("stop", "fetch_state", "zero_sync")] == [
         "stop",
         "fetch_state",
         "zero_sync",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_tail_lends_an_idle_server_to_the_training_under_way_and_takes_it_back(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """``[alloc.tail]`` in a sync run: while a step trains, no trajectory is left, so the
+    hybrid unit joins the step under way (from step 1: step 0 sets the rate its rule
+    prices training at); the next rollout takes it back. The loop itself never moves."""
+    run_dir = tmp_path / "run"
+    cores = sorted(os.sched_getaffinity(0))
+    alloc = alloc_section(cores)
+    alloc["loop"] |= {"borrow_ratio": NEVER}
+    alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5}
+    # 48 samples (short ones: Brevity rewards them), ~45 s of training on one core: long
+    # enough for the unit to join it (a borrow takes ~20 s here).
+    sampling = {"max_tokens_per_turn": 96, "temperature": 0.7}
+    rollout = {"env": BREVITY, "server": "embedded", "engine": {"sampling": sampling}}
+    config = run_config(
+        run_dir,
+        alloc,
+        steps=3,
+        prompts_per_step=12,
+        samples_per_prompt=4,
+        train={"micro_batch_tokens": 128},
+        rollout=rollout,
+    )
+
+    async def after(run: TrainRun, record: StepRecord) -> None:
+        assert run.allocation is not None
+        await run.allocation.pool.settled()  # the next rollout has both servers
+        assert run.allocation.cluster.trainer.resizes == []
+
+    await train(config, checkpoint=after)
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    allocs = [line["alloc"] for line in lines]
+    print("alloc:", json.dumps(allocs, indent=1), [(x["rollout_s"], x["train_s"]) for x in lines])
+    assert [alloc["lent_by_tail"] for alloc in allocs] == [[], ["w2"], ["w2"]]
+    assert all(alloc["decision"] == "hold" for alloc in allocs)
+    # It joined each step it was lent to between two pieces, and took pieces of it.
+    assert [alloc["pieces"].get("w2", 0) > 0 for alloc in allocs] == [False, True, True]
+    moves = [(m["direction"], m["outcome"]) for m in allocs[-1]["moves"]]
+    assert moves == [("borrow", "done"), ("release", "done"), ("borrow", "done")]
+    assert_each_trajectory_recorded_once(run_dir, lines)
