@@ -32,6 +32,7 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
         return round(libra.throughput_tok_s / other.throughput_tok_s, 3)
 
     best = max(statics, key=lambda run: run.throughput_tok_s, default=None)
+    upfront = by_name.get(static_name(UPFRONT_SHARE))
     calibrated = libra.plan_errors[1:] if libra is not None else []
     model = libra.model_errors[1:] if libra is not None else []
     return {
@@ -45,11 +46,17 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
             for run in runs
         ],
         "libra_vs": {
-            "static_upfront": ratio(by_name.get(static_name(UPFRONT_SHARE))),
+            "static_upfront": ratio(upfront),
             "static_best_hindsight": ratio(best),
             "colocated": ratio(by_name.get("colocated")),
             "libra_no_pool": ratio(by_name.get("libra-no-pool")),
         },
+        # What no split of libra's work can beat: that work with no worker ever idle.
+        "libra_no_idle_vs_static_upfront": (
+            round(libra.throughput_tok_s / (1 - libra.idle_frac) / upfront.throughput_tok_s, 3)
+            if libra is not None and upfront is not None
+            else None
+        ),
         "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
         "layouts": {run.config: _layouts(run) for run in runs},
         "plan_error_max_by_config": {

@@ -62,9 +62,22 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
         f"over the best static split in hindsight: {vs['static_best_hindsight']}x, over "
         f"colocated: {vs['colocated']}x, over libra-no-pool: {vs['libra_no_pool']}x; its "
         f"largest calibrated plan error: {output['plan_error_max']:.1%}.",
+        *_alloc_bound(output),
         *_alloc_details(output),
         "",
         "![workers training over time and step times per configuration](docs/bench-alloc.png)",
+    ]
+
+
+def _alloc_bound(output: Output) -> list[str]:
+    bound = output.get("libra_no_idle_vs_static_upfront")
+    if bound is None:
+        return []
+    return [
+        "",
+        f"The most a better packing of libra's work could buy: that work (its busy "
+        f"worker-seconds) with no worker ever idle would train {bound}x the tokens per "
+        f"second of the upfront split.",
     ]
 
 

@@ -105,6 +105,8 @@ def test_the_command_prints_the_json_and_draws_the_plot(
         "libra_no_pool",
     }
     assert all(value > 0 for value in report["libra_vs"].values())
+    # No packing of libra's work beats that work with no worker idle.
+    assert report["libra_no_idle_vs_static_upfront"] >= report["libra_vs"]["static_upfront"]
     assert report["plan_error_max"] >= 0 and report["model_error_max"] >= 0
     assert all(0 <= idle < 1 for idle in report["rollout_idle_frac"].values())
     assert figure.stat().st_size > 10_000
