@@ -219,46 +219,71 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_the_tail_lends_an_idle_server_to_the_training_under_way_and_takes_it_back(
-    embedded_model: Path, tmp_path: Path
-) -> None:
-    """``[alloc.tail]`` in a sync run: while a step trains, no trajectory is left, so the
-    hybrid unit joins the step under way (from step 1: step 0 sets the rate its rule
-    prices training at); the next rollout takes it back. The loop itself never moves."""
-    run_dir = tmp_path / "run"
+async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]:
+    """A run with ``[alloc.tail]`` and a loop that never moves a unit itself:
+    each step's ``alloc`` line. Each step ends once the pool's moves have (the next
+    rollout then has both servers)."""
     cores = sorted(os.sched_getaffinity(0))
     alloc = alloc_section(cores)
     alloc["loop"] |= {"borrow_ratio": NEVER}
     alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5}
     # 48 samples (short ones: Brevity rewards them), ~45 s of training on one core: long
-    # enough for the unit to join it (a borrow takes ~20 s here).
+    # enough for the unit to join it (a borrow takes ~10-20 s here).
     sampling = {"max_tokens_per_turn": 96, "temperature": 0.7}
     rollout = {"env": BREVITY, "server": "embedded", "engine": {"sampling": sampling}}
     config = run_config(
         run_dir,
         alloc,
-        steps=3,
+        steps=steps,
         prompts_per_step=12,
         samples_per_prompt=4,
         train={"micro_batch_tokens": 128},
         rollout=rollout,
+        mode=mode,
     )
 
     async def after(run: TrainRun, record: StepRecord) -> None:
         assert run.allocation is not None
-        await run.allocation.pool.settled()  # the next rollout has both servers
+        await run.allocation.pool.settled()
         assert run.allocation.cluster.trainer.resizes == []
 
     await train(config, checkpoint=after)
     lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     allocs = [line["alloc"] for line in lines]
     print("alloc:", json.dumps(allocs, indent=1), [(x["rollout_s"], x["train_s"]) for x in lines])
-    assert [alloc["lent_by_tail"] for alloc in allocs] == [[], ["w2"], ["w2"]]
     assert all(alloc["decision"] == "hold" for alloc in allocs)
+    assert_each_trajectory_recorded_once(run_dir, lines)
+    return allocs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_tail_lends_an_idle_server_to_the_training_under_way_and_takes_it_back(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """In a sync run no trajectory is left while a step trains: the hybrid unit joins
+    the step under way (from step 1: step 0 sets the rate the rule prices training at),
+    and the next rollout takes it back."""
+    allocs = await tail_run(tmp_path / "run", "sync", steps=3)
+    assert [alloc["lent_by_tail"] for alloc in allocs] == [[], ["w2"], ["w2"]]
     # It joined each step it was lent to between two pieces, and took pieces of it.
     assert [alloc["pieces"].get("w2", 0) > 0 for alloc in allocs] == [False, True, True]
     moves = [(m["direction"], m["outcome"]) for m in allocs[-1]["moves"]]
     assert moves == [("borrow", "done"), ("release", "done"), ("borrow", "done")]
-    assert_each_trajectory_recorded_once(run_dir, lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_in_one_step_off_the_tail_of_the_next_rollout_lends_to_the_training(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """Step k trains while step k+1's rollout runs: the unit is lent once that rollout
+    is down to its tail, and goes back when step k+2's rollout starts (the last step's
+    rollout was submitted with step 2: step 1 lends, step 2 gives back)."""
+    allocs = await tail_run(tmp_path / "run", "one-step-off", steps=4)
+    lent = [step for step, alloc in enumerate(allocs) if alloc["lent_by_tail"]]
+    assert lent and lent[0] >= 1 and all(allocs[k]["lent_by_tail"] == ["w2"] for k in lent)
+    assert any(allocs[k]["pieces"].get("w2", 0) > 0 for k in lent)
+    moves = allocs[-1]["moves"]
+    assert {m["outcome"] for m in moves} == {"done"}
+    assert [m["direction"] for m in moves][:2] == ["borrow", "release"]
