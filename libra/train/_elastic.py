@@ -147,17 +147,22 @@ class ElasticTrainer:
         worlds: WorldFactory | None = None,
         bridge_timeout_s: float = 600.0,
         in_pieces: bool = False,
+        piece_patience_s: float = 60.0,
     ) -> None:
         """``bridge_timeout_s`` bounds the hybrid gradient group's collectives and each
-        piece a replica takes; ``in_pieces``: every step is taken in pieces, so that a
-        hybrid worker lent while it runs joins it (see ``_hybrid``)."""
+        piece a replica takes (``piece_patience_s``: a replica's piece is cut sooner once
+        the step's pieces say how long one takes); ``in_pieces``: every step is taken in
+        pieces, so that a hybrid worker lent while it runs joins it (see ``_hybrid``)."""
         self.model_dir, self.config = model_dir, config
         self.cores = dict(cores) if cores is not None else None
         self._worlds = worlds if worlds is not None else self._local_world
         self._current = self._world(tuple(members))
         self._members = tuple(members)
         self.hybrid = HybridGroup(
-            lambda worker: self._world((worker,)), bridge_timeout_s, in_pieces=in_pieces
+            lambda worker: self._world((worker,)),
+            bridge_timeout_s,
+            in_pieces=in_pieces,
+            piece_patience_s=piece_patience_s,
         )
         self._next: tuple[tuple[int, ...], TrainerWorld, float] | None = None
         self._lock = anyio.Lock()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, TypeVar
@@ -57,6 +57,10 @@ from libra.train._worker import (
 )
 
 T = TypeVar("T")
+
+#: A replica's piece may take this many times the slowest piece the step has seen (or
+#: the group's ``piece_patience_s``, if longer) before the replica counts as hung.
+PATIENCE_FACTOR = 10.0
 
 ReplicaState = Literal["fetching", "fetched", "synced", "active"]
 
@@ -97,16 +101,24 @@ class HybridGroup:
     core trains, :meth:`sync` and :meth:`drop` at a step boundary (under the trainer's
     lock) or, through :meth:`request_sync`, between two pieces of the step under way.
     ``start`` starts a one-rank world on a worker; ``timeout_s`` bounds the bridge's
-    collectives and each piece a replica takes."""
+    collectives and each piece a replica takes; once a piece of the step has ended, a
+    replica's piece is also cut after ``PATIENCE_FACTOR`` times the slowest one (at
+    least ``piece_patience_s``): a hung replica is dropped while the core goes on."""
 
     def __init__(
-        self, start: Callable[[int], TrainerWorld], timeout_s: float, *, in_pieces: bool = False
+        self,
+        start: Callable[[int], TrainerWorld],
+        timeout_s: float,
+        *,
+        in_pieces: bool = False,
+        piece_patience_s: float = 60.0,
     ) -> None:
         """``in_pieces``: every step is taken in pieces, even with no replica, so that a
         worker lent while it runs joins it (else only steps with replicas are). In pieces
         a core of several ranks reduces each piece's gradient at once, where a whole step
         reduces once, at its last micro-batch."""
         self._start, self.timeout_s, self.in_pieces = start, timeout_s, in_pieces
+        self.piece_patience_s = piece_patience_s
         self.replicas: dict[int, Replica] = {}
         #: Micro-batches of the last step taken in pieces, per member (None: the core).
         self.shares: Counter[int | None] = Counter()
@@ -193,7 +205,7 @@ class HybridGroup:
         if replica is None:
             return
         bridged = replica.state in ("synced", "active")
-        await self._stop(worker)
+        await self._stop(worker, failed=False)
         if bridged:
             await self._reopen(core)
 
@@ -221,7 +233,7 @@ class HybridGroup:
 
     async def close(self) -> None:
         for worker in list(self.replicas):
-            await self._stop(worker)
+            await self._stop(worker, failed=False)
 
     async def reopen(self, core: TrainerWorld) -> None:
         """Open the bridge again (a new core world, after a resize)."""
@@ -269,10 +281,11 @@ class HybridGroup:
         self, core: TrainerWorld, command: Train, queue: deque[int], done: list[_Piece]
     ) -> None:
         """Pieces to the core and every active replica until the queue is empty or a
-        worker is to be let in. A replica that fails a piece is out: what it had done
-        goes back in the queue."""
+        worker is to be let in. A replica that fails a piece, or takes too long over it
+        (see the class), is out: what it had done goes back in the queue."""
         self._interrupt = False
         micro = command.batch.micro_batches
+        patience = _Patience(self.piece_patience_s)
 
         async def feed(by: int | None, world: TrainerWorld) -> None:
             size = world.world_size
@@ -287,14 +300,16 @@ class HybridGroup:
                 )
                 try:
                     if by is None:
-                        loss, metrics = await world.call(piece)
+                        with patience.timing(None):
+                            loss, metrics = await world.call(piece)
                     else:
-                        with anyio.fail_after(self.timeout_s):
+                        with anyio.fail_after(self.timeout_s) as scope, patience.timing(scope):
                             loss, metrics = await world.call(piece)
                 except (TrainerError, TimeoutError) as error:
                     if by is None:
                         raise
-                    self._lose(by, str(error) or "a piece timed out", taken, queue, done)
+                    why = str(error) or f"a piece timed out ({patience})"
+                    self._lose(by, why, taken, queue, done)
                     return
                 done.append(_Piece(by, taken, loss, metrics))
 
@@ -389,14 +404,52 @@ class HybridGroup:
                 await self._stop(replica.worker)
         return results
 
-    async def _stop(self, worker: int) -> None:
+    async def _stop(self, worker: int, *, failed: bool = True) -> None:
+        """Stop ``worker``'s replica: one that failed is not asked, it is ended."""
         replica = self.replicas.pop(worker, None)
-        if replica is not None:
-            with anyio.CancelScope(shield=True), contextlib.suppress(TrainerError):
-                await replica.world.__aexit__(None, None, None)
+        if replica is None:
+            return
+        error = TrainerError(self._why(worker)) if failed else None
+        with anyio.CancelScope(shield=True), contextlib.suppress(TrainerError):
+            await replica.world.__aexit__(type(error) if error else None, error, None)
 
     def _why(self, worker: int) -> str:
         return next((why for w, why in reversed(self.failures) if w == worker), "unknown")
+
+
+class _Patience:
+    """How long a replica's piece may run: the deadline of every piece under way is
+    brought in as the round's pieces end (see :data:`PATIENCE_FACTOR`)."""
+
+    def __init__(self, floor_s: float) -> None:
+        self.floor_s, self.slowest_s = floor_s, 0.0
+        self._running: dict[anyio.CancelScope, float] = {}  # a replica's piece: its start
+
+    def __str__(self) -> str:
+        return f"over {self.allowed_s():.0f} s, {PATIENCE_FACTOR:g}x the slowest piece"
+
+    def allowed_s(self) -> float:
+        return max(self.floor_s, PATIENCE_FACTOR * self.slowest_s)
+
+    @contextlib.contextmanager
+    def timing(self, scope: anyio.CancelScope | None) -> Iterator[None]:
+        """Time a piece (``scope``: a replica's, whose deadline this brings in)."""
+        started = anyio.current_time()
+        if scope is not None:
+            self._running[scope] = started
+            self._bring_in()
+        try:
+            yield
+        finally:
+            if scope is not None:
+                del self._running[scope]
+        self.slowest_s = max(self.slowest_s, anyio.current_time() - started)
+        self._bring_in()
+
+    def _bring_in(self) -> None:
+        if self.slowest_s:  # only a piece that ended says what a piece takes
+            for scope, started in self._running.items():
+                scope.deadline = min(scope.deadline, started + self.allowed_s())
 
 
 async def _beside_core(

@@ -340,14 +340,20 @@ class TrainerProcess:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        # Left on a TrainerError the ranks are not asked to stop (a hung one never
+        # would): the trainer's process is ended, and its ranks die with it.
         with anyio.CancelScope(shield=True):
+            asked = exc_type is None or not issubclass(exc_type, TrainerError)
             with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(None)
+                if asked:
+                    self._conn.send(None)
             self._conn.close()
-            await anyio.to_thread.run_sync(self._process.join, 60.0)
-            if self._process.is_alive():
-                self._process.terminate()
-                await anyio.to_thread.run_sync(self._process.join, 10.0)
+            if asked:
+                await anyio.to_thread.run_sync(self._process.join, 60.0)
+            for end in (self._process.terminate, self._process.kill):
+                if self._process.is_alive():
+                    end()
+                    await anyio.to_thread.run_sync(self._process.join, 10.0)
             self._reports.close()
 
     async def call(self, command: TrainerCommand[T]) -> T:

@@ -5,6 +5,7 @@ that dies or never starts costs no step."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -160,6 +161,42 @@ async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it
         assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
         assert [worker for worker, _ in elastic.hybrid.failures] == [1]
         assert list(elastic.training) == [0] and elastic.hybrid.replicas == {}
+
+
+@pytest.mark.faults
+@asyncio_only
+async def test_a_replica_that_hangs_is_cut_once_the_core_s_pieces_say_how_long_one_takes(
+    tiny_model: Path,
+) -> None:
+    async with fixed_and_elastic(tiny_model, piece_patience_s=2) as (fixed, elastic):
+        await elastic.fetch_replica(1)
+        await elastic.sync_replica(1)
+        await elastic.activate_replica(1)
+        (pid,) = await elastic.hybrid.replicas[1].world.call(RankPids())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # Far sooner than the bridge's timeout (600 s): the core's pieces take ~0.1 s.
+            with anyio.fail_after(60):
+                result = await elastic.call_sized(lambda ranks: Train(batch(0, ranks), GRPO, 1.0))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await fixed.call(Train(batch(0, ranks=1), GRPO, 1.0))
+        assert result is not None and result.step.step == 1
+        assert elastic.hybrid.shares == {None: len(batch(0, ranks=2).micro_batches)}
+        trained = await elastic.call(FullParameters())
+        assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
+        [(worker, why)] = elastic.hybrid.failures
+        assert worker == 1 and "a piece timed out (over 2 s" in why
+        assert elastic.hybrid.replicas == {} and list(elastic.training) == [0]
+        assert _state(pid) in ("gone", "Z")  # ended with its trainer's process, not left stopped
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
 
 
 @asyncio_only
