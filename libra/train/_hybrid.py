@@ -308,7 +308,7 @@ class HybridGroup:
                 except (TrainerError, TimeoutError) as error:
                     if by is None:
                         raise
-                    why = str(error) or f"a piece timed out ({patience})"
+                    why = str(error) or f"a piece timed out ({patience.why(self.timeout_s)})"
                     self._lose(by, why, taken, queue, done)
                     return
                 done.append(_Piece(by, taken, loss, metrics))
@@ -425,8 +425,11 @@ class _Patience:
         self.floor_s, self.slowest_s = floor_s, 0.0
         self._running: dict[anyio.CancelScope, float] = {}  # a replica's piece: its start
 
-    def __str__(self) -> str:
-        return f"over {self.allowed_s():.0f} s, {PATIENCE_FACTOR:g}x the slowest piece"
+    def why(self, timeout_s: float) -> str:
+        """What cut a piece, given the group's timeout."""
+        if self.slowest_s and self.allowed_s() < timeout_s:
+            return f"over {self.allowed_s():.0f} s, {PATIENCE_FACTOR:g}x the slowest piece"
+        return f"over {timeout_s:.0f} s"
 
     def allowed_s(self) -> float:
         return max(self.floor_s, PATIENCE_FACTOR * self.slowest_s)
