@@ -14,7 +14,9 @@ drives the :class:`HybridPool`. Two rules, the planner's first:
 
 Either way it never borrows while the rollout is under pressure (the fraction of batch
 slots of the serving instances in use, queued calls included), and it starts no move while
-one is under way: the next step's timings show the last move's effect first. Moves run in
+its last one is under way: the next step's timings show that move's effect first. (Moves
+others start in the same pool, such as the rollout tail's lending inside a step, do not
+hold it.) Moves run in
 the pool's task group, so a decision returns at once. anyio only: any backend runs it.
 """
 
@@ -79,6 +81,7 @@ class AllocationLoop:
     decisions: list[Decision] = field(default_factory=list)
     _steps_since_plan: int = 0
     _planned_mean_output: float = 0.0
+    _moves: tuple[Move, ...] = ()  # the loop's last moves
 
     def observe_call(self, timing: CallTiming) -> None:
         self.planner.observe_call(timing)
@@ -104,6 +107,7 @@ class AllocationLoop:
         ratio = timing.train_s / timing.rollout_s if timing.rollout_s > 0 else math.inf
         decision = self._decide(timing, workload, ratio, pressure)
         self.decisions.append(decision)
+        self._moves = decision.moves or self._moves
         return decision
 
     async def run(self, steps: anyio.abc.ObjectReceiveStream[tuple[StepTiming, Workload]]) -> None:
@@ -118,7 +122,7 @@ class AllocationLoop:
         self, timing: StepTiming, workload: Workload, ratio: float, pressure: float
     ) -> Decision:
         step = timing.step
-        if self.pool.pending():
+        if any(move.outcome == "pending" for move in self._moves):
             return Decision(step, "hold", ratio, pressure, "a move is under way")
         reasons = self.config.trigger.reasons(
             steps_since_plan=self._steps_since_plan,

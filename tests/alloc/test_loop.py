@@ -76,6 +76,18 @@ def occupy(router: Router, calls: int) -> list[Route]:
     return routes
 
 
+async def test_a_move_the_loop_did_not_start_does_not_hold_it() -> None:
+    async with loop_over_pool() as loop:
+        [lent] = loop.pool.borrow(1)  # as the rollout's tail lends inside a step
+        assert lent.unit == "w3" and loop.pool.pending() == [lent]
+        decision = loop.on_step(step(1, rollout_s=100, train_s=120), WORKLOAD)
+        assert decision.action == "borrow" and [m.unit for m in decision.moves] == ["w2"]
+        held = loop.on_step(step(2, rollout_s=100, train_s=120), WORKLOAD)
+        assert (held.action, held.reason) == ("hold", "a move is under way")
+        await loop.pool.settled()
+        assert loop.pool.training_workers() == (0, 2, 3)
+
+
 async def test_it_borrows_when_training_is_slower_and_releases_when_rollout_is() -> None:
     async with loop_over_pool() as loop:
         pool = loop.pool
