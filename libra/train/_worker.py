@@ -344,8 +344,8 @@ class TrainerProcess:
         # would): the trainer's process is ended, and its ranks die with it.
         with anyio.CancelScope(shield=True):
             asked = exc_type is None or not issubclass(exc_type, TrainerError)
-            with contextlib.suppress(BrokenPipeError, OSError):
-                if asked:
+            if asked:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     self._conn.send(None)
             self._conn.close()
             if asked:

@@ -54,6 +54,15 @@ async def fixed_and_elastic(
         yield fixed, trainer
 
 
+async def active_replica(trainer: ElasticTrainer, worker: int) -> int:
+    """Take ``worker`` through fetch, sync and activation; its rank's pid."""
+    await trainer.fetch_replica(worker)
+    await trainer.sync_replica(worker)
+    await trainer.activate_replica(worker)
+    (pid,) = await trainer.hybrid.replicas[worker].world.call(RankPids())
+    return pid
+
+
 async def replica_parameters(trainer: ElasticTrainer, worker: int) -> dict[str, torch.Tensor]:
     return await trainer.hybrid.replicas[worker].world.call(FullParameters())
 
@@ -141,10 +150,7 @@ async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it
     tiny_model: Path,
 ) -> None:
     async with fixed_and_elastic(tiny_model) as (fixed, elastic):
-        await elastic.fetch_replica(1)
-        await elastic.sync_replica(1)
-        await elastic.activate_replica(1)
-        (pid,) = await elastic.hybrid.replicas[1].world.call(RankPids())
+        pid = await active_replica(elastic, 1)
         os.kill(pid, signal.SIGKILL)
         splits: list[int] = []
 
@@ -169,10 +175,7 @@ async def test_a_replica_that_hangs_is_cut_once_the_core_s_pieces_say_how_long_o
     tiny_model: Path,
 ) -> None:
     async with fixed_and_elastic(tiny_model, piece_patience_s=2) as (fixed, elastic):
-        await elastic.fetch_replica(1)
-        await elastic.sync_replica(1)
-        await elastic.activate_replica(1)
-        (pid,) = await elastic.hybrid.replicas[1].world.call(RankPids())
+        pid = await active_replica(elastic, 1)
         os.kill(pid, signal.SIGSTOP)
         try:
             # Far sooner than the bridge's timeout (600 s): the core's pieces take ~0.1 s.
