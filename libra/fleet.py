@@ -105,13 +105,19 @@ class Corrections:
     def __init__(self, terms: int, *, window: int = 64, prior_weight: float = 0.01) -> None:
         self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._prior_weight = prior_weight
-        self.values: tuple[float, ...] = (1.0,) * terms
+        self._values: tuple[float, ...] | None = (1.0,) * terms
 
     def add(self, prior_terms: Sequence[float], measured_s: float) -> None:
         if measured_s <= 0 or not all(math.isfinite(term) for term in prior_terms):
             return
         self._rows.append((tuple(prior_terms), measured_s))
-        self.values = self._solve()
+        self._values = None  # solved when next read: a step's calls come in thousands
+
+    @property
+    def values(self) -> tuple[float, ...]:
+        if self._values is None:
+            self._values = self._solve()
+        return self._values
 
     @property
     def observations(self) -> int:
@@ -120,7 +126,8 @@ class Corrections:
     def _solve(self) -> tuple[float, ...]:
         # Each row is the prior's terms over the measured seconds: a perfect fit makes
         # every row sum to 1 (relative error, so a long call weighs no more than a short one).
-        rows = numpy.array([[term / measured for term in terms] for terms, measured in self._rows])
+        terms = numpy.array([terms for terms, _ in self._rows])
+        rows = terms / numpy.array([measured for _, measured in self._rows])[:, None]
         gram = rows.T @ rows
         # The pull to the prior is relative to what the data say of the term, so a term
         # worth 0.1% of every measurement is pulled as hard as one worth 90%.

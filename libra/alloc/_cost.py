@@ -12,6 +12,7 @@ kept in a sliding window, so the fit follows drift.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -50,8 +51,10 @@ class Request:
 
 
 def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
-    """The workload's trajectories, its length samples repeated to its count; past
-    ``limit``, that many evenly spaced quantiles of it, each standing for its share."""
+    """The workload's trajectories: its length samples, as many as its count (fewer
+    samples are repeated; more, from several recent steps pooled, give their evenly
+    spaced quantiles, so every step counts); past ``limit``, that many quantiles, each
+    standing for its share."""
     tools = workload.tool_s or (0.0,) * len(workload.output_tokens)
     samples = [
         Request(max(0, ctx - out), out, max(ctx, out), tool_s=tool)
@@ -61,16 +64,24 @@ def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
     ]
     if not samples:
         return []
-    every = [samples[i % len(samples)] for i in range(workload.trajectories)]
+    every = _quantiles(samples, workload.trajectories)
     if limit is None or len(every) <= limit:
         return every
-    every.sort(key=_size)
     copies = len(every) / limit
-    picks = (every[int((i + 0.5) * copies)] for i in range(limit))
     return [
         Request(r.prefill_tokens, r.output_tokens, r.context_tokens, copies, r.tool_s)
-        for r in picks
+        for r in _quantiles(every, limit)
     ]
+
+
+def _quantiles(requests: list[Request], count: int) -> list[Request]:
+    """``count`` requests standing for ``requests``: repeated when fewer, else evenly
+    spaced quantiles by size (the largest always among them: it bounds the makespan)."""
+    if len(requests) <= count:
+        return [requests[i % len(requests)] for i in range(count)]
+    ranked = sorted(requests, key=_size)
+    spacing = len(ranked) / count
+    return [ranked[int((i + 0.5) * spacing)] for i in range(count - 1)] + [ranked[-1]]
 
 
 @dataclass(slots=True)
@@ -108,7 +119,9 @@ def _mid_decode_context(request: Request) -> float:
 #: How the routing treats the longest trajectory, which bounds the rollout from below:
 #: ``alone`` when it gets a lane of its own (C-MLFQ demotes the long ones to instances
 #: where they run nearly alone), ``in_batch`` when it shares full batches with everyone
-#: (least-loaded spreads calls without regard to length).
+#: and each of its turns goes wherever a call slot frees first (least-loaded spreads
+#: calls without regard to length, so a mixed layout's smallest instance takes its share
+#: of the longest trajectory's turns too).
 LongestDecodes = Literal["alone", "in_batch"]
 
 
@@ -119,6 +132,10 @@ class RolloutCost:
     A decode step of ``B`` sequences is priced as the roofline's ``StepCost``: the bytes
     term (weights, KV, overhead, all-reduce) and the compute term (per sequence) are
     corrected separately, since bandwidth and MFU are off by different amounts.
+
+    The fit's ``window`` of calls must span a whole step: calls end in the step's order,
+    full batches first and the long tail last, so a window of the last few dozen fits
+    the tail's small batches alone and misprices the full ones.
     """
 
     def __init__(
@@ -126,7 +143,7 @@ class RolloutCost:
         roofline: Roofline,
         *,
         max_num_seqs: int = 256,
-        window: int = 64,
+        window: int = 1024,
         placement_samples: int | None = 128,
         longest_decodes: LongestDecodes = "alone",
     ) -> None:
@@ -138,6 +155,9 @@ class RolloutCost:
         self._fits: dict[int, Corrections] = {}
         self._pooled = Corrections(3, window=window)
         self._step_costs: dict[int, StepCost] = {}
+        # (instance, calls in flight on it) per recent call: how many calls the fleet
+        # holds at once, whatever its layout.
+        self._in_flight: deque[tuple[str, int]] = deque(maxlen=window)
 
     def _requests(self, workload: Workload) -> list[Request]:
         return requests_of(workload, self.placement_samples)
@@ -171,6 +191,17 @@ class RolloutCost:
         fit = self._fits.setdefault(timing.tp, Corrections(3, window=self._window))
         fit.add(terms, timing.seconds)
         self._pooled.add(terms, timing.seconds)
+        self._in_flight.append((timing.instance, timing.concurrent))
+
+    def in_flight(self, workload: Workload) -> float:
+        """Calls the fleet holds at once: the recent calls' in-flight counts, averaged
+        per instance and summed; before any call, every trajectory (none in its tools)."""
+        per_instance: dict[str, list[int]] = {}
+        for instance, concurrent in self._in_flight:
+            per_instance.setdefault(instance, []).append(concurrent)
+        if not per_instance:
+            return float(workload.trajectories)
+        return sum(sum(counts) / len(counts) for counts in per_instance.values())
 
     def predict_call(self, timing: CallTiming) -> float:
         return self.corrections(timing.tp).apply(self.call_terms(timing.tp, timing))
@@ -186,32 +217,65 @@ class RolloutCost:
     def instance_seconds(self, instance: _Instance) -> float:
         if instance.count == 0:
             return 0.0
-        steps = max(instance.longest_output, math.ceil(instance.output_tokens / instance.batch_cap))
+        batched, batch, context = self._batched(instance)
+        return max(batched, self._chain_seconds(instance.tp, instance.longest, batch, context))
+
+    def _batched(self, instance: _Instance, span: int = 0) -> tuple[float, float, float]:
+        """Seconds the instance takes for its placed work in full batches, with that
+        batch's mean size and context, spread over at least ``span`` decode steps."""
+        steps = max(
+            span, instance.longest_output, math.ceil(instance.output_tokens / instance.batch_cap)
+        )
         batch = instance.output_tokens / max(1, steps)
         context = batch * instance.ctx_weighted / max(1, instance.output_tokens)
         cost = self.step_cost(instance.tp)
         corrections = self.corrections(instance.tp)
         batched = corrections.apply(_terms(cost, instance.prefill_tokens, steps, batch, context))
-        return max(batched, self._chain_seconds(instance, batch, context))
+        return batched, batch, context
 
-    def _chain_seconds(self, instance: _Instance, batch: float, context: float) -> float:
+    def _chain_seconds(
+        self, tp: int, request: Request | None, batch: float, context: float
+    ) -> float:
         """The longest trajectory end to end: its turns one after another, each waiting
         for its tools (the instance serves the others meanwhile), each decode step shared
         with the instance's mean ``batch`` of ``context`` tokens, or alone (see
         :data:`LongestDecodes`)."""
-        request = instance.longest
         if request is None:
             return 0.0
         if self.longest_decodes == "alone":
             batch, context = 1.0, _mid_decode_context(request)
         terms = _terms(
-            self.step_cost(instance.tp),
+            self.step_cost(tp),
             request.prefill_tokens,
             request.output_tokens,
             batch,
             context,
         )
-        return self.corrections(instance.tp).apply(terms) + request.tool_s
+        return self.corrections(tp).apply(terms) + request.tool_s
+
+    def _spread_chain_seconds(
+        self, instances: Sequence[_Instance], waits: Sequence[float]
+    ) -> float:
+        """The longest trajectory end to end when each of its turns goes wherever a call
+        slot frees first (least-loaded): a turn lands on an instance as often as any call
+        does, so its decode is priced on every instance, weighed by the instance's share
+        of the calls, in the instance's mean batch over the longest one's steps, and
+        slowed by ``waits`` where the instance holds more calls than it runs (they take
+        turns: each advances at the running share)."""
+        placed = [(i, wait) for i, wait in zip(instances, waits, strict=True) if i.count]
+        longest = max((i.longest for i, _ in placed if i.longest), key=_size, default=None)
+        if longest is None:
+            return 0.0
+        total = sum(instance.count for instance, _ in placed)
+        seconds = 0.0
+        for instance, wait in placed:
+            # The instance's work shares the longest one's steps, which outlast it.
+            _, batch, context = self._batched(instance, span=longest.output_tokens)
+            if instance.longest is not longest:  # the longest one's own turns join it
+                batch, context = batch + 1, context + _mid_decode_context(longest)
+            chain = self._chain_seconds(instance.tp, longest, batch, context) - longest.tool_s
+            seconds += instance.count / total * chain * wait
+        return seconds + longest.tool_s
 
     def longest_alone(self, tp: int, workload: Workload) -> float:
         """The longest request alone on an instance of ``tp``: no layout beats it."""
@@ -225,16 +289,33 @@ class RolloutCost:
 
     def makespan(self, tps: Sequence[int], workload: Workload) -> float:
         """Requests placed longest-first, each on the instance it finishes earliest on;
-        the makespan is the slowest instance's time."""
-        instances = [_Instance(tp, self.batch_cap(tp, workload)) for tp in tps]
-        if not instances:
+        the makespan is the slowest instance's time.
+
+        Under least-loaded (``in_batch``) every instance holds about as many calls as
+        any other, whatever its size: a large instance runs no more than its share of
+        the calls in flight (:meth:`in_flight`), and a small one whose KV cache holds
+        fewer runs what it holds while the rest wait their turn."""
+        if not tps:
             return math.inf
+        caps = [self.batch_cap(tp, workload) for tp in tps]
+        if self.longest_decodes == "alone":
+            return max(map(self.instance_seconds, self._placed(tps, caps, workload)))
+        share = max(1, math.ceil(self.in_flight(workload) / len(tps)))
+        instances = self._placed(tps, [min(cap, share) for cap in caps], workload)
+        batched = max(self._batched(instance)[0] for instance in instances if instance.count)
+        waits = [max(1.0, share / cap) for cap in caps]
+        return max(batched, self._spread_chain_seconds(instances, waits))
+
+    def _placed(
+        self, tps: Sequence[int], caps: Sequence[int], workload: Workload
+    ) -> list[_Instance]:
+        instances = [_Instance(tp, cap) for tp, cap in zip(tps, caps, strict=True)]
         for request in sorted(self._requests(workload), key=_size, reverse=True):
             candidates = [instance.with_request(request) for instance in instances]
             finish = [self.instance_seconds(candidate) for candidate in candidates]
             best = finish.index(min(finish))
             instances[best] = candidates[best]
-        return max(self.instance_seconds(instance) for instance in instances)
+        return instances
 
 
 def _size(request: Request) -> tuple[int, int]:

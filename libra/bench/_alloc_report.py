@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench
+from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench, step_bounds
 from libra.bench._alloc_strategies import UPFRONT_SHARE, static_name
 from libra.bench._sched import default_jobs
 from libra.bench._sched_fleet import DEFAULT_FLEET, load_fleet
@@ -20,8 +20,9 @@ DEFAULT_WORKLOAD = "swe-drift"
 LIBRA = "libra"
 
 
-def summary(runs: list[ConfigRun]) -> dict[str, Any]:
-    """The JSON report: per configuration, and full Libra's throughput over the baselines."""
+def summary(runs: list[ConfigRun], bounds: list[float] | None = None) -> dict[str, Any]:
+    """The JSON report: per configuration, and full Libra's throughput over the baselines;
+    with ``bounds`` (:func:`~libra.bench._alloc.step_bounds`), what no split can beat."""
     by_name = {run.config: run for run in runs}
     statics = [run for run in runs if run.config.startswith("static-")]
     libra = by_name.get(LIBRA)
@@ -57,6 +58,13 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
             if libra is not None and upfront is not None
             else None
         ),
+        # What no split and no routing can beat, with the truth's costs: the bound's
+        # throughput (the same tokens over the bound's step times) over the upfront split's.
+        "bound_vs_static_upfront": (
+            round(_bound_throughput(upfront, bounds) / upfront.throughput_tok_s, 3)
+            if bounds and upfront is not None
+            else None
+        ),
         "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
         "layouts": {run.config: _layouts(run) for run in runs},
         "plan_error_max_by_config": {
@@ -90,12 +98,16 @@ def summary(runs: list[ConfigRun]) -> dict[str, Any]:
     }
 
 
+def _bound_throughput(run: ConfigRun, bounds: list[float]) -> float:
+    return sum(step.train_tokens for step in run.steps) / sum(bounds)
+
+
 def _colocated(run: ConfigRun) -> bool:
     return any(step.colocated for step in run.steps)
 
 
-def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
-    report = summary(runs)
+def print_table(settings: Settings, runs: list[ConfigRun], bounds: list[float] | None) -> None:
+    report = summary(runs, bounds)
     libra = next((run for run in runs if run.config == LIBRA), None)
     table = Table(
         title=f"libra bench alloc: {settings.workload.name}, {settings.gpus} x "
@@ -129,7 +141,8 @@ def print_table(settings: Settings, runs: list[ConfigRun]) -> None:
         f"vs best static in hindsight {vs['static_best_hindsight']}x, "
         f"vs colocated {vs['colocated']}x, vs libra-no-pool {vs['libra_no_pool']}x; "
         f"largest calibrated plan error {report['plan_error_max']} (cost model alone, on "
-        f"the workload as it turned out: {report['model_error_max']})"
+        f"the workload as it turned out: {report['model_error_max']}); no split and no "
+        f"routing can beat {report['bound_vs_static_upfront']}x the upfront split"
     )
 
 
@@ -189,10 +202,12 @@ def main_alloc(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. too few workers to hold the training state
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
+    upfront = next((run for run in runs if run.config == static_name(UPFRONT_SHARE)), None)
+    bounds = step_bounds(settings, upfront) if upfront is not None else None
     if args.json:
-        print(json.dumps(summary(runs)))
+        print(json.dumps(summary(runs, bounds)))
     else:
-        print_table(settings, runs)
+        print_table(settings, runs, bounds)
     if args.plot:
         plot(runs, args.plot)
     return 0

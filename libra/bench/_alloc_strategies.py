@@ -35,6 +35,8 @@ STATIC_SHARES = (0.25, 0.5, 0.75)
 UPFRONT_SHARE = 0.5
 #: What the planner believes a re-layout costs before it has made one (a server restart).
 MOVE_COST_PRIOR_S = 60.0
+#: The instance sizes the planners may lay out.
+ALLOWED_TPS = (1, 2, 4)
 
 
 @dataclass
@@ -193,5 +195,5 @@ def _planner(
             "dense_bf16_flops": gpu.dense_bf16_flops * scale,
         }
     )
-    config = PlannerConfig(allowed_tps=(1, 2, 4), longest_decodes=longest_decodes)
+    config = PlannerConfig(allowed_tps=ALLOWED_TPS, longest_decodes=longest_decodes)
     return RooflinePlanner(Roofline(believed, model), config)

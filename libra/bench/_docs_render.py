@@ -70,15 +70,23 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
 
 
 def _alloc_bound(output: Output) -> list[str]:
-    bound = output.get("libra_no_idle_vs_static_upfront")
-    if bound is None:
-        return []
-    return [
-        "",
-        f"The most a better packing of libra's work could buy: that work (its busy "
-        f"worker-seconds) with no worker ever idle would train {bound}x the tokens per "
-        f"second of the upfront split.",
-    ]
+    lines = []
+    if (packed := output.get("libra_no_idle_vs_static_upfront")) is not None:
+        lines += [
+            "",
+            f"The most a better packing of libra's work could buy: that work (its busy "
+            f"worker-seconds) with no worker ever idle would train {packed}x the tokens "
+            f"per second of the upfront split.",
+        ]
+    if (bound := output.get("bound_vs_static_upfront")) is not None:
+        lines += [
+            "",
+            f"What no split and no routing can beat (`step_bounds`: every step's decode in "
+            f"full batches on its most efficient instance size, training on the fewest "
+            f"workers that hold its state, no worker ever idle, nor faster than the longest "
+            f"trajectory alone): {bound}x the upfront split.",
+        ]
+    return lines
 
 
 def _alloc_details(output: Output) -> list[str]:

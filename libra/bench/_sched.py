@@ -417,7 +417,25 @@ def lower_bound(
 ) -> LowerBound:
     """See the module docstring. Template tokens are left out, which only lowers it."""
     tps = sorted({plan.tp for plan in fleet.instances})
-    chain = max(min(_alone(s, fleet, tp, tool_timeout_s) for tp in tps) for s in scripts)
+    demand = decode_demand(scripts, fleet)
+    throughput = sum(full_batch_throughput(fleet, plan.tp, demand) for plan in fleet.instances)
+    return LowerBound(
+        chain_s=longest_alone_s(scripts, fleet, tps, tool_timeout_s),
+        work_s=demand.tokens / throughput,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeDemand:
+    """A step's decode work: tokens sampled, the mean context they are sampled at, and
+    the mean KV a call holds."""
+
+    tokens: float
+    mean_context: float
+    mean_reservation: float
+
+
+def decode_demand(scripts: list[TrajectoryScript], fleet: FleetFile) -> DecodeDemand:
     decode_tokens = weighted_context = 0.0
     reservations = 0.0
     # KV a call holds on average: its whole reply when reserved up front, half of it when
@@ -432,13 +450,18 @@ def lower_bound(
             reservations += context + turn.output_tokens * held
             calls += 1
             context += turn.output_tokens + turn.output_chars
-    mean_context = weighted_context / max(decode_tokens, 1.0)
-    mean_reservation = reservations / max(calls, 1)
-    throughput = sum(
-        _full_batch_throughput(fleet, plan.tp, mean_context, mean_reservation)
-        for plan in fleet.instances
+    return DecodeDemand(
+        decode_tokens,
+        weighted_context / max(decode_tokens, 1.0),
+        reservations / max(calls, 1),
     )
-    return LowerBound(chain_s=chain, work_s=decode_tokens / throughput)
+
+
+def longest_alone_s(
+    scripts: list[TrajectoryScript], fleet: FleetFile, tps: list[int], tool_timeout_s: float
+) -> float:
+    """The slowest trajectory, each run alone on its fastest instance size of ``tps``."""
+    return max(min(_alone(s, fleet, tp, tool_timeout_s) for tp in tps) for s in scripts)
 
 
 def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: float) -> float:
@@ -455,14 +478,12 @@ def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: 
     return seconds
 
 
-def _full_batch_throughput(
-    fleet: FleetFile, tp: int, mean_context: float, mean_reservation: float
-) -> float:
+def full_batch_throughput(fleet: FleetFile, tp: int, demand: DecodeDemand) -> float:
     """Tokens/s of a TP``tp`` instance running as many sequences as fit."""
     cost = fleet.latency(tp)
-    fits = int(cost.kv_capacity_tokens // max(mean_reservation, 1.0))
+    fits = int(cost.kv_capacity_tokens // max(demand.mean_reservation, 1.0))
     batch = max(1, min(fleet.serving.max_num_seqs, fits))
-    return batch / cost.step_time(batch, batch * mean_context)
+    return batch / cost.step_time(batch, batch * demand.mean_context)
 
 
 # ------------------------------------------------------------------------ all of them

@@ -62,13 +62,14 @@ class EmulatedTrainer:
 
     def step_seconds(self, tokens: int, workers: int) -> float:
         """One optimizer step over ``tokens`` on ``workers`` (no sleep: the formula)."""
-        return self._formula_s(tokens, workers) * self._noise()
+        return self.formula_s(tokens, workers) * self._noise()
 
     def _noise(self) -> float:
         jitter = self.truth.jitter
         return math.exp(self._rng.gauss(0.0, jitter)) if jitter else 1.0
 
-    def _formula_s(self, tokens: int, workers: int) -> float:
+    def formula_s(self, tokens: int, workers: int) -> float:
+        """What the truth says one step takes, without its jitter."""
         truth, params = self.truth, self.model.parameters
         compute = 6 * params * tokens / (workers * self.gpu.dense_bf16_flops * truth.mfu)
         # All-gather in forward and backward, reduce-scatter of gradients, bf16.
@@ -89,7 +90,7 @@ class EmulatedTrainer:
             if not self.active:  # everyone left: nothing trains until someone joins
                 await self._next_change()
                 continue
-            full = self._formula_s(tokens, len(self.active)) * noise
+            full = self.formula_s(tokens, len(self.active)) * noise
             begun = anyio.current_time()
             with anyio.move_on_after((1.0 - done) * full):
                 await self._next_change()

@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+
 from libra.alloc import A100, A800, H100, H200, PRESETS, RolloutCost, TrainCost
+from libra.alloc._cost import train_tokens
 from libra.alloc._protocol import CallTiming, StepTiming, Workload
 from libra.fleet import Gpu, Model, Roofline
 
@@ -151,3 +154,60 @@ def test_a_longest_trajectory_sharing_every_batch_takes_longer_than_alone() -> N
     # Its tools wait on top of its decode steps: the batched bound alone misses them.
     bare = replace(workload, tool_s=())
     assert in_batch.makespan((1, 1), workload) > in_batch.makespan((1, 1), bare)
+
+
+def test_least_loaded_spreads_the_longest_trajectory_over_a_mixed_layout() -> None:
+    """Least-loaded sends each turn wherever a call slot frees first, so a small instance
+    beside a large one takes its share of the longest trajectory's turns: adding it helps
+    the batched work, but the longest trajectory's chain, with its tools, slows."""
+    outputs, contexts = (20_000, *[1_000] * 31), (40_000, *[3_000] * 31)
+    workload = Workload(32, outputs, contexts, tool_s=(120.0, *[0.0] * 31))
+    alone = RolloutCost(Roofline(A100, QWEN3_14B))
+    in_batch = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
+    # With a lane of its own, the longest stays on the TP4: a TP1 beside it only helps.
+    assert alone.makespan((4, 1), workload) <= alone.makespan((4,), workload)
+    # Spread, its turns on the TP1 decode several times slower than on the TP4.
+    assert in_batch.makespan((4, 1), workload) > in_batch.makespan((4,), workload)
+    # Between its chain alone on the TP4 and its chain alone on the TP1.
+    assert in_batch.makespan((4, 1), workload) < in_batch.makespan((1,), workload)
+
+
+def test_recent_steps_pooled_all_count() -> None:
+    """A workload of two steps pooled (twice a step's samples) is priced on both: the
+    newer step's longer trajectories are not left out because the older one came first."""
+    older, newer = [1_000] * 32, [4_000] * 32
+    outputs = (*older, *newer)
+    contexts = tuple(out + 2_000 for out in outputs)
+    pooled = Workload(32, outputs, contexts)
+    assert train_tokens(pooled) == 32 * (3_000 + 6_000) // 2
+    model = RolloutCost(Roofline(A100, QWEN3_14B))
+    assert model.longest_alone(1, pooled) == model.longest_alone(
+        1, Workload(32, outputs[32:], contexts[32:])
+    )
+    only_older = Workload(32, outputs[:32], contexts[:32])
+    assert model.makespan((1, 1), only_older) < model.makespan((1, 1), pooled)
+
+
+def _exact(model: RolloutCost, timing: CallTiming) -> CallTiming:
+    """``timing`` taking just what the prior says: observing it leaves the fit at 1."""
+    return replace(timing, seconds=model.predict_call(timing))
+
+
+def test_least_loaded_queues_on_a_small_instance_what_its_cache_cannot_hold() -> None:
+    """Least-loaded keeps as many calls in flight on a TP1 as on a TP4: with many in
+    flight the TP1 runs what its KV cache holds and the rest wait, the longest
+    trajectory's turns there too. The calls in flight are what the run measured."""
+    outputs, contexts = (20_000, *[1_000] * 63), (40_000, *[12_000] * 63)
+    workload = Workload(64, outputs, contexts)
+    crowded = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
+    quiet = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
+    for model, in_flight in ((crowded, 32), (quiet, 2)):
+        for name, tp in (("a", 4), ("b", 1)):
+            call = CallTiming(name, tp, 8_000, 0, 500, 0.0, in_flight)
+            model.observe(_exact(model, call))
+    assert crowded.in_flight(workload) == 64 and quiet.in_flight(workload) == 4
+    assert crowded.corrections(1).values == pytest.approx((1.0, 1.0, 1.0))
+    assert crowded.makespan((4, 1), workload) > quiet.makespan((4, 1), workload)
+    # Before any call, every trajectory counts as in flight.
+    fresh = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
+    assert fresh.in_flight(workload) == 64

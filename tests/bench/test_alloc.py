@@ -107,6 +107,10 @@ def test_the_command_prints_the_json_and_draws_the_plot(
     assert all(value > 0 for value in report["libra_vs"].values())
     # No packing of libra's work beats that work with no worker idle.
     assert report["libra_no_idle_vs_static_upfront"] >= report["libra_vs"]["static_upfront"]
+    # No configuration beats what no split and no routing can.
+    upfront = next(row for row in report["results"] if row["config"] == "static-2:2")
+    best = max(row["throughput_tok_s"] for row in report["results"])
+    assert report["bound_vs_static_upfront"] > best / upfront["throughput_tok_s"]
     assert report["plan_error_max"] >= 0 and report["model_error_max"] >= 0
     assert all(0 <= idle < 1 for idle in report["rollout_idle_frac"].values())
     assert figure.stat().st_size > 10_000
