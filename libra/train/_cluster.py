@@ -43,8 +43,10 @@ from libra.alloc import (
     CallTiming,
     HybridPool,
     Layout,
+    LongestDecodes,
     LoopConfig,
     Move,
+    PlannerConfig,
     PoolConfig,
     RooflinePlanner,
     StepTiming,
@@ -382,10 +384,14 @@ def _move_line(move: Move) -> dict[str, object]:
     return line
 
 
-def rule_planner(model_dir: Path, gpu: str) -> RooflinePlanner:
+def rule_planner(model_dir: Path, gpu: str, scheduler: str) -> RooflinePlanner:
     """A roofline planner for the model in ``model_dir`` on ``gpu`` (a preset's name):
-    what the loop re-plans with when its trigger fires."""
-    return RooflinePlanner(Roofline(PRESETS[gpu], model_shape(model_dir)))
+    what the loop re-plans with when its trigger fires. It prices the longest trajectory
+    as the run's ``scheduler`` routes it: C-MLFQ demotes the long ones to instances of
+    their own, every other policy spreads their turns through full batches."""
+    routing: LongestDecodes = "alone" if scheduler.startswith("cmlfq") else "in_batch"
+    config = PlannerConfig(longest_decodes=routing)
+    return RooflinePlanner(Roofline(PRESETS[gpu], model_shape(model_dir)), config)
 
 
 def model_shape(model_dir: Path) -> Model:

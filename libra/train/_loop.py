@@ -758,7 +758,7 @@ async def _allocation(
     pool = await stack.enter_async_context(
         HybridPool(cluster, scheduler.router, layout, pool_config)
     )
-    planner = rule_planner(cluster.base, config.alloc.gpu)
+    planner = rule_planner(cluster.base, config.alloc.gpu, config.rollout.scheduler)
     tail = config.alloc.tail
     lender = TailLender(pool, tail) if tail is not None else None
     return Allocation(cluster, pool, AllocationLoop(planner, pool, config.alloc.loop), lender)
