@@ -244,14 +244,14 @@ class RolloutCost:
             return 0.0
         if self.longest_decodes == "alone":
             batch, context = 1.0, _mid_decode_context(request)
-        terms = _terms(
-            self.step_cost(tp),
-            request.prefill_tokens,
-            request.output_tokens,
-            batch,
-            context,
-        )
-        return self.corrections(tp).apply(terms) + request.tool_s
+        return self._decode_seconds(tp, request, batch, context) + request.tool_s
+
+    def _decode_seconds(self, tp: int, request: Request, batch: float, context: float) -> float:
+        """``request``'s prefill and decode steps, each shared with ``batch`` sequences of
+        ``context`` tokens."""
+        cost = self.step_cost(tp)
+        terms = _terms(cost, request.prefill_tokens, request.output_tokens, batch, context)
+        return self.corrections(tp).apply(terms)
 
     def _spread_chain_seconds(
         self, instances: Sequence[_Instance], waits: Sequence[float]
@@ -273,8 +273,8 @@ class RolloutCost:
             _, batch, context = self._batched(instance, span=longest.output_tokens)
             if instance.longest is not longest:  # the longest one's own turns join it
                 batch, context = batch + 1, context + _mid_decode_context(longest)
-            chain = self._chain_seconds(instance.tp, longest, batch, context) - longest.tool_s
-            seconds += instance.count / total * chain * wait
+            decode = self._decode_seconds(instance.tp, longest, batch, context)
+            seconds += instance.count / total * decode * wait
         return seconds + longest.tool_s
 
     def longest_alone(self, tp: int, workload: Workload) -> float:

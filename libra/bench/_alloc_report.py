@@ -10,7 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench, step_bounds
+from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench
+from libra.bench._alloc_bound import step_bounds
 from libra.bench._alloc_strategies import UPFRONT_SHARE, static_name
 from libra.bench._sched import default_jobs
 from libra.bench._sched_fleet import DEFAULT_FLEET, load_fleet
@@ -22,7 +23,7 @@ LIBRA = "libra"
 
 def summary(runs: list[ConfigRun], bounds: list[float] | None = None) -> dict[str, Any]:
     """The JSON report: per configuration, and full Libra's throughput over the baselines;
-    with ``bounds`` (:func:`~libra.bench._alloc.step_bounds`), what no split can beat."""
+    with ``bounds`` (:func:`~libra.bench._alloc_bound.step_bounds`), what no split can beat."""
     by_name = {run.config: run for run in runs}
     statics = [run for run in runs if run.config.startswith("static-")]
     libra = by_name.get(LIBRA)
