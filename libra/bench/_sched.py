@@ -7,7 +7,8 @@ a step that would take many GPU-minutes runs in seconds, and the same seed gives
 same numbers. The servers play the fleet's truth (a ``--mismatch`` preset: not the cost
 model the scheduler is given). Before the step, each policy is shown the protocol calls
 of the workload's earlier steps (``history_steps``), as a running system would have
-seen them; the oracles are told every trajectory's true length instead.
+seen them; the oracles are told every trajectory's future instead (each turn's length
+and its tool's seconds).
 
 Reported per policy: throughput (trajectories/s and output tokens/s over the step's
 makespan), the makespan, the mean GPU idle fraction, p99/p50 trajectory latency, the
@@ -75,9 +76,8 @@ from libra.sched.policies import (
     DEFAULT_POLICIES,
     POLICIES,
     CMLFQConfig,
-    Oracle,
-    OracleFinish,
     RoutedPolicy,
+    Truth,
     make_policy,
 )
 from libra.signals import ToolSignal
@@ -214,10 +214,9 @@ async def _run_policy(
     book = ScriptBook(workload, seed)
     step = workload.rollout.history_steps
     scripts = book.step(step)
-    # The oracles look trajectories up by the scheduler's key: the engine's rendered id.
-    totals = {str(script.trajectory_id): script.output_tokens for script in scripts}
     spec = fleet.spec(MODEL)
-    policy = make_policy(name, spec, truth=totals.__getitem__, config=config)
+    truth = truth_of(scripts, workload.limits.tool_timeout_s)
+    policy = make_policy(name, spec, truth=truth, config=config)
     replay_history(policy, book, step)
     apps, timelines = _fleet_apps(workload, fleet, book, seed)
     env_classes = EnvClasses(book)
@@ -232,6 +231,25 @@ async def _run_policy(
         await rollout(jobs, engine, on_record=records.append)
         makespan = anyio.current_time() - started
     return _summarise(name, policy, fleet, apps, timelines, records, makespan)
+
+
+def truth_of(scripts: list[TrajectoryScript], tool_timeout_s: float) -> Truth:
+    """What the oracles are fed: every turn's output and its tool's seconds, by the
+    scheduler's key (the engine's rendered trajectory id)."""
+    return Truth(
+        {
+            str(script.trajectory_id): [
+                (turn.output_tokens, _tool_s(turn, tool_timeout_s)) for turn in script.turns
+            ]
+            for script in scripts
+        }
+    )
+
+
+def _tool_s(turn: ScriptTurn, tool_timeout_s: float) -> float:
+    if turn.tool is None:
+        return 0.0
+    return tool_timeout_s if turn.status == "timeout" else turn.latency_s
 
 
 def _engine_config(workload: Workload, concurrency: int, seed: int) -> EngineConfig:
@@ -285,7 +303,7 @@ def _recorder(timeline: Timeline) -> Callable[[float, int, int], None]:
 def replay_history(policy: Scheduler, book: ScriptBook, step: int) -> None:
     """Show ``policy`` the earlier steps' trajectories through the protocol, one at a
     time (what a running system would have seen), then clear its decision log."""
-    if isinstance(policy, Oracle | OracleFinish):
+    if isinstance(policy, RoutedPolicy) and policy.needs_truth:
         return  # it knows the truth and learns nothing
     first = max(0, step - book.workload.rollout.history_steps)
     for earlier in range(first, step):
@@ -472,7 +490,7 @@ def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: 
         seconds += cost.prefill_time(fresh)
         first = cost.step_time(1, context)
         seconds += n * first + cost.step_per_ctx_token_s * n * (n - 1) / 2
-        seconds += tool_timeout_s if turn.status == "timeout" else turn.latency_s
+        seconds += _tool_s(turn, tool_timeout_s)
         context += n + turn.output_chars
         fresh = turn.output_chars
     return seconds
@@ -613,7 +631,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default="",
-        help=f"comma-separated, from {', '.join(POLICIES)} (default: all but oracle-finish)",
+        help=f"comma-separated, from {', '.join(POLICIES)} (default: all but the "
+        "ablations and the oracles other than oracle)",
     )
     parser.add_argument(
         "--fleet",

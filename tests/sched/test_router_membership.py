@@ -18,6 +18,7 @@ from libra.sched.policies import (
     REGISTRY,
     LeastLoadedScheduler,
     RoutedPolicy,
+    Truth,
     make_policy,
 )
 from libra.signals import ToolSignal
@@ -279,7 +280,8 @@ def assert_no_reference(policy: RoutedPolicy, gone: set[str]) -> None:
 
 @pytest.mark.parametrize("name", ["cmlfq", "cmlfq-ref", "cmlfq-cost", "plas", "length-pred"])
 def test_policies_hold_no_removed_instance_and_route_on(name: str) -> None:
-    policy = make_policy(name, two_buckets(), truth=lambda _: 1000)
+    truth = Truth.of_totals({f"t/{i}#0": 1000 for i in range(12)})
+    policy = make_policy(name, two_buckets(), truth=truth)
     routes = {f"t/{i}#0": policy.route(request(f"t/{i}#0")) for i in range(12)}
     for trajectory, route in routes.items():
         policy.release(route, outcome="ok", new_tokens=300)
@@ -334,6 +336,7 @@ def test_policies_register_by_name_in_the_order_reports_list_them() -> None:
         "cmlfq-history",
         "oracle",
         "oracle-finish",
+        "oracle-simple",
     )
     assert all(REGISTRY[name].name == name for name in POLICIES)
     assert isinstance(make_policy("least-loaded", two_buckets()), RoutedPolicy)

@@ -13,6 +13,7 @@ from libra.sched.policies._base import (
     PolicyOptions,
     RoutedPolicy,
     Track,
+    Truth,
 )
 from libra.sched.policies._baselines import (
     PLAS,
@@ -29,6 +30,7 @@ from libra.sched.policies._cmlfq import (
     LibraCMLFQ,
     Oracle,
     OracleFinish,
+    OracleSimple,
     ReferenceCMLFQ,
     ReferenceCostCMLFQ,
     reference_cost,
@@ -69,6 +71,7 @@ __all__ = [
     "Oracle",
     "OracleFinish",
     "OraclePredictor",
+    "OracleSimple",
     "PolicyOptions",
     "Predictor",
     "PrefixForest",
@@ -84,6 +87,7 @@ __all__ = [
     "Track",
     "TreeConfig",
     "TreePredictor",
+    "Truth",
     "make_policy",
     "reference_cost",
     "reference_simple",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -31,8 +31,31 @@ from libra.signals import ToolSignal
 # whole in `reasons`): 10,000 are ~2.5 MB; a run of days must not grow with them.
 DECISION_LOG_SIZE = 10_000
 
-Truth = Callable[[str], int]
-"""A trajectory's true total output (what the oracles are fed), by trajectory id."""
+
+@dataclass(frozen=True, slots=True)
+class Truth:
+    """What the oracles are fed, by trajectory id: each turn's true output tokens and the
+    seconds its tool call then takes (0 after the final answer)."""
+
+    turns: Mapping[str, Sequence[tuple[int, float]]]
+
+    @classmethod
+    def of_totals(cls, totals: Mapping[str, int]) -> Truth:
+        """Each trajectory's total output alone: one turn, no tool time."""
+        return cls({trajectory: ((tokens, 0.0),) for trajectory, tokens in totals.items()})
+
+    def output_tokens(self, trajectory_id: str) -> int:
+        return sum(tokens for tokens, _ in self.turns[trajectory_id])
+
+    def tool_s_left(self, trajectory_id: str, generated: int) -> float:
+        """The tool seconds still to come once ``generated`` tokens are out: the tool
+        calls of the turns not yet fully generated."""
+        left, end = 0.0, 0
+        for tokens, tool_s in self.turns[trajectory_id]:
+            end += tokens
+            if end > generated:
+                left += tool_s
+        return left
 
 
 @dataclass(frozen=True, slots=True)

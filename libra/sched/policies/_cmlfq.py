@@ -46,8 +46,7 @@ logged with its reason (see :class:`~libra.sched.Decision`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from pydantic import Field, PositiveInt
@@ -57,7 +56,7 @@ from libra.fleet import StepCost
 from libra.sched._buckets import Bucket, Instance, Router
 from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
-from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track
+from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track, Truth
 from libra.sched.policies._fit import CostFit
 from libra.sched.policies._predict import (
     OraclePredictor,
@@ -296,7 +295,10 @@ class CMLFQ(RoutedPolicy):
             estimate = other.estimate
             if estimate is not None:
                 load.work += max(0.0, estimate.mean - since)
-                load.longest = max(load.longest, estimate.upper - since)
+                if estimate.tool_s:
+                    load.with_tools.append((estimate.upper - since, estimate.tool_s))
+                else:
+                    load.longest = max(load.longest, estimate.upper - since)
             load.context += other.context + since
             load.count += 1
         return loads
@@ -311,25 +313,28 @@ class CMLFQ(RoutedPolicy):
     ) -> float:
         """When ``instance`` would be done with its residents plus this trajectory."""
         work = load.work + estimate.mean
-        longest = max(load.longest, estimate.upper)
         context = load.context + track.context
         size = load.count + 1
         fits = _batch_that_fits(instance, size, context)
         step = self.cost(instance).step_time(fits, context * fits / size)
         drain = work * step / fits
-        chain = longest * step * size / fits
+        per_token = step * size / fits  # a resident's, while the batch holds them all
+        chains = [(load.longest, 0.0), (estimate.upper, estimate.tool_s), *load.with_tools]
+        chain = max(tokens * per_token + tool_s for tokens, tool_s in chains)
         return max(drain, chain) + self._move_cost(instance, track, previous)
 
 
 @dataclass(slots=True)
 class _Load:
     """The trajectories living on an instance: how many, their expected remaining output,
-    the longest upper residual among them, and their context tokens."""
+    the longest upper residual among them, and their context tokens; the residuals that
+    come with tool seconds still to come (only an oracle's) are kept with them."""
 
     count: int = 0
     work: float = 0.0
     longest: float = 0.0
     context: float = 0.0
+    with_tools: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _bucket_index(router: Router, instance: Instance) -> int:
@@ -467,41 +472,53 @@ class HistoryCMLFQ(_Ablation):
 
 
 class Oracle(CMLFQ):
-    """C-MLFQ's simple rule fed the true remaining length (``truth(trajectory_id)`` is
-    the trajectory's total output). Knowing the truth, it needs no agreement of mean and
-    p90 and places a trajectory from its first call on. A reference, not a policy."""
+    """Libra's ``finish`` rule fed the truth: each trajectory's remaining output and the
+    seconds its tool calls still take, from its first call on. What this routing would
+    do if it knew the future; the reference ``x oracle`` is against. Not a policy."""
 
     name: ClassVar[str] = "oracle"
     needs_truth: ClassVar[bool] = True
+    knows_tool_seconds: ClassVar[bool] = True
 
-    def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
-        config = CMLFQConfig(
-            rule="simple", priority="none", start_in_shortest=False, quantum_tokens=None
-        )
-        super().__init__(router, config, predictor=OraclePredictor(truth))
+    def __init__(self, router: Router, truth: Truth) -> None:
+        predictor = OraclePredictor(truth, tool_seconds=self.knows_tool_seconds)
+        super().__init__(router, self.oracle_config(), predictor=predictor)
+
+    @classmethod
+    def oracle_config(cls) -> CMLFQConfig:
+        return CMLFQConfig()
 
     @classmethod
     def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
         return cls(router, _truth(cls.name, options))
 
 
-class OracleFinish(CMLFQ):
-    """Libra's C-MLFQ (the ``finish`` rule, its default settings) fed the true remaining
-    length: what the policy would do with a perfect predictor."""
+class OracleFinish(Oracle):
+    """The ``finish`` rule fed the true remaining output but not the tool seconds: what a
+    perfect predictor of lengths alone would buy."""
 
     name: ClassVar[str] = "oracle-finish"
-    needs_truth: ClassVar[bool] = True
     benchmarked_by_default: ClassVar[bool] = False
+    knows_tool_seconds: ClassVar[bool] = False
 
-    def __init__(self, router: Router, truth: Callable[[str], int]) -> None:
-        super().__init__(router, CMLFQConfig(), predictor=OraclePredictor(truth))
+
+class OracleSimple(Oracle):
+    """C-MLFQ's simple rule fed the true remaining length (the reference's oracle).
+    Knowing the truth, it needs no agreement of mean and p90 and places a trajectory from
+    its first call on."""
+
+    name: ClassVar[str] = "oracle-simple"
+    benchmarked_by_default: ClassVar[bool] = False
+    knows_tool_seconds: ClassVar[bool] = False
 
     @classmethod
-    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
-        return cls(router, _truth(cls.name, options))
+    def oracle_config(cls) -> CMLFQConfig:
+        return CMLFQConfig(
+            rule="simple", priority="none", start_in_shortest=False, quantum_tokens=None
+        )
 
 
-def _truth(name: str, options: PolicyOptions) -> Callable[[str], int]:
+def _truth(name: str, options: PolicyOptions) -> Truth:
     if options.truth is None:
         raise ValueError(f"{name} needs the true lengths (truth=...)")
     return options.truth

@@ -15,10 +15,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from typing import Protocol
 
-from libra.sched.policies._base import Track
+from libra.sched.policies._base import Track, Truth
 from libra.sched.policies._prefix_tree import NO_ESTIMATE, PrefixForest, Residual
 
 
@@ -131,14 +130,18 @@ class FeaturePredictor:
 
 
 class OraclePredictor:
-    """Knows every trajectory's total output: ``truth(trajectory_id)``."""
+    """Knows every trajectory's remaining output and, with ``tool_seconds``, the seconds
+    its tool calls still take."""
 
-    def __init__(self, truth: Callable[[str], int]) -> None:
+    def __init__(self, truth: Truth, *, tool_seconds: bool = True) -> None:
         self.truth = truth
+        self.tool_seconds = tool_seconds
 
     def residual(self, track: Track) -> Residual:
-        left = float(max(0, self.truth(track.trajectory_id) - track.generated))
-        return Residual(left, left, 1, len(track.path), "oracle")
+        trajectory, generated = track.trajectory_id, track.generated
+        left = float(max(0, self.truth.output_tokens(trajectory) - generated))
+        tool_s = self.truth.tool_s_left(trajectory, generated) if self.tool_seconds else 0.0
+        return Residual(left, left, 1, len(track.path), "oracle", tool_s)
 
     def learn(self, track: Track, output_tokens: int) -> None:
         pass  # it knows already

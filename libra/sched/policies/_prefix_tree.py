@@ -59,6 +59,7 @@ class Residual(NamedTuple):
     samples: int
     depth: int  # tool returns of the path matched
     source: Literal["prompt", "global", "history", "oracle", "none"]
+    tool_s: float = 0.0  # tool seconds still to come (only an oracle knows them)
 
 
 NO_ESTIMATE = Residual(0.0, 0.0, 0, 0, "none")

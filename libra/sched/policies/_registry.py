@@ -30,8 +30,8 @@ def make_policy(
     config: CMLFQConfig | None = None,
     clock: Clock = event_loop_clock,
 ) -> RoutedPolicy:
-    """A fresh policy ``name`` over ``fleet``. ``truth(trajectory_id)`` (the total output of
-    a trajectory) is needed by the oracles; ``config`` tunes ``cmlfq``."""
+    """A fresh policy ``name`` over ``fleet``. The oracles need the ``truth`` (each
+    trajectory's future); ``config`` tunes ``cmlfq``."""
     policy = REGISTRY.get(name)
     if policy is None:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

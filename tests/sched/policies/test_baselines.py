@@ -8,10 +8,11 @@ from libra.sched.policies import (
     LeastLoadedCapacity,
     LeastLoadedScheduler,
     LengthPrediction,
-    Oracle,
+    OracleSimple,
     RoundRobin,
     SortedLength,
     StaticPrompt,
+    Truth,
 )
 from tests._helpers import PASS, Trajectory, fleet
 
@@ -91,9 +92,9 @@ def test_plas_lowers_priority_with_attained_service_and_keeps_long_programs_in_p
     assert newcomer.priority == 0 and newcomer.endpoint is not first.endpoint
 
 
-def test_the_oracle_buckets_by_the_true_remaining_length() -> None:
+def test_the_references_oracle_buckets_by_the_true_remaining_length() -> None:
     totals = {"t/1#0": 25000, "t/2#0": 1000}
-    policy = Oracle(Router(fleet()), totals.__getitem__)
+    policy = OracleSimple(Router(fleet()), Truth.of_totals(totals))
     straggler = Trajectory(policy, "t/1#0")
     assert straggler.call(20000).bucket == "long"
     straggler.tool(PASS)

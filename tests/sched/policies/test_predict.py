@@ -13,6 +13,7 @@ from libra.sched.policies import (
     Track,
     TreeConfig,
     TreePredictor,
+    Truth,
 )
 from libra.sched.policies._prefix_tree import NO_ESTIMATE
 
@@ -66,10 +67,16 @@ def test_prompt_history_keeps_the_latest_lengths_of_the_most_recent_prompts() ->
 
 
 def test_the_oracle_predictor_knows_what_is_left_and_learns_nothing() -> None:
-    totals = {"t/1#0": 5000}
-    predictor = OraclePredictor(totals.__getitem__)
+    # three turns: 1,000 tokens then a 5 s tool, 2,000 then a 30 s tool, the answer
+    truth = Truth({"t/1#0": [(1000, 5.0), (2000, 30.0), (2000, 0.0)]})
+    predictor = OraclePredictor(truth)
     live = Track("t/1#0", "t/1", path=[VIEW, FAIL], generated=1200)
-    assert predictor.residual(live) == Residual(3800.0, 3800.0, 1, 2, "oracle")
+    assert predictor.residual(live) == Residual(3800.0, 3800.0, 1, 2, "oracle", 30.0)
+    live.generated = 3000  # the second turn is out: its tool has returned
+    assert predictor.residual(live).tool_s == 0.0
+    lengths_only = OraclePredictor(truth, tool_seconds=False)
+    live.generated = 0
+    assert lengths_only.residual(live) == Residual(5000.0, 5000.0, 1, 2, "oracle")
     predictor.learn(live, 5000)
     live.generated = 6000
     assert predictor.residual(live).mean == 0.0
