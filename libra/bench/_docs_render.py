@@ -363,20 +363,22 @@ def seeds(
     columns: Sequence[str] = _SEED_COLUMNS,
 ) -> list[str]:
     """``workload`` under ``mismatch`` on every saved seed, the mean, the best baseline,
-    ``cmlfq``'s makespan over it, and the requests preempted in ``cmlfq``'s run (where
-    in-server priority can act); then how the ratios spread."""
+    ``cmlfq``'s and the oracle's makespans over it, and the requests preempted in
+    ``cmlfq``'s run (where in-server priority can act); then how the ratios spread."""
     runs = [o for o in outputs if (o["workload"], o["mismatch"]) == (workload, mismatch)]
-    rows, ratios = [], []
+    rows, ratios, oracle_ratios = [], [], []
     for output in runs:
         spans = makespans(output)
         best = _best_baseline(spans, columns)
         ratios.append(spans["cmlfq"] / spans[best])
+        oracle_ratios.append(spans["oracle"] / spans[best])
         rows.append(
             [
                 f"{output['seed']}",
                 *_bold_best(spans, columns),
                 best,
                 f"{ratios[-1]:.3f}",
+                f"{oracle_ratios[-1]:.3f}",
                 _cmlfq_preempted(output),
             ]
         )
@@ -389,17 +391,22 @@ def seeds(
             *_bold_best(means, columns),
             best,
             f"{means['cmlfq'] / means[best]:.3f}",
+            f"{means['oracle'] / means[best]:.3f}",
             f"{preempted:.1f}",
         ]
     )
-    header = ("seed", *columns, "best baseline", "cmlfq x best", "cmlfq preempted")
+    header = (
+        "seed", *columns, "best baseline", "cmlfq x best", "oracle x best", "cmlfq preempted"
+    )  # fmt: skip
     within = sum(ratio <= 1.02 for ratio in ratios)
     return [
         *table_lines(header, rows),
         "",
         f"`cmlfq` over the best baseline, per seed: median {median(ratios):.3f}, best "
         f"{min(ratios):.3f}, worst {max(ratios):.3f}; best or within 2% of it on {within} "
-        f"of {len(ratios)} seeds.",
+        f"of {len(ratios)} seeds. `oracle` (the same rule knowing every trajectory's "
+        f"future) over it: median {median(oracle_ratios):.3f}, best "
+        f"{min(oracle_ratios):.3f}, worst {max(oracle_ratios):.3f}.",
     ]
 
 

@@ -28,14 +28,12 @@ from libra.sched.policies._cmlfq import (
     CMLFQ,
     CMLFQConfig,
     LibraCMLFQ,
-    Oracle,
-    OracleFinish,
-    OracleSimple,
     ReferenceCMLFQ,
     ReferenceCostCMLFQ,
     reference_cost,
     reference_simple,
 )
+from libra.sched.policies._oracle import Oracle, OracleFinish, OracleSimple
 from libra.sched.policies._predict import (
     FeaturePredictor,
     OraclePredictor,

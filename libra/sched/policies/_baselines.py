@@ -16,7 +16,7 @@
   priority is the level of output it has already received (fewer tokens first), and
   calls of trajectories that received much stay where their KV lives.
 
-The oracles (C-MLFQ fed the truth) live beside C-MLFQ.
+The oracles (C-MLFQ's rules fed the truth) are in ``_oracle.py``.
 """
 
 from __future__ import annotations

@@ -56,14 +56,9 @@ from libra.fleet import StepCost
 from libra.sched._buckets import Bucket, Instance, Router
 from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
-from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track, Truth
+from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track
 from libra.sched.policies._fit import CostFit
-from libra.sched.policies._predict import (
-    OraclePredictor,
-    Predictor,
-    PromptHistoryPredictor,
-    TreePredictor,
-)
+from libra.sched.policies._predict import Predictor, PromptHistoryPredictor, TreePredictor
 from libra.sched.policies._prefix_tree import PrefixForest, Residual, TreeConfig
 from libra.signals import ToolSignal
 
@@ -469,56 +464,3 @@ class HistoryCMLFQ(_Ablation):
 
     def __init__(self, router: Router, config: CMLFQConfig | None = None) -> None:
         super().__init__(router, config, predictor=PromptHistoryPredictor())
-
-
-class Oracle(CMLFQ):
-    """Libra's ``finish`` rule fed the truth: each trajectory's remaining output and the
-    seconds its tool calls still take, from its first call on. What this routing would
-    do if it knew the future; the reference ``x oracle`` is against. Not a policy."""
-
-    name: ClassVar[str] = "oracle"
-    needs_truth: ClassVar[bool] = True
-    knows_tool_seconds: ClassVar[bool] = True
-
-    def __init__(self, router: Router, truth: Truth) -> None:
-        predictor = OraclePredictor(truth, tool_seconds=self.knows_tool_seconds)
-        super().__init__(router, self.oracle_config(), predictor=predictor)
-
-    @classmethod
-    def oracle_config(cls) -> CMLFQConfig:
-        return CMLFQConfig()
-
-    @classmethod
-    def create(cls, router: Router, options: PolicyOptions) -> RoutedPolicy:
-        return cls(router, _truth(cls.name, options))
-
-
-class OracleFinish(Oracle):
-    """The ``finish`` rule fed the true remaining output but not the tool seconds: what a
-    perfect predictor of lengths alone would buy."""
-
-    name: ClassVar[str] = "oracle-finish"
-    benchmarked_by_default: ClassVar[bool] = False
-    knows_tool_seconds: ClassVar[bool] = False
-
-
-class OracleSimple(Oracle):
-    """C-MLFQ's simple rule fed the true remaining length (the reference's oracle).
-    Knowing the truth, it needs no agreement of mean and p90 and places a trajectory from
-    its first call on."""
-
-    name: ClassVar[str] = "oracle-simple"
-    benchmarked_by_default: ClassVar[bool] = False
-    knows_tool_seconds: ClassVar[bool] = False
-
-    @classmethod
-    def oracle_config(cls) -> CMLFQConfig:
-        return CMLFQConfig(
-            rule="simple", priority="none", start_in_shortest=False, quantum_tokens=None
-        )
-
-
-def _truth(name: str, options: PolicyOptions) -> Truth:
-    if options.truth is None:
-        raise ValueError(f"{name} needs the true lengths (truth=...)")
-    return options.truth

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from libra.fleet import FleetSpec
 from libra.sched._buckets import Clock, Router, event_loop_clock
-from libra.sched.policies import _baselines, _cmlfq
+from libra.sched.policies import _baselines, _cmlfq, _oracle
 from libra.sched.policies._base import REGISTRY, PolicyOptions, RoutedPolicy, Truth
 from libra.sched.policies._cmlfq import CMLFQConfig
 
-assert _baselines and _cmlfq  # imported for their policies, in the order reports list them
+assert (
+    _baselines and _cmlfq and _oracle
+)  # imported for their policies, in the order reports list them
 
 #: Every policy, in the order the benchmark reports them; the oracles need the truth.
 POLICIES = tuple(REGISTRY)

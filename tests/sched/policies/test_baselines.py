@@ -8,13 +8,11 @@ from libra.sched.policies import (
     LeastLoadedCapacity,
     LeastLoadedScheduler,
     LengthPrediction,
-    OracleSimple,
     RoundRobin,
     SortedLength,
     StaticPrompt,
-    Truth,
 )
-from tests._helpers import PASS, Trajectory, fleet
+from tests._helpers import Trajectory, fleet
 
 
 def test_round_robin_cycles_through_instances_and_skips_excluded_ones() -> None:
@@ -90,13 +88,3 @@ def test_plas_lowers_priority_with_attained_service_and_keeps_long_programs_in_p
     assert second.priority == 2  # log2(1 + 3000/512) = 2.8
     newcomer = Trajectory(policy, "p/2#0").call(100)
     assert newcomer.priority == 0 and newcomer.endpoint is not first.endpoint
-
-
-def test_the_references_oracle_buckets_by_the_true_remaining_length() -> None:
-    totals = {"t/1#0": 25000, "t/2#0": 1000}
-    policy = OracleSimple(Router(fleet()), Truth.of_totals(totals))
-    straggler = Trajectory(policy, "t/1#0")
-    assert straggler.call(20000).bucket == "long"
-    straggler.tool(PASS)
-    assert straggler.call(100).bucket == "medium"  # 5,000 left
-    assert Trajectory(policy, "t/2#0").call(10).bucket == "short"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from libra.sched import Router, RouteRequest
 from libra.sched.policies import (
     ABLATIONS,
@@ -13,8 +11,6 @@ from libra.sched.policies import (
     PolicyOptions,
     RoutedPolicy,
     TreeConfig,
-    Truth,
-    make_policy,
     reference_cost,
     reference_simple,
 )
@@ -95,18 +91,6 @@ def test_finish_rule_gives_stragglers_the_fast_instance_and_keeps_others_off_it(
     # Shortest first inside a server: the quick one's calls are admitted first.
     assert route.priority is not None and slow.priority is not None
     assert route.priority < slow.priority
-
-
-@pytest.mark.parametrize(("name", "shared"), [("oracle", False), ("oracle-finish", True)])
-def test_the_oracle_counts_the_tool_seconds_still_to_come(name: str, shared: bool) -> None:
-    # Two trajectories with 3,000 tokens left; the first's tools still take 400 s, so it
-    # is the straggler, and only the oracle that knows so keeps the other off its instance.
-    truth = Truth({"x/1#0": [(1500, 400.0), (1500, 0.0)], "y/1#0": [(3000, 0.0)]})
-    policy = make_policy(name, fleet(), truth=truth)
-    straggler = Trajectory(policy, "x/1#0").call(100)
-    assert straggler.endpoint.name == "c"
-    other = Trajectory(policy, "y/1#0").call(100)
-    assert (other.endpoint.name == "c") is shared
 
 
 def test_a_turn_past_its_quantum_goes_on_in_its_bucket_or_a_longer_one() -> None:
