@@ -302,5 +302,9 @@ async def test_in_one_step_off_the_tail_of_the_next_rollout_lends_to_the_trainin
     assert lent and lent[0] >= 1 and all(allocs[k]["lent_by_tail"] == ["w2"] for k in lent)
     assert any(allocs[k]["pieces"].get("w2", 0) > 0 for k in lent)
     moves = allocs[-1]["moves"]
-    assert {m["outcome"] for m in moves} == {"done"}
+    # None failed; the last may still be under way when the last step's record is
+    # written (the last step's idle tail lends again, and on a loaded machine the record
+    # comes first); `tail_run`'s checkpoint then waits for it to settle.
+    assert all(m["outcome"] == "done" for m in moves[:-1])
+    assert moves[-1]["outcome"] in {"done", "pending"}
     assert [m["direction"] for m in moves][:2] == ["borrow", "release"]
