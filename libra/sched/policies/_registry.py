@@ -12,9 +12,8 @@ from libra.sched.policies import _baselines, _cmlfq, _oracle
 from libra.sched.policies._base import REGISTRY, PolicyOptions, RoutedPolicy, Truth
 from libra.sched.policies._cmlfq import CMLFQConfig
 
-assert (
-    _baselines and _cmlfq and _oracle
-)  # imported for their policies, in the order reports list them
+# Imported for their policies, in the order reports list them.
+assert _baselines and _cmlfq and _oracle
 
 #: Every policy, in the order the benchmark reports them; the oracles need the truth.
 POLICIES = tuple(REGISTRY)
