@@ -50,12 +50,8 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
-# The Ray tests run in a pytest process of their own: in the same process, after the rest
-# of the suite, the Ray [alloc] run ended pytest with status 1 and no report (not yet
-# understood; alone it passes).
 unit: setup-serving setup-sandbox
-	$(BIN)/python -m pytest -q -m "not ray"
-	$(BIN)/python -m pytest -q -m ray
+	$(BIN)/python -m pytest -q
 
 test: lint unit
 

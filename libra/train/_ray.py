@@ -30,8 +30,9 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from functools import cache, partial
 from pathlib import Path
 from types import TracebackType
@@ -506,18 +507,49 @@ async def open_ray_workers(
     ``backend`` is NCCL (``auto``: when the cluster has GPUs). A Ray started or attached
     here is shut down on exit."""
     ray = import_ray()
-    started = not ray.is_initialized()
-    if started:
-        await anyio.to_thread.run_sync(partial(_init_ray, ray, cores, address))
-    try:
+    with ExitStack() as ray_here:
+        if not ray.is_initialized():
+            await anyio.to_thread.run_sync(ray_here.enter_context, ray_started(cores, address))
         gpus = backend == "nccl" or (
             backend == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
         )
         async with RayWorkers(cores, gpus=gpus) as workers:
             yield workers
+
+
+@contextmanager
+def ray_started(cores: Sequence[tuple[int, ...]], address: str | None) -> Iterator[None]:
+    """Ray started (``address`` None) or attached to, from a thread of its own that lives
+    until Ray is shut down on exit.
+
+    Ray's head processes (its GCS and raylet) ask Linux to kill them when the *thread*
+    that started them exits (``PR_SET_PDEATHSIG``, as ``_vllm`` notes for the guard). From
+    one of anyio's worker threads, which exit after 10 s idle or with their event loop,
+    that killed the head mid-run, and this process with it: Ray's driver exits with
+    status 1 and no word when its raylet dies. Not the main thread either: see
+    :func:`_init_ray`."""
+    ray = import_ray()
+    started: Future[None] = Future()
+    stop = threading.Event()
+
+    def hold_ray() -> None:
+        try:
+            _init_ray(ray, cores, address)
+        except BaseException as error:
+            started.set_exception(error)
+            return
+        started.set_result(None)
+        stop.wait()  # Ray's head lives as long as this thread
+
+    holder = threading.Thread(target=hold_ray, name="libra-ray", daemon=True)
+    holder.start()
+    started.result()
+    try:
+        yield
     finally:
-        if started:
-            ray.shutdown()
+        ray.shutdown()
+        stop.set()
+        holder.join()
 
 
 def _init_ray(ray: Any, cores: Sequence[tuple[int, ...]], address: str | None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -215,6 +216,43 @@ async def test_a_command_that_raises_on_ray_reports_its_traceback(
         assert "ValueError: a bug in the command" in str(failed.value)
         with anyio.fail_after(PROMPTLY_S), pytest.raises(TrainerError, match="failed"):
             await world.call(RankPids())
+
+
+# ------------------------------------------------------------------------ Ray itself
+
+# Ray started by libra from a thread that has exited since, then used: as `libra train`
+# starts it from one of anyio's worker threads, which exit when idle.
+OUTLIVES = """
+import sys, threading, time
+import ray
+from libra.train._ray import ray_started
+
+held = ray_started([(0,)], None)
+starter = threading.Thread(target=held.__enter__)
+starter.start()
+starter.join()
+time.sleep(3)  # a kill asked of the starter's exit lands at once
+
+
+@ray.remote
+def square(x):
+    return x * x
+
+
+print(ray.get(square.remote(7)))
+held.__exit__(None, None, None)
+"""
+
+
+def test_a_ray_started_here_outlives_the_thread_that_started_it() -> None:
+    if missing := ray_missing():
+        unavailable(missing)
+    # In a process of its own: had Ray's head died, Ray's driver would exit (status 1,
+    # after 60 s, with no word to pytest's report) and take this test's process with it.
+    done = subprocess.run(
+        [sys.executable, "-c", OUTLIVES], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, done.stdout.split()) == (0, ["49"]), done.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------ config
