@@ -547,9 +547,11 @@ def ray_started(cores: Sequence[tuple[int, ...]], address: str | None) -> Iterat
     try:
         yield
     finally:
-        ray.shutdown()
-        stop.set()
-        holder.join()
+        try:
+            ray.shutdown()
+        finally:
+            stop.set()
+            holder.join()
 
 
 def _init_ray(ray: Any, cores: Sequence[tuple[int, ...]], address: str | None) -> None:
