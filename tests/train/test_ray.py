@@ -223,7 +223,9 @@ async def test_a_command_that_raises_on_ray_reports_its_traceback(
 # Ray started by libra from a thread that has exited since, then used: as `libra train`
 # starts it from one of anyio's worker threads, which exit when idle.
 OUTLIVES = """
-import sys, threading, time
+import threading
+import time
+
 import ray
 from libra.train._ray import ray_started
 
