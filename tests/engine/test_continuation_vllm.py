@@ -1,5 +1,5 @@
 """A turn that real vLLM's ``/pause`` (abort mode) cuts short goes on, with the server's
-own tokens: the record is the server's rendering of the conversation, and each sampled
+own tokens: the record's ids spell the server's rendering of the conversation, and each sampled
 span is exactly what one of the server's answers returned."""
 
 from __future__ import annotations
@@ -99,6 +99,13 @@ async def tokenize(server: VLLMServer, record: TrajectoryRecord, http: HTTPTrans
     return msgspec.json.decode(body, type=openai.TokenizeResponse).tokens
 
 
+async def detokenize(server: VLLMServer, tokens: list[int], http: HTTPTransport) -> str:
+    request = openai.DetokenizeRequest(model=REAL_MODEL_NAME, tokens=tokens)
+    status, body = await http.post(server.url + "/detokenize", msgspec.json.encode(request), JSON, 60)
+    assert status == 200, body
+    return msgspec.json.decode(body, type=openai.DetokenizeResponse).prompt
+
+
 async def test_a_turn_paused_in_abort_mode_continues_with_the_servers_own_tokens(
     real_server: VLLMServer,
 ) -> None:
@@ -126,6 +133,8 @@ async def test_a_turn_paused_in_abort_mode_continues_with_the_servers_own_tokens
         assert not await real_server.is_paused()
         (record,) = records
         rendered = await tokenize(real_server, record, http)
+        spelled = await detokenize(real_server, record.token_ids, http)
+        rendered_text = await detokenize(real_server, rendered, http)
 
     assert record.status != "failed", record.error
     assert record.turns == 1 and len(record.endpoints) == 1
@@ -145,8 +154,12 @@ async def test_a_turn_paused_in_abort_mode_continues_with_the_servers_own_tokens
         assert piece.logprobs is not None
         assert record.logprobs[span.start : span.end] == piece.logprobs.token_logprobs
         assert set(record.loss_mask[span.start : span.end]) == {1}
-    # The pieces make one reply, and its ids are the server's own rendering of the chat.
+    # The pieces make one reply, and its ids spell the server's own rendering of the chat:
+    # the prompt id for id; the reply as sampled, which where the pause fell can split what
+    # the whole text tokenizes into (e.g. "\n" then "\n" where the rendering has "\n\n").
     assert record.messages[-1].content == "".join(piece.text for piece in pieces)
-    assert record.token_ids == rendered[: len(record.token_ids)]
+    prompt = record.weight_versions[0].start
+    assert record.token_ids[:prompt] == rendered[:prompt]
+    assert rendered_text.startswith(spelled)
     if record.stop_reason == "model_stop":
-        assert len(rendered) - len(record.token_ids) <= 1  # the "\n" after <|im_end|>
+        assert rendered_text[len(spelled) :] in ("", "\n")  # the "\n" after <|im_end|>
