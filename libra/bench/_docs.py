@@ -61,6 +61,11 @@ class DocTable:
     runs: Runs
     render: Callable[[list[Any]], list[str]]  # the commands' outputs, in order -> markdown
     file: Path = README
+    also: tuple[Runs, ...] = ()  # more runs it reads, their outputs after ``runs``'s
+
+    @property
+    def sources(self) -> tuple[Runs, ...]:
+        return (self.runs, *self.also)
 
 
 def _command(line: str) -> Command:
@@ -176,6 +181,7 @@ TABLES: dict[str, DocTable] = {
             )
             for workload in _MORE_WORKLOADS
         ),
+        DocTable("sched-robustness", _SCHED, render.robustness, also=(_SCHED_MORE, _SCHED_WEB)),
         DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure),
         DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
     )
@@ -233,35 +239,39 @@ class BenchDocsError(UsageError):
 # ------------------------------------------------------------------------ writing
 
 
-def region(table: DocTable, saved: dict[str, Any]) -> str:
-    """The region's text for what ``table``'s commands printed."""
-    done = records(saved)
-    commands = [record["command"] for record in done]
-    if commands != ["libra " + " ".join(command) for command in table.runs.commands]:
-        raise BenchDocsError(
-            f"docs/bench/{table.runs.name}.json holds other commands than {table.runs.name!r}"
-            f" runs: run `libra bench docs --run {table.runs.name}`"
-        )
-    return "\n".join([_source(table.runs, done), "", *table.render(outputs(saved)), ""])
+def region(table: DocTable, *saved: dict[str, Any]) -> str:
+    """The region's text for what ``table``'s commands printed (``saved``: one file's
+    contents for each of its :attr:`~DocTable.sources`, in order)."""
+    done = []
+    for runs, contents in zip(table.sources, saved, strict=True):
+        commands = [record["command"] for record in records(contents)]
+        if commands != ["libra " + " ".join(command) for command in runs.commands]:
+            raise BenchDocsError(
+                f"docs/bench/{runs.name}.json holds other commands than {runs.name!r}"
+                f" runs: run `libra bench docs --run {runs.name}`"
+            )
+        done += records(contents)
+    read = [record["output"] for record in done]
+    return "\n".join([_source(table.sources, done), "", *table.render(read), ""])
 
 
 def outputs(saved: dict[str, Any]) -> list[Any]:
     return [record["output"] for record in records(saved)]
 
 
-def _source(runs: Runs, done: list[dict[str, Any]]) -> str:
-    where = f"docs/bench/{runs.name}.json"
+def _source(sources: Sequence[Runs], done: list[dict[str, Any]]) -> str:
+    where = ", ".join(f"`docs/bench/{runs.name}.json`" for runs in sources)
     if len(done) == 1:
         commit = f"commit {done[0]['commit']}, " if done[0].get("commit") else ""
         return (
-            f"Written by `libra bench docs` from `{where}`: `{done[0]['command']}`"
+            f"Written by `libra bench docs` from {where}: `{done[0]['command']}`"
             f" ({commit}{done[0]['cores']} cores, load average {done[0]['load_average']})."
         )
     commits = sorted({str(record.get("commit")) for record in done})
     loads = [record["load_average"] for record in done]
     first = " ".join(done[0]["command"].split()[:3])
     return (
-        f"Written by `libra bench docs` from `{where}`: {len(done)} runs of `{first}` (listed"
+        f"Written by `libra bench docs` from {where}: {len(done)} runs of `{first}` (listed"
         f" there; commit {', '.join(commits)}, {done[0]['cores']} cores, load average "
         f"{min(loads)}-{max(loads)})."
     )
@@ -274,8 +284,8 @@ def rewrite(
     the names of the regions that changed."""
     changed = []
     for table in tables:
-        path = saved_dir / f"{table.runs.name}.json"
-        if not path.exists():
+        paths = [saved_dir / f"{runs.name}.json" for runs in table.sources]
+        if not all(path.exists() for path in paths):
             continue
         name = re.escape(table.name)
         pattern = re.compile(rf"<!-- bench:{name} -->\n(.*?)<!-- /bench:{name} -->", re.DOTALL)
@@ -285,7 +295,7 @@ def rewrite(
                 f"{table.file} has no region for {table.name!r}: add "
                 f"`<!-- bench:{table.name} -->` and `<!-- /bench:{table.name} -->` lines"
             )
-        new = region(table, json.loads(path.read_text()))
+        new = region(table, *(json.loads(path.read_text()) for path in paths))
         if found.group(1) != new:
             changed.append(table.name)
             text = text[: found.start(1)] + new + text[found.end(1) :]

@@ -421,3 +421,48 @@ def _best_baseline(spans: dict[str, float], columns: Sequence[str] = _SEED_COLUM
 
 #: The columns of a run without ``--ablate``.
 PLAIN_COLUMNS = tuple(p for p in _SEED_COLUMNS if p not in ABLATIONS)
+
+
+def robustness(outputs: Sequence[Output]) -> list[str]:
+    """How each policy fares against the best of the others on every saved run under
+    ``datasheet`` (of a workload and seed saved twice, the later run: the seeds tables'):
+    ``cmlfq`` and each baseline against the fastest of the rest of them, its variants and
+    the oracle against the fastest baseline."""
+    runs = [
+        *{(o["workload"], o["seed"]): o for o in outputs if o["mismatch"] == "datasheet"}.values()
+    ]
+    contenders = [p for p in PLAIN_COLUMNS if _contender(p)]
+    ratios: dict[str, list[float]] = {}
+    for policy in PLAIN_COLUMNS:
+        rivals = [p for p in contenders if p not in (policy, "cmlfq")]
+        if _contender(policy):
+            rivals = [p for p in contenders if p != policy]
+        spans = [makespans(o) for o in runs]
+        ratios[policy] = [s[policy] / min(s[p] for p in rivals) for s in spans]
+    rows = [
+        [
+            f"**{policy}**" if policy == "cmlfq" else policy,
+            f"{sum(ratio < 1 for ratio in these)}",
+            f"{sum(ratio <= 1.02 for ratio in these)}",
+            f"{median(these):.3f}",
+            f"{max(these):.3f}",
+        ]
+        for policy, these in ratios.items()
+    ]
+    header = ("policy", "fastest", "within 2%", "median x the best", "worst")
+    within = {p: sum(ratio <= 1.02 for ratio in ratios[p]) for p in contenders}
+    runner_up = max((p for p in contenders if p != "cmlfq"), key=lambda p: within[p])
+    workloads = ", ".join(dict.fromkeys(o["workload"] for o in runs))
+    seeds = sorted({o["seed"] for o in runs})
+    return [
+        f"The {len(runs)} runs under `datasheet` ({workloads}; seeds {seeds[0]}-{seeds[-1]});"
+        " each policy's makespan over the fastest of the others' (for `cmlfq`'s variants and"
+        " the oracle: of the baselines'):",
+        "",
+        *table_lines(header, rows),
+        "",
+        f"`cmlfq` is fastest or within 2% of the fastest baseline on {within['cmlfq']} of "
+        f"{len(runs)} runs, worst {max(ratios['cmlfq']):.3f}; by the same measure the "
+        f"strongest baseline, `{runner_up}`, on {within[runner_up]} of {len(runs)}, worst "
+        f"{max(ratios[runner_up]):.3f}.",
+    ]

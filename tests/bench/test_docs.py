@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from libra.bench import _docs_render as render
 from libra.bench._docs import (
     SAVED,
     TABLES,
@@ -41,7 +42,7 @@ def test_the_readme_tables_match_their_saved_runs() -> None:
         tables = [table for table in TABLES.values() if table.file == file]
         assert rewrite(text, tables, REPO / SAVED) == (text, [])
     saved = {path.stem for path in (REPO / SAVED).glob("*.json")}
-    shown = {table.runs.name for table in TABLES.values()}
+    shown = {runs.name for table in TABLES.values() for runs in table.sources}
     assert saved <= shown, "a saved run that no README region shows"
 
 
@@ -85,6 +86,52 @@ def test_several_commands_are_saved_together_and_read_in_order(
     other = DocTable("tiny-soaks", Runs("tiny-soaks", runs.commands[:1]), counts)
     with pytest.raises(BenchDocsError, match="--run tiny-soaks"):
         rewrite(readme, [other], SAVED)  # the saved file holds other commands
+
+
+def test_a_table_reads_several_saved_files_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    first, second = Runs("one", (("bench", "a"),)), Runs("two", (("bench", "b"),))
+    SAVED.mkdir(parents=True)
+    for runs, value in ((first, 1), (second, 2)):
+        record = {"command": f"libra {' '.join(runs.commands[0])}", "cores": 2, "commit": "c0"}
+        runs.saved.write_text(json.dumps(record | {"load_average": 0.5, "output": value}))
+    table = DocTable("both", first, lambda values: [repr(values)], also=(second,))
+    text, changed = rewrite("<!-- bench:both -->\n<!-- /bench:both -->\n", [table], SAVED)
+    assert changed == ["both"]
+    assert "from `docs/bench/one.json`, `docs/bench/two.json`: 2 runs of `libra bench a`" in text
+    assert "\n[1, 2]\n" in text
+    second.saved.unlink()  # a region whose runs are not all saved is left as it is
+    assert rewrite("<!-- bench:both -->\nold\n<!-- /bench:both -->\n", [table], SAVED)[1] == []
+
+
+def _sched_output(workload: str, seed: int, **spans: float) -> dict[str, object]:
+    results = [{"policy": policy.replace("_", "-"), "makespan_s": s} for policy, s in spans.items()]
+    return {"workload": workload, "mismatch": "datasheet", "seed": seed, "results": results}
+
+
+def test_the_robustness_table_weighs_each_policy_against_the_best_of_the_others() -> None:
+    spans = {"round_robin": 300.0, "least_loaded": 200.0, "least_loaded_capacity": 190.0}
+    spans |= {"length_pred": 250.0, "cmlfq_fit": 100.0, "oracle": 80.0}
+    outputs = [
+        # cmlfq 1% behind sorted; then 5% behind plas: within 2% once, fastest never.
+        _sched_output("w", 0, sorted=100.0, plas=110.0, cmlfq=101.0, **spans),
+        _sched_output("w", 1, sorted=110.0, plas=100.0, cmlfq=105.0, **spans),
+        # The same workload and seed again: the later run counts, not both.
+        _sched_output("w", 1, sorted=110.0, plas=100.0, cmlfq=99.0, **spans),
+    ]
+    lines = render.robustness(outputs)
+    assert lines[0].startswith("The 2 runs under `datasheet` (w; seeds 0-1)")
+    cells = [[cell.strip(" *") for cell in line.strip("|").split("|")] for line in lines[4:13]]
+    rows = {row[0]: row[1:] for row in cells}
+    assert rows["cmlfq"] == ["1", "2", "1.000", "1.010"]  # 101/100 and 99/100
+    assert rows["sorted"] == ["1", "1", "1.051", "1.111"]  # 100/101 and 110/99
+    assert rows["oracle"][:2] == ["2", "2"]  # against the baselines, not cmlfq
+    assert lines[-1] == (
+        "`cmlfq` is fastest or within 2% of the fastest baseline on 2 of 2 runs, worst 1.010; "
+        "by the same measure the strongest baseline, `sorted`, on 1 of 2, worst 1.111."
+    )
 
 
 def test_a_saved_run_without_its_region_says_which_markers_to_add(

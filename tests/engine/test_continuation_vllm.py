@@ -101,7 +101,8 @@ async def tokenize(server: VLLMServer, record: TrajectoryRecord, http: HTTPTrans
 
 async def detokenize(server: VLLMServer, tokens: list[int], http: HTTPTransport) -> str:
     request = openai.DetokenizeRequest(model=REAL_MODEL_NAME, tokens=tokens)
-    status, body = await http.post(server.url + "/detokenize", msgspec.json.encode(request), JSON, 60)
+    payload = msgspec.json.encode(request)
+    status, body = await http.post(server.url + "/detokenize", payload, JSON, 60)
     assert status == 200, body
     return msgspec.json.decode(body, type=openai.DetokenizeResponse).prompt
 
