@@ -242,17 +242,19 @@ class BenchDocsError(UsageError):
 def region(table: DocTable, *saved: dict[str, Any]) -> str:
     """The region's text for what ``table``'s commands printed (``saved``: one file's
     contents for each of its :attr:`~DocTable.sources`, in order)."""
-    done = []
+    done: list[dict[str, Any]] = []
     for runs, contents in zip(table.sources, saved, strict=True):
-        commands = [record["command"] for record in records(contents)]
-        if commands != ["libra " + " ".join(command) for command in runs.commands]:
+        these = records(contents)
+        if [record["command"] for record in these] != [
+            "libra " + " ".join(command) for command in runs.commands
+        ]:
             raise BenchDocsError(
                 f"docs/bench/{runs.name}.json holds other commands than {runs.name!r}"
                 f" runs: run `libra bench docs --run {runs.name}`"
             )
-        done += records(contents)
-    read = [record["output"] for record in done]
-    return "\n".join([_source(table.sources, done), "", *table.render(read), ""])
+        done += these
+    rendered = table.render([record["output"] for record in done])
+    return "\n".join([_source(table.sources, done), "", *rendered, ""])
 
 
 def outputs(saved: dict[str, Any]) -> list[Any]:

@@ -115,10 +115,10 @@ def test_the_robustness_table_weighs_each_policy_against_the_best_of_the_others(
     spans = {"round_robin": 300.0, "least_loaded": 200.0, "least_loaded_capacity": 190.0}
     spans |= {"length_pred": 250.0, "cmlfq_fit": 100.0, "oracle": 80.0}
     outputs = [
-        # cmlfq 1% behind sorted; then 5% behind plas: within 2% once, fastest never.
+        # Seed 0: cmlfq 1% behind sorted. Seed 1: 5% behind plas, in a run saved again
+        # later (where it is 1% ahead): the later run counts, not both.
         _sched_output("w", 0, sorted=100.0, plas=110.0, cmlfq=101.0, **spans),
         _sched_output("w", 1, sorted=110.0, plas=100.0, cmlfq=105.0, **spans),
-        # The same workload and seed again: the later run counts, not both.
         _sched_output("w", 1, sorted=110.0, plas=100.0, cmlfq=99.0, **spans),
     ]
     lines = render.robustness(outputs)
