@@ -2,12 +2,20 @@
 :func:`spawn` starts ``world_size`` processes with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, each of which dies with the
 process that started it (:func:`die_with_parent`).
+
+A rank killed by a fatal signal (an abort in torch's C++, a segfault) writes every
+thread's Python stack to its stderr first, so the failure says where it happened.
+A rank that finishes leaves together with the others (a barrier, then the process group
+is destroyed), and its process ends without the interpreter's shutdown: its result is
+on disk by then, and that shutdown would only tear down torch's C++ state, where an
+abort would fail a run whose work is done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import pickle
 import signal
@@ -53,6 +61,7 @@ def _run_rank(
     out: str,
 ) -> None:
     die_with_parent(parent)
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -65,6 +74,9 @@ def _run_rank(
         result = fn(*args)
     with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
         pickle.dump(result, file)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -89,9 +101,13 @@ def _process_group_torn_down() -> Iterator[None]:
 
     try:
         yield
-    finally:
-        if dist.is_initialized():
+    except BaseException:
+        if dist.is_initialized():  # the other ranks may be gone: no barrier
             dist.destroy_process_group()
+        raise
+    if dist.is_initialized():
+        dist.barrier()  # no rank closes its connections while another still reads
+        dist.destroy_process_group()
 
 
 def _read_result(folder: Path, rank: int) -> Any:

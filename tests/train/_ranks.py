@@ -72,6 +72,19 @@ def write_pid_and_sleep(pid_file: Path) -> None:
     time.sleep(600)
 
 
+def abort_on_rank_one() -> int:
+    """Rank 1 aborts, as torch's C++ does on a fatal error; rank 0 joins the group and
+    returns (then waits at the barrier every finished rank passes)."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os.abort()
+    return 0
+
+
 # ------------------------------------------------- commands for the trainer's processes
 
 

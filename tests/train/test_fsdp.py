@@ -1,4 +1,5 @@
-"""The FSDP2 trainer: 2 gloo ranks compute the gradients one process computes."""
+"""The FSDP2 trainer: 2 gloo ranks compute the gradients one process computes; spawned
+ranks die with the process that started them, and one killed by a fatal signal says where."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from libra.train import FSDPTrainer, TrainerConfig, export_weights, spawn, split_by_tokens
-from tests.train._ranks import MicroBatch, fixed_batch, masked_token_nll, save_tiny_llama
+from tests.train._ranks import (
+    MicroBatch,
+    abort_on_rank_one,
+    fixed_batch,
+    masked_token_nll,
+    save_tiny_llama,
+)
 
 VOCAB = 49152  # SmolLM2's
 
@@ -160,6 +167,15 @@ def test_ranks_die_with_the_process_that_spawned_them(tmp_path: Path) -> None:
     while _alive(rank) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(rank)
+
+
+def test_a_rank_killed_by_a_fatal_signal_says_where(capfd: pytest.CaptureFixture[str]) -> None:
+    from torch.multiprocessing import ProcessExitedException
+
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with signal SIGABRT"):
+        spawn(2, abort_on_rank_one)
+    # Its stack, written by the rank before it died: the failure names the line.
+    assert "in abort_on_rank_one" in capfd.readouterr().err
 
 
 def _alive(pid: int) -> bool:
