@@ -58,6 +58,7 @@ from libra.config import Section
 from libra.engine import TrajectoryRecord
 from libra.fleet import Model, Roofline
 from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
+from libra.sched.policies import REGISTRY
 from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLLMServerConfig
 from libra.signals import ToolSignal
 from libra.train._elastic import ElasticTrainer
@@ -387,9 +388,10 @@ def _move_line(move: Move) -> dict[str, object]:
 def rule_planner(model_dir: Path, gpu: str, scheduler: str) -> RooflinePlanner:
     """A roofline planner for the model in ``model_dir`` on ``gpu`` (a preset's name):
     what the loop re-plans with when its trigger fires. It prices the longest trajectory
-    as the run's ``scheduler`` routes it: C-MLFQ demotes the long ones to instances of
-    their own, every other policy spreads their turns through full batches."""
-    routing: LongestDecodes = "alone" if scheduler.startswith("cmlfq") else "in_batch"
+    as the run's ``scheduler`` (a policy's name) routes it: C-MLFQ demotes the long ones
+    to instances of their own, the baselines spread their turns through full batches."""
+    alone = REGISTRY[scheduler].isolates_long_decodes
+    routing: LongestDecodes = "alone" if alone else "in_batch"
     config = PlannerConfig(longest_decodes=routing)
     return RooflinePlanner(Roofline(PRESETS[gpu], model_shape(model_dir)), config)
 

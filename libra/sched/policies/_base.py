@@ -128,6 +128,9 @@ class RoutedPolicy(ABC):
     needs_truth: ClassVar[bool] = False  # an oracle: only the benchmark can build it
     benchmarked_by_default: ClassVar[bool] = True
     ablates: ClassVar[str] = ""  # a variant with this mechanism taken out (``--ablate``)
+    # Whether the longest trajectories end up on instances of their own (C-MLFQ demotes
+    # them) rather than spread through full batches: how a planner prices their decodes.
+    isolates_long_decodes: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

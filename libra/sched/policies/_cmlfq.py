@@ -98,6 +98,8 @@ class CMLFQConfig(Section):
 class CMLFQ(RoutedPolicy):
     """C-MLFQ under any :class:`CMLFQConfig`; the registered variants below fix one."""
 
+    isolates_long_decodes: ClassVar[bool] = True
+
     def __init__(
         self,
         router: Router,
