@@ -5,10 +5,8 @@ process that started it (:func:`die_with_parent`).
 
 A rank killed by a fatal signal (an abort in torch's C++, a segfault) writes every
 thread's Python stack to its stderr first, so the failure says where it happened.
-A rank that finishes leaves together with the others (a barrier, then the process group
-is destroyed), and its process ends without the interpreter's shutdown: its result is
-on disk by then, and that shutdown would only tear down torch's C++ state, where an
-abort would fail a run whose work is done.
+A rank that finishes leaves together with the others: a barrier, then the process group
+is destroyed.
 """
 
 from __future__ import annotations
@@ -74,16 +72,6 @@ def _run_rank(
         result = fn(*args)
     with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
         pickle.dump(result, file)
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """End this process at once, its output written: Python's buffers and C's (which
-    ``os._exit`` would drop)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    ctypes.CDLL(None).fflush(None)
-    os._exit(0)
 
 
 _PR_SET_PDEATHSIG = 1
