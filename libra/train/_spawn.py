@@ -5,8 +5,11 @@ process that started it (:func:`die_with_parent`).
 
 A rank killed by a fatal signal (an abort in torch's C++, a segfault) writes every
 thread's Python stack to its stderr first, so the failure says where it happened.
-A rank that finishes leaves together with the others: a barrier, then the process group
-is destroyed.
+A rank that finishes frees what its function built before it leaves: a model sharded
+by FSDP sits in reference cycles (modules and their hooks), and left to the
+interpreter's shutdown its gloo work may release tensors from a thread that can no
+longer take the GIL, which can abort the process after its result was written. Then it
+leaves together with the others: a barrier, then the process group is destroyed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -70,8 +74,9 @@ def _run_rank(
     )
     with _process_group_torn_down():
         result = fn(*args)
-    with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
-        pickle.dump(result, file)
+        with (Path(out) / f"rank{rank}.pkl").open("wb") as file:
+            pickle.dump(result, file)
+        del result
 
 
 _PR_SET_PDEATHSIG = 1
@@ -100,6 +105,7 @@ def _process_group_torn_down() -> Iterator[None]:
         if dist.is_initialized():  # the other ranks may be gone: no barrier
             dist.destroy_process_group()
         raise
+    gc.collect()  # see the module's docstring
     if dist.is_initialized():
         dist.barrier()  # no rank closes its connections while another still reads
         dist.destroy_process_group()

@@ -85,6 +85,33 @@ def abort_on_rank_one() -> int:
     return 0
 
 
+class _WritesWhenFreed:
+    """In a reference cycle with itself; freed, it writes whether the process group was
+    still up to ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.itself = self
+
+    def __del__(self) -> None:
+        import torch.distributed as dist
+
+        self.path.write_text(str(dist.is_initialized()))
+
+
+def cycle_left_behind(folder: Path) -> int:
+    """Joins the group and returns, leaving an object only a collection frees (as an FSDP
+    model is): ``folder/rank<r>`` says whether the group was up when it was freed."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    gc.disable()  # no collection on its own: only one that the rank's exit makes
+    _WritesWhenFreed(folder / f"rank{dist.get_rank()}")
+    return 0
+
+
 # ------------------------------------------------- commands for the trainer's processes
 
 

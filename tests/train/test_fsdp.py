@@ -18,6 +18,7 @@ from libra.train import FSDPTrainer, TrainerConfig, export_weights, spawn, split
 from tests.train._ranks import (
     MicroBatch,
     abort_on_rank_one,
+    cycle_left_behind,
     fixed_batch,
     masked_token_nll,
     save_tiny_llama,
@@ -184,3 +185,8 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has died: only its exit status is left
+
+
+def test_what_a_rank_built_is_freed_while_its_group_is_alive(tmp_path: Path) -> None:
+    assert spawn(2, cycle_left_behind, tmp_path) == [0, 0]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
