@@ -1,5 +1,6 @@
 """The FSDP2 trainer: 2 gloo ranks compute the gradients one process computes; spawned
-ranks die with the process that started them, and one killed by a fatal signal says where."""
+ranks die with the process that started them, one killed by a fatal signal says where,
+and what a finished rank built is freed while its group is alive."""
 
 from __future__ import annotations
 
@@ -179,14 +180,14 @@ def test_a_rank_killed_by_a_fatal_signal_says_where(capfd: pytest.CaptureFixture
     assert "in abort_on_rank_one" in capfd.readouterr().err
 
 
+def test_what_a_rank_built_is_freed_while_its_group_is_alive(tmp_path: Path) -> None:
+    assert spawn(2, cycle_left_behind, tmp_path) == [0, 0]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has died: only its exit status is left
-
-
-def test_what_a_rank_built_is_freed_while_its_group_is_alive(tmp_path: Path) -> None:
-    assert spawn(2, cycle_left_behind, tmp_path) == [0, 0]
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
