@@ -10,8 +10,9 @@ never imports it: a fleet, emulated or real, is handed to the engine as endpoint
 HTTP transport.
 """
 
-from libra.emulation._app import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation._app import EmulatorApp, create_app
 from libra.emulation._cluster import ClusterTruth, EmulatedCluster, InstanceStartFailed
+from libra.emulation._config import EmulatorConfig
 from libra.emulation._faults import EmulatedServerDied
 from libra.emulation._fleet_app import FleetApp
 from libra.emulation._latency import BatchingEngine, KVAllocation, LatencyModel

@@ -17,7 +17,8 @@ import anyio
 from pydantic import Field, NonNegativeFloat
 
 from libra.config import Section
-from libra.emulation._app import EmulatorConfig, create_app
+from libra.emulation._app import create_app
+from libra.emulation._config import EmulatorConfig
 from libra.emulation._fleet_app import FleetApp
 from libra.emulation._latency import LatencyModel
 from libra.emulation._scripts import Script

@@ -1,11 +1,16 @@
 """The faults the emulated server injects: one seeded draw per generation request picks at
-most one of them, at the rates its config gives, so a run's faults repeat with its seed."""
+most one of them, at the rates its config gives, so a run's faults repeat with its seed; and
+how each strikes a request (an HTTP 500, a stall, a death, a cut reply, a garbled body)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
 from typing import Literal, NoReturn
+
+from libra._asgi import ClientDisconnected, Receive
+from libra.emulation._http import HTTPError
+from libra.emulation._reply import Generation
 
 Fault = Literal["error", "stall", "abort", "garbage", "die"]
 
@@ -70,3 +75,30 @@ class Faults:
         if self._rng.random() < 0.5:
             return body[: self._rng.randrange(1, len(body))]
         return b'{"object": "garbage", "choices": "none"}'
+
+    async def strike(self, receive: Receive) -> Fault | None:
+        """The fault injected into this generation request, if any. An HTTP 500, a stall
+        (an answer never comes) and a death happen here; an abort and garbage are applied
+        to the reply later (:meth:`cut_if_aborted`, :meth:`answer_body`)."""
+        fault = self.draw()
+        if fault == "error":
+            rate = self.rates["error"]
+            raise HTTPError(500, f"Injected failure (error_rate={rate}).", "InternalServerError")
+        if fault == "stall":
+            await _wait_for_disconnect(receive)
+        return fault
+
+    def cut_if_aborted(self, reply: Generation, fault: Fault | None) -> Generation:
+        if fault != "abort":
+            return reply
+        return Generation(reply.tokens[: self.cut(len(reply.tokens))], "abort")
+
+    def answer_body(self, body: bytes, fault: Fault | None) -> bytes:
+        return self.garble(body) if fault == "garbage" else body
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """A stalled request: nothing is answered; it ends when the client gives up."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    raise ClientDisconnected

@@ -32,7 +32,8 @@ import httpx
 import uvicorn
 
 from libra._process import wait_exited
-from libra.emulation._app import EmulatorConfig, create_app
+from libra.emulation._app import create_app
+from libra.emulation._config import EmulatorConfig
 from libra.emulation._latency import LatencyModel
 from libra.emulation._scripts import AgentScript, Script
 
