@@ -11,11 +11,12 @@ HTTP transport.
 """
 
 from libra.emulation._app import EmulatorApp, create_app
+from libra.emulation._batching import BatchingEngine
 from libra.emulation._cluster import ClusterTruth, EmulatedCluster, InstanceStartFailed
 from libra.emulation._config import EmulatorConfig
 from libra.emulation._faults import EmulatedServerDied
 from libra.emulation._fleet_app import FleetApp
-from libra.emulation._latency import BatchingEngine, KVAllocation, LatencyModel
+from libra.emulation._latency import KVAllocation, LatencyModel
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._scripts import (
     AgentScript,

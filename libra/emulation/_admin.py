@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from libra._asgi import Receive
+from libra.emulation._batching import PauseMode
 from libra.emulation._http import JSON, HTTPError, Response, encode
-from libra.emulation._latency import PauseMode
 
 if TYPE_CHECKING:
     from libra.emulation._app import EmulatorApp

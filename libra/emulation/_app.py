@@ -27,10 +27,10 @@ import anyio
 
 from libra._asgi import ClientDisconnected, Receive, Scope, Send, read_body, serve_lifespan
 from libra.emulation import _admin, _endpoints
+from libra.emulation._batching import BatchingEngine
 from libra.emulation._config import EmulatorConfig
 from libra.emulation._faults import Faults
 from libra.emulation._http import JSON, HTTPError, Response, encode
-from libra.emulation._latency import BatchingEngine
 from libra.emulation._prefix_cache import PrefixCache
 from libra.emulation._reply import ReplySeeds
 from libra.emulation._scripts import Script, builtin_script
