@@ -4,9 +4,10 @@ the yardstick its 2x goal is read against (:func:`step_bounds`)."""
 from __future__ import annotations
 
 from libra.alloc import TrainCost
-from libra.bench._alloc import ConfigRun, Settings, _script_tokens
+from libra.bench._alloc import ConfigRun, Settings
+from libra.bench._alloc_demand import script_tokens
 from libra.bench._alloc_strategies import ALLOWED_TPS
-from libra.bench._sched import decode_demand, full_batch_throughput, longest_alone_s
+from libra.bench._sched_bound import decode_demand, full_batch_throughput, longest_alone_s
 from libra.emulation import EmulatedTrainer
 from libra.emulation.workloads import ScriptBook
 
@@ -30,7 +31,7 @@ def step_bounds(settings: Settings, run: ConfigRun) -> list[float]:
     sizes = [workers for workers in range(1, settings.gpus) if fits(workers)]
     book = ScriptBook(settings.workload, settings.seed)
     first = settings.workload.rollout.history_steps
-    trained = sum(_script_tokens(script) for script in book.step(first - 1))
+    trained = sum(script_tokens(script) for script in book.step(first - 1))
     bounds = []
     for index, step in enumerate(run.steps):
         scripts = book.step(first + index)

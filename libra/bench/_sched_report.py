@@ -1,17 +1,106 @@
-"""Printing and plotting a scheduling benchmark: the table, the JSON, the figure."""
+"""A scheduling benchmark's report: what each policy's step produced and how it compares
+(the types), and how it is shown (the table, the JSON, the figure)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-if TYPE_CHECKING:  # _sched imports this module to print its reports
-    from libra.bench._sched import SchedReport
+from libra.bench._sched_fleet import DEFAULT_MISMATCH
+from libra.fleet import StepCost
+
+Timeline = list[tuple[float, int]]  # (time, sequences running) at every change
+
+
+@dataclass
+class PolicyRun:
+    """What one policy's step produced (before comparing policies)."""
+
+    policy: str
+    makespan_s: float
+    trajectories: int
+    failed: int
+    output_tokens: int
+    latencies_s: list[float]
+    migrations: int  # calls that ran on another instance than the trajectory's last call
+    bucket_moves: int  # of those, moves to another bucket
+    gpu_busy_s: float  # sum over instances of TP x busy seconds
+    gpus: int
+    occupancy: dict[str, Timeline]  # per bucket
+    reasons: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0  # requests the servers preempted (KV ran short), all instances
+    #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
+    fitted: dict[str, StepCost] = field(default_factory=dict)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    throughput_traj_s: float
+    throughput_tok_s: float
+    makespan_s: float
+    idle_frac: float
+    p50_latency_s: float
+    p99_latency_s: float
+    tail_ratio: float
+    migrations: int
+    bucket_moves: int
+    vs_oracle: float | None
+    vs_bound: float
+    vs_cmlfq: float | None  # the makespan over cmlfq's, when it ran (what an ablation costs)
+    trajectories: int
+    failed: int
+    preemptions: int
+
+
+@dataclass
+class LowerBound:
+    chain_s: float  # the longest trajectory alone on the fastest instance
+    work_s: float  # all decode work at the fleet's full-batch throughput
+
+    @property
+    def seconds(self) -> float:
+        return max(self.chain_s, self.work_s)
+
+
+@dataclass
+class SchedReport:
+    workload: str
+    fleet: str
+    seed: int
+    step: int
+    trajectories: int
+    lower_bound: LowerBound
+    results: list[PolicyResult]
+    runs: list[PolicyRun]
+    mismatch: str = DEFAULT_MISMATCH
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "fleet": self.fleet,
+            "mismatch": self.mismatch,
+            "seed": self.seed,
+            "step": self.step,
+            "trajectories": self.trajectories,
+            "lower_bound_s": round(self.lower_bound.seconds, 3),
+            "lower_bound": {
+                "chain_s": round(self.lower_bound.chain_s, 3),
+                "work_s": round(self.lower_bound.work_s, 3),
+            },
+            "results": [_rounded(vars(result)) for result in self.results],
+        }
+
+
+def _rounded(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}
+
 
 _COLUMNS = (
     "policy",

@@ -31,9 +31,9 @@ import anyio
 import anyio.abc
 from trio.testing import MockClock
 
-from libra.bench._sched import MODEL, FleetApp, _seed_trio_scheduler
+from libra.bench._emulated_fleet import MODEL, seed_trio_scheduler
 from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
-from libra.emulation import EmulatorApp, EmulatorConfig, create_app
+from libra.emulation import EmulatorApp, EmulatorConfig, FleetApp, create_app
 from libra.emulation.workloads import EnvClasses, ScriptBook, Workload, WorkloadScript
 from libra.engine import (
     ASGITransport,
@@ -187,7 +187,7 @@ def run_soak(
     gc.collect()
     rss_start, threads_start = rss_mb(), threading.active_count()
     started = time.perf_counter()
-    _seed_trio_scheduler(seed)
+    seed_trio_scheduler(seed)
     soak = _Soak(n, fault_rate, seed, fleet, progress)
     virtual_s: float = anyio.run(
         soak.run, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}

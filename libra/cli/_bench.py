@@ -11,20 +11,28 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
-from libra.bench._alloc_report import add_arguments as add_alloc_arguments
-from libra.bench._alloc_report import main_alloc
-from libra.bench._docs import add_arguments as add_docs_arguments
-from libra.bench._docs import main_docs
-from libra.bench._engine import as_json, run_engine_bench
-from libra.bench._sandbox import bench_sandbox
-from libra.bench._sched import add_arguments as add_sched_arguments
-from libra.bench._sched import main_sched
-from libra.bench._serve import as_json as serve_as_json
-from libra.bench._serve import bench_serve
-from libra.bench._soak import add_arguments as add_soak_arguments
-from libra.bench._soak import main_soak
-from libra.bench._train import as_json as train_as_json
-from libra.bench._train import bench_train
+from libra.bench import (
+    DEFAULT_FLEET,
+    DEFAULT_MISMATCH,
+    DEFAULT_WORKLOAD,
+    MISMATCH_PRESETS,
+    add_alloc_arguments,
+    add_docs_arguments,
+    add_soak_arguments,
+    bench_sandbox,
+    bench_serve,
+    bench_train,
+    default_jobs,
+    engine_as_json,
+    main_alloc,
+    main_docs,
+    main_sched,
+    main_soak,
+    run_engine_bench,
+    serve_as_json,
+    train_as_json,
+)
+from libra.sched.policies import ABLATIONS, POLICIES
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,7 +57,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sched = benches.add_parser(
         "sched", help="scheduling policies (C-MLFQ and baselines) on an emulated fleet"
     )
-    add_sched_arguments(sched)
+    _add_sched_arguments(sched)
     sched.set_defaults(run=main_sched)
     alloc = benches.add_parser(
         "alloc", help="worker splits (static, colocated, planner, Libra) on an emulated RL run"
@@ -95,13 +103,58 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     docs.set_defaults(run=main_docs)
 
 
+def _add_sched_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        default=DEFAULT_WORKLOAD,
+        help=f"a shipped workload or a workload TOML file (default {DEFAULT_WORKLOAD})",
+    )
+    parser.add_argument(
+        "--policies",
+        default="",
+        help=f"comma-separated, from {', '.join(POLICIES)} (default: all but the "
+        "ablations and the oracles other than oracle)",
+    )
+    parser.add_argument(
+        "--fleet",
+        default=DEFAULT_FLEET,
+        help=f"a shipped fleet or a fleet TOML file (default {DEFAULT_FLEET})",
+    )
+    presets = "; ".join(f"{name}: {text}" for name, text in MISMATCH_PRESETS.items())
+    presets = presets.replace("%", "%%")  # argparse formats help strings with %
+    parser.add_argument(
+        "--mismatch",
+        default=DEFAULT_MISMATCH,
+        choices=list(MISMATCH_PRESETS),
+        metavar="PRESET",
+        help="how the emulated servers really perform while the scheduler keeps the "
+        f"datasheet roofline as its cost model ({presets}; default {DEFAULT_MISMATCH})",
+    )
+    ablations = "; ".join(f"{name}: without {what}" for name, what in ABLATIONS.items())
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help=f"add C-MLFQ with one mechanism taken out ({ablations})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw occupancy and makespans")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="policies run in parallel processes; the numbers do not change "
+        f"(default {default_jobs()}: the CPUs, up to 4)",
+    )
+
+
 def run_engine(args: argparse.Namespace) -> int:
     results = anyio.run(
         partial(run_engine_bench, tuple(args.concurrency), pairs=args.pairs),
         backend_options={"use_uvloop": True},
     )
     if args.json:
-        print(json.dumps(as_json(results)))
+        print(json.dumps(engine_as_json(results)))
         return 0
     table = Table(title="libra bench engine: zero-latency emulated server on a real port")
     columns = ("concurrent", "traj/s", "calls/s", "aiohttp calls/s", "ratio",

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from libra.bench._sched import (
+from libra.bench import (
     PolicyRun,
+    load_fleet,
     lower_bound,
     parse_policies,
     run_policy,
     run_sched_bench,
+    with_mismatch,
 )
-from libra.bench._sched_fleet import load_fleet, with_mismatch
 from libra.cli import main
 from libra.emulation.workloads import ScriptBook, load_workload
 from libra.sched.policies import ABLATIONS, DEFAULT_POLICIES

@@ -8,8 +8,8 @@ from pathlib import Path
 import anyio
 from trio.testing import MockClock
 
-from libra.bench._sched import signal_of
 from libra.bench._sched_fleet import load_fleet
+from libra.bench._sched_history import signal_of
 from libra.emulation import EmulatorConfig, create_app
 from libra.emulation.workloads import ScriptBook, load_workload
 from libra.emulation.workloads._env import EnvClasses, WorkloadScript, prompt_text, tool_output
