@@ -9,15 +9,8 @@ and the baselines) live in :mod:`libra.sched.policies`, which only the compositi
 root, the benchmarks and the command line import.
 """
 
-from libra.sched._buckets import (
-    Bucket,
-    Instance,
-    InstanceState,
-    Latch,
-    Pulse,
-    Router,
-    event_loop_clock,
-)
+from libra.sched._buckets import Router, event_loop_clock
+from libra.sched._instance import Bucket, Instance, InstanceState
 from libra.sched._metrics import parse_metrics, poll_metrics, poll_once
 from libra.sched._protocol import (
     CallOutcome,
@@ -27,6 +20,7 @@ from libra.sched._protocol import (
     Scheduler,
 )
 from libra.sched._signals import SignalMap, SignalRule
+from libra.sched._wakeups import Latch, Pulse
 
 __all__ = [
     "Bucket",

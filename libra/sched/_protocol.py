@@ -15,10 +15,11 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from libra.fleet import Endpoint
+from libra.sched._instance import Instance
 from libra.signals import ToolSignal
 
-if TYPE_CHECKING:
-    from libra.sched._buckets import Instance, Router
+if TYPE_CHECKING:  # the router implements this protocol's hooks
+    from libra.sched._buckets import Router
 
 CallOutcome = Literal["ok", "failed", "rejected", "cancelled", "migrated"]
 """How a generation call ended, as the engine reports it to :meth:`Scheduler.release`.

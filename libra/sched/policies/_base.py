@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from libra.config import Section
-from libra.sched._buckets import Instance, Router
+from libra.sched._buckets import Router
+from libra.sched._instance import Instance
 from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
 from libra.sched.policies._prefix_tree import Residual

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from libra.fleet import Endpoint, FleetSpec
-from libra.sched._buckets import Bucket, Instance, Router
+from libra.sched._buckets import Router
+from libra.sched._instance import Bucket, Instance
 from libra.sched._protocol import RouteRequest
 from libra.sched.policies._base import Choice, RoutedPolicy, Track
 from libra.sched.policies._predict import FeaturePredictor, PromptHistoryPredictor

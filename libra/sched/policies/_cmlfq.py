@@ -53,7 +53,8 @@ from pydantic import Field, PositiveInt
 
 from libra.config import Section
 from libra.fleet import StepCost
-from libra.sched._buckets import Bucket, Instance, Router
+from libra.sched._buckets import Router
+from libra.sched._instance import Bucket, Instance
 from libra.sched._protocol import CallOutcome, Route, RouteRequest
 from libra.sched._signals import SignalMap
 from libra.sched.policies._base import Choice, PolicyOptions, RoutedPolicy, Track

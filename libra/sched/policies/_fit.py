@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import anyio
 
 from libra.fleet import Corrections, StepCost
-from libra.sched._buckets import Instance
+from libra.sched._instance import Instance
 from libra.sched._protocol import CallOutcome, Route, RouteRequest
 
 Terms = tuple[float, float, float]  # prefill, decode bytes, decode compute
