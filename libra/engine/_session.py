@@ -54,6 +54,7 @@ from libra.engine._stats import RolloutStats
 from libra.engine._trajectory import TrajectoryJob, run_trajectory
 from libra.engine._watch import warn_while_stalled
 from libra.envs import GroupId, TrajectoryId
+from libra.sched import Pulse
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,24 +79,6 @@ class Group:
         return tuple(r for r in self.records if r.status == "failed")
 
 
-class _Changes:
-    """Wakes every task waiting for a change of state (one event, made by the first
-    waiter after each change: most changes, one per trajectory, find no one waiting)."""
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None
-
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
-
-
 _Ended = tuple[TrajectoryJob, TrajectoryRecord]
 
 
@@ -106,7 +89,7 @@ class _Outbox:
         self.size = size
         self.items: deque[_Ended] = deque()
         self.closed = False
-        self._changes = _Changes()
+        self._changes = Pulse()
 
     async def put(self, item: _Ended) -> None:
         """Wait for room, then add ``item``; cancelled, it has added nothing."""
@@ -117,7 +100,7 @@ class _Outbox:
     def put_now(self, item: _Ended) -> None:
         """Add ``item`` past the bound: for records that cannot wait (cancelled ones)."""
         self.items.append(item)
-        self._changes.notify()
+        self._changes.fire()
 
     async def get(self) -> _Ended | None:
         """The next item, or None once closed and empty."""
@@ -126,12 +109,12 @@ class _Outbox:
                 return None
             await self._changes.wait()
         item = self.items.popleft()
-        self._changes.notify()
+        self._changes.fire()
         return item
 
     def close(self) -> None:
         self.closed = True
-        self._changes.notify()
+        self._changes.fire()
 
 
 class RolloutSession:
@@ -150,7 +133,7 @@ class RolloutSession:
         self._closed = False
         self._limiter = anyio.CapacityLimiter(engine.config.concurrency)
         self._outbox = _Outbox(engine.config.buffer)
-        self._changes = _Changes()
+        self._changes = Pulse()
         self._admission = anyio.CancelScope()
         self._watch = anyio.CancelScope()  # the stall warning's, ended with the session
         self._stack = AsyncExitStack()
@@ -205,7 +188,7 @@ class RolloutSession:
             self.stats.total += 1
             self._stats_of(job.step).total += 1
         self._queue.extend(jobs)
-        self._changes.notify()
+        self._changes.fire()
 
     def pause(self) -> None:
         """Start no more trajectories (those in flight go on) until :meth:`resume`."""
@@ -213,7 +196,7 @@ class RolloutSession:
 
     def resume(self) -> None:
         self._paused = False
-        self._changes.notify()
+        self._changes.fire()
 
     def set_concurrency(self, limit: int) -> None:
         """At most ``limit`` trajectories in flight from now on; lowering it lets the
@@ -231,7 +214,7 @@ class RolloutSession:
     def close(self) -> None:
         """No more jobs: the stream ends once every job submitted has ended."""
         self._closed = True
-        self._changes.notify()
+        self._changes.fire()
         self._end_stream_if_done()
 
     def cancel(self) -> list[TrajectoryJob]:
@@ -365,7 +348,7 @@ class RolloutSession:
             self._limiter.release_on_behalf_of(job_id)
             self.engine.live_ids.discard(job_id)
             self._running -= 1
-            self._changes.notify()
+            self._changes.fire()
             self._end_stream_if_done()
 
     def _observe(self, job: TrajectoryJob, record: TrajectoryRecord) -> None:
