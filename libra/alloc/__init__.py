@@ -11,7 +11,9 @@ from libra.alloc._cost import (
     TrainCost,
     TrainSpec,
 )
+from libra.alloc._layout import Layout, PoolConfig, instance_name, start_layout
 from libra.alloc._loop import AllocationLoop, ApplyingPlanner, Decision, LoopConfig
+from libra.alloc._moves import JOIN_STATES, Move, Transition, WorkerState
 from libra.alloc._planner import (
     PlanLog,
     PlannerConfig,
@@ -21,17 +23,7 @@ from libra.alloc._planner import (
     mean_output,
     tp_partitions,
 )
-from libra.alloc._pool import (
-    JOIN_STATES,
-    HybridPool,
-    Layout,
-    Move,
-    PoolConfig,
-    Transition,
-    WorkerState,
-    instance_name,
-    start_layout,
-)
+from libra.alloc._pool import HybridPool
 from libra.alloc._protocol import (
     CallTiming,
     Cluster,

@@ -29,8 +29,9 @@ from typing import Literal, Protocol
 import anyio.abc
 from pydantic import Field, NonNegativeFloat
 
+from libra.alloc._moves import Move
 from libra.alloc._planner import PlanLog, ReplanTrigger, mean_output
-from libra.alloc._pool import HybridPool, Move
+from libra.alloc._pool import HybridPool
 from libra.alloc._protocol import CallTiming, Plan, Planner, StepTiming, Workload
 from libra.config import Section
 

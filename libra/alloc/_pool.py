@@ -22,133 +22,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Coroutine, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import anyio
 import anyio.abc
-from pydantic import Field, PositiveFloat, PositiveInt
 
-from libra.alloc._protocol import Cluster, JoinState, Plan, Role, Stage
-from libra.config import Section
-from libra.fleet import Api, FleetSpec, InstanceSpec
-from libra.sched import Router
-
-WorkerState = Literal[
-    "starting",  # its instance is loading
-    "serving",  # its instance is in the router
-    "draining",  # its instance takes no new calls; the ones in flight finish
-    "stopping",  # its instance is shutting down
-    "requested",
-    "fetching_state",
-    "zero_sync",
-    "activating",
-    "active",
-    "leaving",  # it stops training
-    "lost",  # a move failed and so did the way back: it is out of the pool
-]
-JOIN_STATES: tuple[JoinState, ...] = (
-    "requested",
-    "fetching_state",
-    "zero_sync",
-    "activating",
-    "active",
+from libra.alloc._layout import Layout, PoolConfig, instance_name
+from libra.alloc._moves import (
+    Direction,
+    Move,
+    MoveFailed,
+    Transition,
+    Unit,
+    WorkerState,
 )
-Outcome = Literal["pending", "done", "returned", "lost"]
-Direction = Literal["borrow", "release"]
-
-
-class PoolConfig(Section):
-    """How the pool names, registers and bounds what it moves."""
-
-    model: str = Field("default", description="served model name of the instances")
-    api: Api = "auto"
-    bucket: str = Field("", description="bucket of a new instance (empty: the longest)")
-    max_num_seqs: PositiveInt = 256
-    kv_capacity_tokens: PositiveInt = 200_000
-    start_timeout_s: PositiveFloat = Field(600.0, description="an instance start, each try")
-    start_attempts: PositiveInt = Field(3, description="tries to start an instance again")
-    drain_timeout_s: PositiveFloat = Field(
-        300.0, description="then the calls still running are cut and retried elsewhere"
-    )
-    stop_timeout_s: PositiveFloat = 60.0
-    fetch_timeout_s: PositiveFloat = Field(600.0, description="fetching the training state")
-    zero_sync_timeout_s: PositiveFloat = 120.0
-    activate_timeout_s: PositiveFloat = 120.0
-    leave_timeout_s: PositiveFloat = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Which workers do what at the start. ``rollout`` and ``hybrid`` are units (the
-    workers of one instance each); hybrid units start serving, except the ``lent`` ones:
-    hybrid units on the training side (borrowed before), each with the bucket its
-    instance serves in once released (empty: the pool's choice)."""
-
-    training: tuple[int, ...]
-    rollout: tuple[tuple[int, ...], ...] = ()
-    hybrid: tuple[tuple[int, ...], ...] = ()
-    lent: tuple[tuple[tuple[int, ...], str], ...] = ()
-
-    def units(self) -> list[tuple[tuple[int, ...], Role]]:
-        serving: list[tuple[tuple[int, ...], Role]] = [(u, "core-rollout") for u in self.rollout]
-        return serving + [(u, "hybrid") for u in self.hybrid]
-
-    def check(self, workers: int) -> None:
-        units = [unit for unit, _ in self.units()] + [unit for unit, _ in self.lent]
-        used = list(self.training) + [w for unit in units for w in unit]
-        if sorted(used) != sorted(set(used)) or any(not 0 <= w < workers for w in used):
-            raise ValueError(f"a layout uses each of the {workers} workers at most once")
-        if any(not unit for unit in units):
-            raise ValueError("a unit holds at least one worker")
-
-
-def instance_name(workers: tuple[int, ...]) -> str:
-    """``w3`` or ``w4-5``: a host name, so that it can be its own URL's host."""
-    return "w" + "-".join(str(worker) for worker in workers)
-
-
-@dataclass(eq=False)
-class Unit:
-    """The workers of one instance, and where they are."""
-
-    workers: tuple[int, ...]
-    role: Role
-    stage: Stage
-    bucket: str = ""  # the bucket its instance serves in (or served in, before it left)
-    moving: bool = False
-
-    @property
-    def name(self) -> str:
-        return instance_name(self.workers)
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    at: float
-    worker: int
-    state: WorkerState
-    note: str = ""
-    #: An event in the state (a failed try, a cut drain), not a change of it.
-    remark: bool = False
-
-
-@dataclass(eq=False)
-class Move:
-    """One unit's move; ``finished`` is set when it is over, whatever its outcome."""
-
-    unit: str
-    direction: Direction
-    started: float
-    ended: float | None = None
-    outcome: Outcome = "pending"
-    error: str = ""
-    finished: anyio.Event = field(default_factory=anyio.Event)
-
-
-class MoveFailed(RuntimeError):
-    pass
+from libra.alloc._protocol import Cluster, Plan, Stage
+from libra.fleet import InstanceSpec
+from libra.sched import Router
 
 
 class HybridPool:
@@ -484,44 +375,3 @@ def _now() -> float:
         return anyio.current_time()
     except RuntimeError:
         return math.nan  # built outside an event loop: the layout's own entries
-
-
-# ----------------------------------------------------------------------------- starting
-
-
-async def start_layout(
-    cluster: Cluster, layout: Layout, config: PoolConfig | None = None
-) -> FleetSpec:
-    """Start every serving unit's instance and bring the core-training workers into
-    training, all at once; the fleet spec of the instances (one bucket) to build the
-    router over."""
-    layout.check(cluster.workers)
-    config = config or PoolConfig()
-    urls: dict[tuple[int, ...], str] = {}
-
-    async def start(workers: tuple[int, ...]) -> None:
-        with anyio.fail_after(config.start_timeout_s):
-            urls[workers] = await cluster.start_instance(instance_name(workers), workers)
-
-    async def train(worker: int) -> None:
-        for operation in (cluster.fetch_state, cluster.zero_sync, cluster.activate):
-            await operation(worker)
-
-    async with anyio.create_task_group() as group:
-        for workers, _ in layout.units():
-            group.start_soon(start, workers)
-        for worker in layout.training:
-            group.start_soon(train, worker)
-    specs = [
-        InstanceSpec(
-            name=instance_name(workers),
-            url=urls[workers],
-            model=config.model,
-            api=config.api,
-            tp=len(workers),
-            max_num_seqs=config.max_num_seqs,
-            kv_capacity_tokens=config.kv_capacity_tokens,
-        )
-        for workers, _ in layout.units()
-    ]
-    return FleetSpec(instances=specs)

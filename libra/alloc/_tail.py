@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import anyio
 from pydantic import Field, NonNegativeFloat, PositiveFloat
 
-from libra.alloc._pool import HybridPool, Move
+from libra.alloc._moves import Move
+from libra.alloc._pool import HybridPool
 from libra.config import Section
 
 
