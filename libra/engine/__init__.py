@@ -23,6 +23,7 @@ from libra.engine._http import (
     TransportTimeout,
 )
 from libra.engine._httptools import HttptoolsTransport
+from libra.engine._job import TrajectoryJob
 from libra.engine._records import (
     SamplingRecord,
     Timings,
@@ -34,7 +35,7 @@ from libra.engine._rollout import jobs_for, jobs_of, rollout
 from libra.engine._session import Group, RolloutSession
 from libra.engine._stats import RolloutStats
 from libra.engine._tokens import ChatTemplate, TemplateRenderer, TokenLog
-from libra.engine._trajectory import TrajectoryJob, run_trajectory
+from libra.engine._trajectory import run_trajectory
 from libra.engine._transports import TransportName, http_transport
 from libra.engine._turn import (
     ContextFull,

@@ -6,10 +6,10 @@ import random
 from collections.abc import Callable, Iterable
 
 from libra.engine._engine import Engine
+from libra.engine._job import TrajectoryJob
 from libra.engine._records import TrajectoryRecord
 from libra.engine._session import RolloutSession
 from libra.engine._stats import RolloutStats
-from libra.engine._trajectory import TrajectoryJob
 from libra.envs import Env, Task
 
 

@@ -49,9 +49,10 @@ import anyio.abc
 
 from libra.engine._engine import Engine
 from libra.engine._gc import fewer_collections
+from libra.engine._job import TrajectoryJob
 from libra.engine._records import TrajectoryRecord
 from libra.engine._stats import RolloutStats
-from libra.engine._trajectory import TrajectoryJob, run_trajectory
+from libra.engine._trajectory import run_trajectory
 from libra.engine._watch import warn_while_stalled
 from libra.envs import GroupId, TrajectoryId
 from libra.sched import Pulse

@@ -5,7 +5,7 @@
 every tool return to the scheduler, until the model stops, the env ends the episode or
 a limit is hit; then score the answer. A generation that a paused or drained server
 aborts does not end its turn: the turn goes on where it stopped (``_turn.py`` holds
-the mechanics of one model turn).
+the mechanics of one model turn, ``_trajectory_state.py`` what is recorded on the way).
 Whatever happens (a tool that raises or hangs, garbage from the model, a dead server,
 cancellation), the trajectory ends in exactly one record: returned, or, when cancelled,
 handed to ``on_cancelled`` (a cancelled coroutine cannot return). ``Engine.on_record``
@@ -18,87 +18,43 @@ import inspect
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
-import msgspec
 import pydantic
 
 from libra import openai
 from libra._clock import now
 from libra.engine._client import Generation, GenerationError, RequestRejected
-from libra.engine._config import SamplingConfig
 from libra.engine._engine import Engine
+from libra.engine._job import TrajectoryJob
 from libra.engine._records import (
     Status,
-    Timings,
-    ToolReturnRecord,
     TrajectoryRecord,
 )
-from libra.engine._tokens import TokenLog
 from libra.engine._tool_threads import ToolThreads
+from libra.engine._trajectory_state import TrajectoryState
 from libra.engine._turn import (
     ContextFull,
-    ServerTrouble,
-    Turn,
     generate_turn,
-    record_of,
-    with_tools_described,
 )
 from libra.envs import (
     Env,
     EnvBugs,
-    GroupId,
-    HermesToolCallParser,
     SandboxError,
-    Task,
-    TaskId,
     ToolCall,
-    ToolCallParser,
     ToolError,
     ToolResult,
     ToolReturn,
     ToolTimeout,
-    TrajectoryId,
     cut_middle,
     from_openai,
     valid_utf8,
 )
-from libra.fleet import Endpoint
 from libra.signals import ToolStatus, signal_of
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class TrajectoryJob:
-    """One trajectory to run: sample ``sample`` of ``task`` at RL step ``step``."""
-
-    env_cls: type[Env]
-    task: Task
-    sample: int = 0
-    step: int = 0
-
-    @classmethod
-    def seeded(
-        cls, env_cls: type[Env], env_name: str, seed: int, sample: int = 0, step: int = 0
-    ) -> TrajectoryJob:
-        """A job of a seeded env: its task is keyed by ``seed``."""
-        return cls(env_cls, Task.from_seed(env_name, seed), sample, step)
-
-    @property
-    def task_id(self) -> TaskId:
-        return self.task.id
-
-    @property
-    def id(self) -> TrajectoryId:
-        return TrajectoryId(self.step, self.task.id, self.sample)
-
-    @property
-    def group_id(self) -> GroupId:
-        return GroupId(self.step, self.task.id)
 
 
 # How vLLM (and the emulator) refuse a request that does not fit the model's context.
@@ -118,7 +74,7 @@ async def run_trajectory(
     *,
     on_cancelled: Callable[[TrajectoryRecord], None] | None = None,
 ) -> TrajectoryRecord:
-    t = _Trajectory(job, engine.config.sampling)
+    t = TrajectoryState(job, engine.config.sampling)
     env = job.env_cls()
     started = now()
     try:
@@ -167,7 +123,7 @@ async def run_trajectory(
     return await _finish(env, t, engine, started)
 
 
-async def _episode(env: Env, t: _Trajectory, engine: Engine) -> None:
+async def _episode(env: Env, t: TrajectoryState, engine: Engine) -> None:
     prompt: str | list[openai.Message] = await _maybe_await(env.reset_with(t.job.task))
     t.start(env, prompt)
     max_turns = engine.config.max_turns or env.max_turns
@@ -315,7 +271,7 @@ async def _sandbox(env: Env, engine: Engine) -> AsyncIterator[None]:
         yield
 
 
-async def _score(env: Env, t: _Trajectory, bugs: EnvBugs) -> None:
+async def _score(env: Env, t: TrajectoryState, bugs: EnvBugs) -> None:
     started = now()
     try:
         t.reward = float(await _maybe_await(env.reward(t.answer)))
@@ -335,7 +291,7 @@ async def _close(env: Env, bugs: EnvBugs) -> None:
         bugs.report(f"close of env {type(env).__name__}", exc)
 
 
-async def _finish(env: Env, t: _Trajectory, engine: Engine, started: float) -> TrajectoryRecord:
+async def _finish(env: Env, t: TrajectoryState, engine: Engine, started: float) -> TrajectoryRecord:
     """Release the env, let the scheduler forget the trajectory, hand out its record."""
     await _close(env, engine.env_bugs)
     failed = t.status == "failed"
@@ -361,144 +317,3 @@ _PLAIN = frozenset({str, float, int, bool, list, type(None)})
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-# ----------------------------------------------------------------- trajectory state
-
-
-class _Trajectory:
-    """Everything recorded about one trajectory while it runs."""
-
-    def __init__(self, job: TrajectoryJob, sampling: SamplingConfig) -> None:
-        self.job = job
-        # The scheduler's keys, rendered once (see ``RouteRequest``).
-        self.key = str(job.id)
-        self.prompt_key = str(job.task.id)
-        self.sampling = sampling
-        self.weight_version: int | None = None  # of the endpoint of its first call
-        self.messages: list[openai.Message] = []
-        self.tools: list[dict[str, Any]] = []  # sent with requests; [] once in the prompt
-        self.parser: ToolCallParser = HermesToolCallParser()
-        self.stop_strings: list[str] | None = None
-        self.pending: list[openai.Message] = []  # messages not yet in ``tokens``
-        self.tokens = TokenLog()
-        self.tool_returns: list[ToolReturnRecord] = []
-        self.endpoints: list[str] = []
-        self.last_endpoint: Endpoint | None = None
-        self.weights_changed_turns = 0  # turns whose endpoint loaded new weights mid-call
-        self.timings = Timings()
-        self.turns = 0
-        self.output_tokens = 0  # generated by the model, counted even where ids are not kept
-        self.status: Status = "failed"
-        self.stop_reason = "unfinished"
-        self.error: str | None = None
-        self.reward: float | None = None
-        self.trouble = ServerTrouble()  # the servers' failures in the turn in progress
-
-    def start(self, env: Env, prompt: str | list[openai.Message]) -> None:
-        self.tools = env.tool_schemas()
-        self.parser = env.tool_call_parser
-        self.stop_strings = list(env.stop_strings) or None
-        messages = (
-            [openai.Message(role="user", content=prompt)] if isinstance(prompt, str) else prompt
-        )
-        if env.system_prompt and not any(m.role == "system" for m in messages):
-            messages = [openai.Message(role="system", content=env.system_prompt), *messages]
-        self.messages = _valid(messages)
-        env.messages = self.messages
-
-    @property
-    def env_name(self) -> str:
-        return self.job.task.id.env
-
-    def describe_tools_in_system_message(self) -> None:
-        """For servers whose chat template drops ``tools`` (SmolLM2's does): teach the
-        model the tools and the call format in the system message instead."""
-        self.messages[:] = with_tools_described(self.messages, self.parser.describe(self.tools))
-        self.tools = []
-
-    @property
-    def answer(self) -> str:
-        replies = [m for m in self.messages if m.role == "assistant"]
-        return (replies[-1].content or "") if replies else ""
-
-    def add_model_turn(self, turn: Turn) -> None:
-        """The turn's reply, and its sampled tokens piece by piece (each with the weight
-        version of the endpoint that sampled it)."""
-        generation = turn.generation
-        self.turns += 1
-        self.output_tokens += generation.completion_tokens
-        self.endpoints.append(turn.pieces[-1].endpoint.name)
-        self.messages.append(
-            openai.Message(
-                role="assistant", content=generation.text, tool_calls=generation.tool_calls
-            )
-        )
-        turn.add_to(self.tokens)
-
-    def add_messages(self, messages: list[openai.Message]) -> None:
-        messages = _valid(messages)
-        self.messages += messages
-        self.pending += messages
-
-    def add_tool_return(self, result: ToolReturn) -> None:
-        self.timings.tool_s += result.latency_s
-        self.tool_returns.append(
-            ToolReturnRecord(
-                tool=result.tool,
-                status=result.status,
-                size_class=result.size_class,
-                chars=len(result.content),
-                latency_s=round(result.latency_s, 6),
-                exception=result.exception,
-            )
-        )
-        message = openai.Message(
-            role="tool", content=result.content, tool_call_id=result.call_id, name=result.tool
-        )
-        self.add_messages([message])
-
-    def fail(self, reason: str, error: str) -> None:
-        self.status, self.stop_reason, self.error = "failed", reason, error
-
-    def out_of_time(self, max_wall_s: float) -> None:
-        """``max_wall_s`` reached. The model's doing (``truncated``) only if its servers
-        were serving it: a turn whose call had failed, or that waited for an endpoint,
-        was stopped by the fleet, so it fails unscored. A call still in flight within
-        its own timeout is a server at work (past it, the call would have failed)."""
-        if self.trouble.unresolved is None:
-            self.status, self.stop_reason = "truncated", "max_wall_s"
-        else:
-            why = f"max_wall_s ({max_wall_s:g} s) reached after {self.trouble.unresolved}"
-            self.fail("server_error", why)
-
-    def prompt_too_long(self, why: str) -> None:
-        """The task's prompt alone fills the context: the env's doing, not the model's
-        (which sampled nothing), so the trajectory fails unscored."""
-        self.fail("prompt_too_long", f"the prompt does not fit the context: {why}")
-
-    def record(self) -> TrajectoryRecord:
-        job = self.job
-        return record_of(
-            self,
-            env=job.task.id.env,
-            task_id=self.prompt_key,
-            group_id=str(job.group_id),
-            step=job.step,
-            sample=job.sample,
-            status=self.status,
-            stop_reason=self.stop_reason,
-            reward=self.reward,
-            error=self.error,
-        )
-
-
-def _valid(messages: list[openai.Message]) -> list[openai.Message]:
-    """The messages, their text valid UTF-8 (env code may hand over undecodable bytes,
-    which neither a request nor the record could carry)."""
-    return [
-        m
-        if m.content is None or (text := valid_utf8(m.content)) is m.content
-        else msgspec.structs.replace(m, content=text)
-        for m in messages
-    ]
