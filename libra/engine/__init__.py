@@ -26,7 +26,9 @@ from libra.engine._httptools import HttptoolsTransport
 from libra.engine._job import TrajectoryJob
 from libra.engine._records import (
     SamplingRecord,
+    Status,
     Timings,
+    TokenSource,
     ToolReturnRecord,
     TrajectoryRecord,
     WeightSpan,
@@ -77,9 +79,11 @@ __all__ = [
     "SamplingRecord",
     "ServerTrouble",
     "ServerUnavailable",
+    "Status",
     "TemplateRenderer",
     "Timings",
     "TokenLog",
+    "TokenSource",
     "ToolReturnRecord",
     "TrajectoryJob",
     "TrajectoryRecord",
