@@ -32,30 +32,17 @@ from dataclasses import dataclass, field, replace
 import anyio
 from trio.testing import MockClock
 
-from libra.alloc import Plan, StepTiming, TailRule, instance_name
+from libra.alloc import Plan, StepTiming, instance_name
 from libra.bench._alloc_demand import demand_of_records, demand_of_scripts, script_tokens
 from libra.bench._alloc_fleet import fleet_apps, fleet_spec, layout_of, serving_units, step_cluster
+from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_steps import colocated_step, pooled_step, split_step
 from libra.bench._alloc_strategies import Strategy, strategies
 from libra.bench._emulated_fleet import seed_trio_scheduler
-from libra.bench._sched_fleet import FleetFile
-from libra.emulation import EmulatedTrainer, FleetApp, ServingTruth, TrainTruth
-from libra.emulation.workloads import ScriptBook, Workload
+from libra.emulation import EmulatedTrainer, FleetApp
+from libra.emulation.workloads import ScriptBook
 from libra.engine import TrajectoryRecord
 from libra.sched.policies import make_policy
-
-
-@dataclass(frozen=True)
-class Settings:
-    workload: Workload
-    fleet: FleetFile
-    gpus: int
-    steps: int
-    seed: int = 0
-    serving: ServingTruth = field(default_factory=ServingTruth)
-    training: TrainTruth = field(default_factory=TrainTruth)
-    #: Full Libra's in-step rule: when the rollout's tail lends hybrid units to training.
-    tail: TailRule = field(default_factory=TailRule)
 
 
 @dataclass(frozen=True)

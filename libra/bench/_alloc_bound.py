@@ -4,8 +4,9 @@ the yardstick its 2x goal is read against (:func:`step_bounds`)."""
 from __future__ import annotations
 
 from libra.alloc import TrainCost
-from libra.bench._alloc import ConfigRun, Settings
+from libra.bench._alloc import ConfigRun
 from libra.bench._alloc_demand import script_tokens
+from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_strategies import ALLOWED_TPS
 from libra.bench._sched_bound import decode_demand, full_batch_throughput, longest_alone_s
 from libra.emulation import EmulatedTrainer

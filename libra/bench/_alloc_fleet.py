@@ -5,11 +5,10 @@ layout and the cluster that moves them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import anyio
 
 from libra.alloc import CallTiming, Layout, Plan
+from libra.bench._alloc_settings import Settings
 from libra.bench._emulated_fleet import MODEL, emulated_servers, server_config
 from libra.emulation import (
     BatchingEngine,
@@ -22,9 +21,6 @@ from libra.emulation import (
 )
 from libra.emulation.workloads import ScriptBook, WorkloadScript
 from libra.fleet import BucketSpec, FleetSpec, InstanceSpec
-
-if TYPE_CHECKING:  # _alloc lays out its steps with these
-    from libra.bench._alloc import Settings
 
 _CONTEXT_MARGIN = 8192  # template tokens beyond the workload's own context limit
 

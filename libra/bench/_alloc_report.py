@@ -10,8 +10,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench
+from libra.bench._alloc import ConfigRun, config_names, run_alloc_bench
 from libra.bench._alloc_bound import step_bounds
+from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_strategies import UPFRONT_SHARE, static_name
 from libra.bench._sched import default_jobs
 from libra.bench._sched_fleet import DEFAULT_FLEET, load_fleet

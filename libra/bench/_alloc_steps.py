@@ -6,11 +6,11 @@ rollout through the real engine and router."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import anyio
 
 from libra.alloc import HybridPool, Layout, Plan, PoolConfig, lend_tail
+from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_strategies import Strategy
 from libra.bench._emulated_fleet import MODEL, engine_config
 from libra.bench._sched_history import replay_history
@@ -19,9 +19,6 @@ from libra.emulation.workloads import EnvClasses, ScriptBook
 from libra.engine import ASGITransport, Engine, TrajectoryJob, TrajectoryRecord, rollout
 from libra.envs import Task
 from libra.sched.policies import RoutedPolicy
-
-if TYPE_CHECKING:  # _alloc runs its steps with these
-    from libra.bench._alloc import Settings
 
 
 @dataclass

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from libra.alloc import TailRule
-from libra.bench._alloc import ConfigRun, Settings, config_names, run_alloc_bench, run_config
+from libra.bench._alloc import ConfigRun, config_names, run_alloc_bench, run_config
 from libra.bench._alloc_report import summary
+from libra.bench._alloc_settings import Settings
 from libra.bench._sched_fleet import load_fleet
 from libra.cli import main
 from libra.emulation.workloads import Workload, load_workload
