@@ -107,9 +107,7 @@ def _section(annotation: Any) -> tuple[type[BaseModel], bool] | None:
 
 
 def _optional(annotation: Any) -> bool:
-    return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(
-        annotation
-    )
+    return get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
 
 
 def _description(field: FieldInfo, section: tuple[type[BaseModel], bool] | None) -> str:
