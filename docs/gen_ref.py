@@ -5,6 +5,7 @@ import mkdocs_gen_files
 
 from libra.cli._reference import cli_markdown, config_markdown
 
-for name, text in (("reference/cli.md", cli_markdown()), ("reference/config.md", config_markdown())):
+PAGES = {"reference/cli.md": cli_markdown(), "reference/config.md": config_markdown()}
+for name, text in PAGES.items():
     with mkdocs_gen_files.open(name, "w") as page:
         page.write(text)
