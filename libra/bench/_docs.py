@@ -3,9 +3,9 @@
 Each documented benchmark has a fixed list of commands (``libra bench ... --json`` lines:
 one, or e.g. every workload under two presets and five seeds), a file under
 ``docs/bench/`` holding what they printed (each with the commit, the cores and the load
-average it ran under), and regions of the docs' pages (``docs/``) between two markers, each
-rendered from all
-of the list's outputs (a region comparing across lists reads several, in order)::
+average it ran under), and regions of the docs' pages (``docs/``) between two markers,
+each rendered from all of the list's outputs (a region comparing across lists reads
+several, in order)::
 
     <!-- bench:soak -->
     ...written by `libra bench docs` from docs/bench/soak.json...
