@@ -5,6 +5,7 @@ prints, every command of the parser)."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -40,6 +41,34 @@ def test_the_runnable_examples_of_a_page_run(page: Path) -> None:
         line = text.count("\n", 0, found.start(1))
         source = "\n" * line + found.group(1)  # tracebacks name the page's own lines
         exec(compile(source, str(page), "exec"), namespace)
+
+
+def _resolve(dotted: str) -> object:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ModuleNotFoundError(dotted)
+
+
+def test_the_names_the_pages_give_are_importable() -> None:
+    """A page that names ``libra.package.Name`` names something its package exports (not
+    a private module, which may move). Packages alone (``libra.engine``) are not checked."""
+    pages = [REPO / "README.md", *DOCS.rglob("*.md")]
+    named = {
+        name.rstrip(".")
+        for page in pages
+        for name in re.findall(r"`(libra(?:\.[A-Za-z]\w*){2,})", page.read_text())
+    }
+    assert len(named) > 10
+    for name in sorted(named):
+        assert not any(part.startswith("_") for part in name.split(".")), name
+        _resolve(name)
 
 
 def _flatten(table: dict[str, Any], sections: set[str], prefix: str = "") -> list[str]:
