@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 RUNS := runs
 TORCH := torch==2.13.0
 
-.PHONY: setup setup-serving setup-sandbox test test-faults lint unit demo bench bench-docs clean
+.PHONY: setup setup-serving setup-sandbox setup-docs test test-faults lint unit docs demo bench bench-docs clean
 
 # The library, its dev tools, the Docker SDK and Ray (the cluster's Ray backend, which
 # `make test` tests on a local Ray instance).
@@ -44,6 +44,18 @@ setup-sandbox: setup
 	@if [ "$$(id -u)" = 0 ]; then scripts/ensure-docker.sh; fi
 	@if docker info >/dev/null 2>&1; then $(BIN)/libra images build; fi
 
+# MkDocs with the Material theme and the plugins of mkdocs.yml. The reference pages are
+# generated from the code (libra.cli imports the trainer, so torch: the serving setup).
+setup-docs: $(VENV)/.libra-docs
+$(VENV)/.libra-docs: $(VENV)/.libra-serving
+	$(PIP) install -e '.[docs]'
+	touch $@
+
+# The docs site, in strict mode, into site/: a broken link, an unknown anchor or a page
+# missing from mkdocs.yml's nav fails.
+docs: setup-docs
+	DISABLE_MKDOCS_2_WARNING=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 lint: setup
 	$(BIN)/ruff check libra envs_contrib tests
 	$(BIN)/ruff format --check libra envs_contrib tests
@@ -53,7 +65,7 @@ lint: setup
 unit: setup-serving setup-sandbox
 	$(BIN)/python -m pytest -q
 
-test: lint unit
+test: lint docs unit
 
 # The fault-injection suite (servers killed or hung, tools hung, containers killed, garbage
 # from the model or the server): the short tests `make test` runs too, and the long ones
@@ -73,10 +85,10 @@ bench: setup-serving setup-sandbox
 	$(BIN)/libra bench sandbox
 	$(BIN)/libra bench sched
 
-# The READMEs' benchmark tables: every documented benchmark run again here, its outputs
+# The docs' benchmark tables: every documented benchmark run again here, its outputs
 # saved under docs/bench/, the tables rewritten from them (`make test` checks they match).
 bench-docs: setup-serving setup-sandbox
 	$(BIN)/libra bench docs --run all
 
 clean:
-	rm -rf $(VENV) $(RUNS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(RUNS) site .mypy_cache .ruff_cache .pytest_cache

@@ -1,10 +1,11 @@
-"""``libra bench docs``: the READMEs' benchmark tables, written from saved runs, never by hand.
+"""``libra bench docs``: the docs' benchmark tables, written from saved runs, never by hand.
 
 Each documented benchmark has a fixed list of commands (``libra bench ... --json`` lines:
 one, or e.g. every workload under two presets and five seeds), a file under
 ``docs/bench/`` holding what they printed (each with the commit, the cores and the load
-average it ran under), and regions of READMEs between two markers, each rendered from all
-of the list's outputs (a region comparing across lists reads several, in order)::
+average it ran under), and regions of the docs' pages (``docs/``) between two markers,
+each rendered from all of the list's outputs (a region comparing across lists reads
+several, in order)::
 
     <!-- bench:soak -->
     ...written by `libra bench docs` from docs/bench/soak.json...
@@ -34,9 +35,11 @@ from libra.bench import _docs_render as render
 from libra.config import UsageError
 
 # Relative to where it runs: the repository's root (a developer's command).
-README = Path("README.md")
-POLICIES_README = Path("libra") / "sched" / "policies" / "README.md"
-SAVED = Path("docs") / "bench"
+DOCS = Path("docs")
+SAVED = DOCS / "bench"
+# The pages the tables are in.
+SCHED_PAGE = DOCS / "benchmarks" / "scheduling.md"
+POLICIES_PAGE = DOCS / "scheduling" / "policies.md"
 
 Command = tuple[str, ...]  # after ``libra``
 
@@ -55,12 +58,12 @@ class Runs:
 
 @dataclass(frozen=True)
 class DocTable:
-    """One region of a README: the runs it shows and how their outputs read."""
+    """One region of a docs page: the runs it shows and how their outputs read."""
 
     name: str
     runs: Runs
     render: Callable[[list[Any]], list[str]]  # the commands' outputs, in order -> markdown
-    file: Path = README
+    file: Path = DOCS / "benchmarks" / "index.md"  # the page it is in
     also: tuple[Runs, ...] = ()  # more runs it reads, their outputs after ``runs``'s
 
     @property
@@ -77,8 +80,8 @@ def _sched(workload: str, mismatch: str, seed: int = 0) -> Command:
                     f"--seed {seed} --json")  # fmt: skip
 
 
-#: Seed 0 of every shipped workload under both presets the README reads; then the seeds
-#: of swe-agent the README's means over seeds read.
+#: Seed 0 of every shipped workload under both presets the docs read; then the seeds
+#: of swe-agent the docs' means over seeds read.
 _SCHED = Runs(
     "sched",
     (
@@ -110,7 +113,7 @@ _SCHED_MORE = Runs(
         for seed in range(5)
     ),
 )
-#: The README's figure of a scheduling run: drawn by the run whose makespans it shows.
+#: The docs' figure of a scheduling run: drawn by the run whose makespans it shows.
 _SCHED_FIGURE = Runs(
     "sched-figure",
     (
@@ -149,41 +152,58 @@ RUNS: dict[str, Runs] = {
 TABLES: dict[str, DocTable] = {
     table.name: table
     for table in (
-        DocTable("soak", RUNS["soak"], render.soak),
-        DocTable("alloc", RUNS["alloc"], render.alloc),
-        DocTable("engine", RUNS["engine"], render.engine),
-        DocTable("serve", RUNS["serve"], render.serve),
-        DocTable("train", RUNS["train"], render.train),
+        DocTable("soak", RUNS["soak"], render.soak, DOCS / "reliability" / "faults.md"),
+        DocTable("alloc", RUNS["alloc"], render.alloc, DOCS / "benchmarks" / "allocation.md"),
+        DocTable("engine", RUNS["engine"], render.engine, DOCS / "benchmarks" / "engine.md"),
+        DocTable("serve", RUNS["serve"], render.serve, DOCS / "benchmarks" / "gateway.md"),
+        DocTable("train", RUNS["train"], render.train, DOCS / "benchmarks" / "trainer.md"),
         DocTable(
             "sched-swe-datasheet",
             _SCHED,
             partial(render.one_run, "swe-agent", "datasheet"),
+            SCHED_PAGE,
         ),
         DocTable(
             "sched-swe-none",
             _SCHED,
             partial(render.one_run, "swe-agent", "none"),
+            SCHED_PAGE,
         ),
-        DocTable("sched-workloads", _SCHED, render.workloads),
-        DocTable("sched-ablations", _SCHED, render.ablations),
-        DocTable("sched-seeds", _SCHED, partial(render.seeds, "swe-agent", "datasheet")),
-        DocTable("sched-seeds-none", _SCHED_NONE, partial(render.seeds, "swe-agent", "none")),
+        DocTable("sched-workloads", _SCHED, render.workloads, SCHED_PAGE),
+        DocTable("sched-ablations", _SCHED, render.ablations, SCHED_PAGE),
+        DocTable(
+            "sched-seeds", _SCHED, partial(render.seeds, "swe-agent", "datasheet"), SCHED_PAGE
+        ),
+        DocTable(
+            "sched-seeds-none",
+            _SCHED_NONE,
+            partial(render.seeds, "swe-agent", "none"),
+            SCHED_PAGE,
+        ),
         DocTable(
             "sched-seeds-web",
             _SCHED_WEB,
             partial(render.seeds, "web-research", "datasheet", columns=render.PLAIN_COLUMNS),
+            SCHED_PAGE,
         ),
         *(
             DocTable(
                 f"sched-seeds-{workload}",
                 _SCHED_MORE,
                 partial(render.seeds, workload, "datasheet", columns=render.PLAIN_COLUMNS),
+                SCHED_PAGE,
             )
             for workload in _MORE_WORKLOADS
         ),
-        DocTable("sched-robustness", _SCHED, render.robustness, also=(_SCHED_MORE, _SCHED_WEB)),
-        DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure),
-        DocTable("sched-quick", _QUICK, render.policies, POLICIES_README),
+        DocTable(
+            "sched-robustness",
+            _SCHED,
+            render.robustness,
+            SCHED_PAGE,
+            also=(_SCHED_MORE, _SCHED_WEB),
+        ),
+        DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure, SCHED_PAGE),
+        DocTable("sched-quick", _QUICK, render.policies, POLICIES_PAGE),
     )
 }
 
@@ -233,7 +253,7 @@ def records(saved: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class BenchDocsError(UsageError):
-    """A benchmark failed, or a README lacks a table's markers."""
+    """A benchmark failed, or a page lacks a table's markers."""
 
 
 # ------------------------------------------------------------------------ writing
@@ -322,8 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_docs(args: argparse.Namespace) -> int:
-    if not README.exists():
-        raise BenchDocsError("run `libra bench docs` in the repository's root (no README.md here)")
+    if not SAVED.is_dir():
+        raise BenchDocsError("run `libra bench docs` in the repository's root (no docs/bench here)")
     names = list(RUNS) if args.measure and "all" in args.measure else (args.measure or [])
     for name in names:
         run(RUNS[name])
@@ -334,7 +354,7 @@ def main_docs(args: argparse.Namespace) -> int:
     changed = [name for _, names_changed in rewritten.values() for name in names_changed]
     if args.check:
         if changed:
-            print(f"libra: error: README tables out of date: {', '.join(changed)} "
+            print(f"libra: error: docs tables out of date: {', '.join(changed)} "
                   "(run `libra bench docs`)", file=sys.stderr)  # fmt: skip
             return 1
         return 0

@@ -1,7 +1,7 @@
 """How each documented benchmark's saved outputs read as markdown (``libra bench docs``).
 
 A renderer takes the JSON outputs of its commands, in the commands' order, and returns the
-lines of its README region. The scheduling tables pick their runs by what each output says
+lines of its region in a docs page. The scheduling tables pick their runs by what each output says
 it ran (workload, mismatch preset, seed), so a table derived from several runs (ratios of
 ablations, means over seeds) is computed from the same saved outputs as the rest.
 """
@@ -65,7 +65,8 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
         *_alloc_bound(output),
         *_alloc_details(output),
         "",
-        "![workers training over time and step times per configuration](docs/bench-alloc.png)",
+        # The pages sit a folder below docs/, where the figures are.
+        "![workers training over time and step times per configuration](../bench-alloc.png)",
     ]
 
 
@@ -266,7 +267,8 @@ def sched_figure(outputs: Sequence[Output]) -> list[str]:
         f"{output['workload']}, mismatch `{output['mismatch']}`, seed {output['seed']}; "
         f"makespans (s): {spans}.",
         "",
-        "![per-bucket occupancy and makespan per policy](docs/bench-swe-agent.png)",
+        # The pages sit a folder below docs/, where the figures are.
+        "![per-bucket occupancy and makespan per policy](../bench-swe-agent.png)",
     ]
 
 

@@ -97,7 +97,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--json", action="store_true", help="print JSON instead of a table")
     train.set_defaults(run=run_train)
     docs = benches.add_parser(
-        "docs", help="write the README's benchmark tables from saved runs (docs/bench/)"
+        "docs", help="write the docs' benchmark tables from saved runs (docs/bench/)"
     )
     add_docs_arguments(docs)
     docs.set_defaults(run=main_docs)
