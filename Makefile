@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 RUNS := runs
 TORCH := torch==2.13.0
 
-.PHONY: setup setup-serving setup-sandbox setup-docs test test-faults lint unit docs demo bench bench-docs clean
+.PHONY: setup setup-serving setup-sandbox setup-docs test check test-faults lint unit docs demo bench bench-docs clean
 
 # The library, its dev tools, the Docker SDK and Ray (the cluster's Ray backend, which
 # `make test` tests on a local Ray instance).
@@ -66,6 +66,12 @@ unit: setup-serving setup-sandbox
 	$(BIN)/python -m pytest -q
 
 test: lint docs unit
+
+# The inner loop: lint, types and every test that needs no real server, engine or process
+# group (the markers tests/conftest.py sets from the fixtures a test asks for).
+FAST := not (slow or vllm or docker or bwrap or trainer or ray)
+check: lint setup-serving
+	$(BIN)/python -m pytest -q -m "$(FAST)"
 
 # The fault-injection suite (servers killed or hung, tools hung, containers killed, garbage
 # from the model or the server): the short tests `make test` runs too, and the long ones

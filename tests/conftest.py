@@ -27,7 +27,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: The marker each real component's fixture puts on the tests that ask for it, so that
+#: ``make check`` (``-m "not (slow or vllm or docker or bwrap or trainer or ray)"``)
+#: leaves out every test that needs a real server, engine or process group.
+MARKER_OF_FIXTURE = {
+    "embedded_model": "vllm",
+    "real_server": "vllm",
+    "docker_client": "docker",
+    "bwrap_root": "bwrap",
+    "tiny_model": "trainer",
+    "ray_instance": "ray",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            if fixture in MARKER_OF_FIXTURE:
+                item.add_marker(MARKER_OF_FIXTURE[fixture])
     if config.getoption("--long-faults"):
         return
     skip = pytest.mark.skip(reason="a long fault test: run with --long-faults (make test-faults)")

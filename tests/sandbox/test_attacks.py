@@ -35,6 +35,10 @@ pytestmark = pytest.mark.anyio
 
 SPEC = PythonMath.sandbox_spec  # also code_tests': 256 MiB, 1 CPU, 64 pids, 64 MiB work dir
 AS_ROOT = os.geteuid() == 0
+BACKENDS = [
+    pytest.param("docker", marks=pytest.mark.docker),
+    pytest.param("bwrap", marks=pytest.mark.bwrap),
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module", params=["docker", "bwrap"])
+@pytest.fixture(scope="module", params=BACKENDS)
 async def provider(request: pytest.FixtureRequest) -> AsyncIterator[SandboxProvider]:
     if request.param == "docker":
         client = request.getfixturevalue("docker_client")
@@ -612,7 +616,7 @@ async def test_the_sandbox_carries_no_host_identity(provider: SandboxProvider) -
 # ------------------------------------------------------------------------------- no leaks
 
 
-@pytest.mark.parametrize("backend", ["docker", "bwrap"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_nothing_outlives_the_provider(request: pytest.FixtureRequest, backend: str) -> None:
     """After an attack leaves a daemon and files behind, closing the provider leaves nothing."""
     if backend == "docker":

@@ -30,6 +30,10 @@ pytestmark = pytest.mark.anyio
 
 SPEC = SandboxSpec(memory_mb=256, pids=64, workdir_size_mb=16, output_limit_bytes=4096)
 AS_ROOT = os.geteuid() == 0
+BACKENDS = [
+    pytest.param("docker", marks=pytest.mark.docker),
+    pytest.param("bwrap", marks=pytest.mark.bwrap),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module", params=["docker", "bwrap"])
+@pytest.fixture(scope="module", params=BACKENDS)
 async def provider(request: pytest.FixtureRequest) -> AsyncIterator[SandboxProvider]:
     """One provider per backend for the module: Docker's containers (~1-3 s each to start on
     the vfs storage driver) are reused across tests exactly as across trajectories."""
