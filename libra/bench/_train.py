@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from libra.train import (
+from libra.train._elastic import ElasticTrainer
+from libra.trainer import (
     Batch,
     FSDPTrainer,
     GRPOConfig,
@@ -45,8 +46,7 @@ from libra.train import (
     spawn,
     token_logprobs,
 )
-from libra.train._elastic import ElasticTrainer
-from libra.train._worker import Export, Train
+from libra.trainer._worker import Export, Train
 
 if TYPE_CHECKING:
     import torch

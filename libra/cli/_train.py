@@ -24,12 +24,11 @@ from libra.train import (
     GatewaySyncError,
     NothingToResume,
     StepRecord,
-    TrainerError,
     TrainRunConfig,
-    find_latest,
     iter_metrics,
     train,
 )
+from libra.trainer import TrainerError, find_latest
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

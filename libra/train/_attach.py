@@ -9,7 +9,7 @@ been. Three things break training silently if it was not, so each is an error he
   and ``raw_logprobs`` against a trainer computing at the sampling temperature (or the
   reverse) skews every ratio;
 - **untied embeddings**: on a reload vLLM keeps a tied model's old LM head (see
-  ``libra.train._weights``), so the server must run on an untied folder.
+  ``libra.trainer._weights``), so the server must run on an untied folder.
 
 vLLM reports its whole config at ``/server_info`` (dev mode only).
 """

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from libra.train._batch import MicroBatch
-from libra.train._config import GRPOConfig
-from libra.train._fsdp import _full
-from libra.train._loss import LossMetrics
-from libra.train._worker import grpo_micro_batch_loss
+from libra.trainer._batch import MicroBatch
+from libra.trainer._config import GRPOConfig
+from libra.trainer._fsdp import _full
+from libra.trainer._loss import LossMetrics
+from libra.trainer._worker import grpo_micro_batch_loss
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from libra.train._fsdp import FSDPTrainer
+    from libra.trainer._fsdp import FSDPTrainer
 
 
 class BridgeBroken(RuntimeError):

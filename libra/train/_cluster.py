@@ -62,8 +62,8 @@ from libra.sched.policies import REGISTRY
 from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLLMServerConfig
 from libra.signals import ToolSignal
 from libra.train._elastic import ElasticTrainer
-from libra.train._fsdp import TrainerConfig
 from libra.train._ray import open_ray_workers, ray_missing
+from libra.trainer._fsdp import TrainerConfig
 
 CurrentWeights = Callable[[], tuple[Path | None, int]]
 

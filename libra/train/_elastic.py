@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Self, TypeVar
 
 import anyio
 
-from libra.train._checkpoint import load_trainer_state, save_trainer_state
-from libra.train._fsdp import TrainerConfig
 from libra.train._hybrid import HybridGroup
-from libra.train._worker import (
+from libra.trainer._checkpoint import load_trainer_state, save_trainer_state
+from libra.trainer._fsdp import TrainerConfig
+from libra.trainer._worker import (
     Train,
     TrainerCommand,
     TrainerError,
@@ -47,7 +47,7 @@ from libra.train._worker import (
 )
 
 if TYPE_CHECKING:
-    from libra.train._fsdp import FSDPTrainer
+    from libra.trainer._fsdp import FSDPTrainer
 
 T = TypeVar("T")
 

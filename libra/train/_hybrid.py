@@ -46,8 +46,8 @@ from libra.train._bridge import (
     OpenBridge,
     SyncBridge,
 )
-from libra.train._fsdp import StepMetrics
-from libra.train._worker import (
+from libra.trainer._fsdp import StepMetrics
+from libra.trainer._worker import (
     Train,
     TrainerCommand,
     TrainerError,

@@ -99,8 +99,6 @@ from libra.serving import (
     prepare_model,
 )
 from libra.train._attach import check_attached
-from libra.train._batch import Batch, Sample, build_batch
-from libra.train._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 from libra.train._cluster import (
     Allocation,
     TimedScheduler,
@@ -110,11 +108,13 @@ from libra.train._cluster import (
 )
 from libra.train._elastic import ElasticTrainer
 from libra.train._gateway import SESSION_HEADER, Gateway, find_gateway
-from libra.train._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._run import TrainRunConfig
-from libra.train._weights import servable_model
-from libra.train._worker import Export, Logprobs, Train, TrainerProcess, TrainResult
+from libra.trainer._batch import Batch, Sample, build_batch
+from libra.trainer._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
+from libra.trainer._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
+from libra.trainer._weights import servable_model
+from libra.trainer._worker import Export, Logprobs, Train, TrainerProcess, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
 

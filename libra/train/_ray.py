@@ -9,7 +9,7 @@ half its bundle: while the trainer's world changes (``_elastic``), the old world
 and the next world's rank of the same worker live side by side until the switch.
 
 - :class:`RayTrainer` is one world of FSDP ranks, one actor each, with the interface of
-  :class:`~libra.train._worker.TrainerProcess`: rank 0's actor names its address and a free
+  :class:`~libra.trainer._worker.TrainerProcess`: rank 0's actor names its address and a free
   port, every rank joins the process group there (gloo on CPU, NCCL on CUDA, as
   ``_fsdp`` chooses), every rank runs each command, rank 0's result is the answer. A rank
   pins itself to its worker's cores when they are given (on CPU).
@@ -42,10 +42,10 @@ import anyio
 
 from libra.config import UsageError
 from libra.serving import VLLMServer, VLLMServerConfig
-from libra.train._worker import TrainerCommand, TrainerError
+from libra.trainer._worker import TrainerCommand, TrainerError
 
 if TYPE_CHECKING:
-    from libra.train._fsdp import FSDPTrainer, TrainerConfig
+    from libra.trainer._fsdp import FSDPTrainer, TrainerConfig
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ class RankActor:
         """Join the process group at ``where`` and load the model, sharded."""
         import torch
 
-        from libra.train._fsdp import FSDPTrainer
+        from libra.trainer._fsdp import FSDPTrainer
 
         address, port = where
         # One accelerator per actor (Ray sets what it sees), so the local rank is 0.
@@ -196,7 +196,7 @@ class _RankEnded(Exception):
 class RayTrainer:
     """One world of FSDP ranks as Ray actors, rank ``r`` started with ``placements[r]``
     (Ray actor options: its worker's bundle and share) and pinned to ``cores[r]`` when
-    given. The interface is :class:`~libra.train._worker.TrainerProcess`'s: a rank whose
+    given. The interface is :class:`~libra.trainer._worker.TrainerProcess`'s: a rank whose
     actor dies makes :meth:`call` and :meth:`watch` raise ``trainer rank N died ...``."""
 
     def __init__(

@@ -223,7 +223,7 @@ def _distance(first: Path, second: Path) -> float:
 
 def test_a_stopped_run_says_where_resume_goes_on_and_what_it_redoes(tmp_path: Path) -> None:
     from libra.cli._train import resume_hint
-    from libra.train import RunState
+    from libra.trainer import RunState
 
     assert "no checkpoint to resume from" in resume_hint(tmp_path)
     checkpoint = tmp_path / "checkpoints" / "step-00000002"

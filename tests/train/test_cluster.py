@@ -21,7 +21,6 @@ from libra.train import (
     METRICS_FILE,
     StepRecord,
     TimedScheduler,
-    TrainerConfig,
     TrainRun,
     TrainRunConfig,
     WorkerCluster,
@@ -30,6 +29,7 @@ from libra.train import (
 )
 from libra.train._cluster import rule_planner
 from libra.train._ray import ray_missing
+from libra.trainer import TrainerConfig
 from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama, unavailable
 
 pytestmark = pytest.mark.anyio

@@ -9,15 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from libra.train import (
-    GRPOConfig,
-    TrainerConfig,
-    TrainerProcess,
-)
 from libra.train._elastic import ElasticTrainer
-from libra.train._worker import Train
+from libra.trainer import GRPOConfig, TrainerConfig, TrainerProcess
+from libra.trainer._worker import Train
 from tests._helpers import tiny_llama
-from tests.train._ranks import FullParameters, assert_close, assert_equal, batch
+from tests.trainer._ranks import FullParameters, assert_close, assert_equal, batch
 
 pytestmark = pytest.mark.anyio
 

@@ -18,11 +18,11 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from libra.train import GRPOConfig, TrainerConfig, TrainerProcess
 from libra.train._elastic import ElasticTrainer
-from libra.train._worker import Train, TrainResult
+from libra.trainer import GRPOConfig, TrainerConfig, TrainerProcess
+from libra.trainer._worker import Train, TrainResult
 from tests._helpers import tiny_llama
-from tests.train._ranks import FullParameters, RankPids, assert_close, assert_equal, batch
+from tests.trainer._ranks import FullParameters, RankPids, assert_close, assert_equal, batch
 
 pytestmark = pytest.mark.anyio
 

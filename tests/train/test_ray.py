@@ -22,20 +22,13 @@ import pytest
 from libra._process import exited_within
 from libra.config import ConfigError, UsageError, load_config
 from libra.serving import EMBEDDED_MODEL_NAME
-from libra.train import (
-    AllocConfig,
-    GRPOConfig,
-    TrainerConfig,
-    TrainerError,
-    TrainerProcess,
-    TrainRunConfig,
-    open_cluster,
-)
+from libra.train import AllocConfig, TrainRunConfig, open_cluster
 from libra.train._elastic import ElasticTrainer
 from libra.train._ray import RayTrainer, RayWorkers, import_ray, ray_missing
-from libra.train._worker import Train
+from libra.trainer import GRPOConfig, TrainerConfig, TrainerError, TrainerProcess
+from libra.trainer._worker import Train
 from tests._helpers import BREVITY, real_config, tiny_llama, unavailable
-from tests.train._ranks import (
+from tests.trainer._ranks import (
     Fail,
     FullParameters,
     RankPids,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from libra.train._fsdp import FSDPTrainer
+    from libra.trainer._fsdp import FSDPTrainer
 
 __all__ = [
     "Checkpoint",

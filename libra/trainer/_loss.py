@@ -7,7 +7,7 @@ input ``t``. Only positions whose ``mask`` is 1 (tokens the model sampled) are t
 **Aggregation** is expressed as per-token weights whose weighted sum is the loss, so a
 batch split into micro-batches, or laid out packed instead of padded, sums to the same
 loss as the whole batch computed at once (the weights are computed over the whole batch,
-see ``aggregation_weights`` and ``libra.train._batch``). The modes, as peers name them:
+see ``aggregation_weights`` and ``libra.trainer._batch``). The modes, as peers name them:
 
 - ``token-mean``: every trained token of the batch weighs ``1 / N`` (``N`` trained tokens
   in the batch); long answers weigh more in total, as in DAPO.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from libra.train._config import Aggregation, GRPOConfig
+from libra.trainer._config import Aggregation, GRPOConfig
 
 # The k3 estimator's exponent is clamped, as peers do, so one wild token cannot blow up.
 _KL_CLAMP = 10.0

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from libra.sched.policies import PrefixForest
-from libra.train import (
+from libra.trainer import (
     Checkpoint,
     FSDPTrainer,
     RunState,
@@ -27,7 +27,7 @@ from libra.train import (
     spawn,
     truncate_metrics,
 )
-from tests.train._ranks import (
+from tests.trainer._ranks import (
     MicroBatch,
     fixed_batch,
     masked_token_nll,
@@ -248,7 +248,7 @@ def checkpointed_run(model_dir: Path, run_dir: Path, steps: int, resume_run: boo
     import random
 
     from libra.sched.policies import PrefixForest
-    from libra.train import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
+    from libra.trainer import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
 
     trainer = FSDPTrainer(model_dir, TrainerConfig(lr=1e-2, cpu_threads=1, backend="gloo"))
     torch.manual_seed(0)  # the run's seed; a resumed run continues from the saved states
@@ -273,7 +273,7 @@ def checkpointed_run(model_dir: Path, run_dir: Path, steps: int, resume_run: boo
 
 def checkpoint_forever(model_dir: Path, run_dir: Path) -> None:
     """Step and checkpoint until killed: the victim of the atomicity test."""
-    from libra.train import Checkpoint, RunState
+    from libra.trainer import Checkpoint, RunState
 
     trainer = FSDPTrainer(model_dir, TrainerConfig(lr=1e-3, cpu_threads=1, backend="gloo"))
     batch = fixed_batch(64, sequences=2, length=16)

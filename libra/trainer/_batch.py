@@ -47,8 +47,8 @@ import torch
 
 from libra.engine import TrajectoryRecord
 from libra.engine._records import Status, TokenSource
-from libra.train._config import GRPOConfig, Layout, TrainConfig
-from libra.train._loss import LossMetrics, grpo_loss, sequence_token_weight, staleness_weight
+from libra.trainer._config import GRPOConfig, Layout, TrainConfig
+from libra.trainer._loss import LossMetrics, grpo_loss, sequence_token_weight, staleness_weight
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ FailureRule = Literal["exclude", "retry"]
 
 
 class GRPOConfig(Section):
-    """Group-relative advantages and the clipped surrogate loss (see ``libra.train._loss``)."""
+    """Group-relative advantages and the clipped surrogate loss (see ``libra.trainer._loss``)."""
 
     scale_by_std: bool = Field(
         True, description="divide advantages by the group's std; False: Dr.GRPO, mean only"
@@ -56,7 +56,7 @@ class GRPOConfig(Section):
 
 
 class TrainConfig(Section):
-    """How a step's records are laid out in micro-batches (see ``libra.train._batch``)."""
+    """How a step's records are laid out in micro-batches (see ``libra.trainer._batch``)."""
 
     micro_batch_tokens: PositiveInt = Field(
         2048,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from libra.train import FSDPTrainer, TrainerConfig, export_weights, spawn, split_by_tokens
-from tests.train._ranks import (
+from libra.trainer import FSDPTrainer, TrainerConfig, export_weights, spawn, split_by_tokens
+from tests.trainer._ranks import (
     MicroBatch,
     abort_on_rank_one,
     cycle_left_behind,
@@ -149,7 +149,7 @@ def test_ranks_die_with_the_process_that_spawned_them(tmp_path: Path) -> None:
     pid_file = tmp_path / "rank.pid"
     script = (
         "from pathlib import Path; from libra.train import spawn; "
-        "from tests.train._ranks import write_pid_and_sleep; "
+        "from tests.trainer._ranks import write_pid_and_sleep; "
         f"spawn(1, write_pid_and_sleep, Path({str(pid_file)!r}))"
     )
     root = str(Path(__file__).parents[2])

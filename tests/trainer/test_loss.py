@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from libra.train import (
+from libra.trainer import (
     GRPOConfig,
     aggregation_weights,
     group_advantages,

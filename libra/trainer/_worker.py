@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 import anyio
 
-from libra.train._batch import Batch, MicroBatch
-from libra.train._config import GRPOConfig
-from libra.train._fsdp import FSDPTrainer, StepMetrics, TrainerConfig
-from libra.train._loss import LossMetrics, token_logprobs
-from libra.train._spawn import die_with_parent, spawn
-from libra.train._weights import export_weights
+from libra.trainer._batch import Batch, MicroBatch
+from libra.trainer._config import GRPOConfig
+from libra.trainer._fsdp import FSDPTrainer, StepMetrics, TrainerConfig
+from libra.trainer._loss import LossMetrics, token_logprobs
+from libra.trainer._spawn import die_with_parent, spawn
+from libra.trainer._weights import export_weights
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from libra.engine import (
     rollout,
 )
 from libra.engine._records import Status, TokenSource
-from libra.train import (
+from libra.trainer import (
     Aggregation,
     Batch,
     GRPOConfig,

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from libra.engine import TrajectoryRecord
 from libra.fleet import Endpoint
 from libra.serving import VLLMServer, VLLMServerConfig, WeightSync, WeightSyncConfig
-from libra.train import (
+from libra.trainer import (
     FSDPTrainer,
     TrainerConfig,
     export_weights,
@@ -29,7 +29,7 @@ from libra.train import (
     write_weights_folder,
 )
 from tests._helpers import record_of
-from tests.train._ranks import MicroBatch, masked_token_nll
+from tests.trainer._ranks import MicroBatch, masked_token_nll
 
 pytestmark = pytest.mark.anyio
 
@@ -200,7 +200,7 @@ async def _sample(
 def _logprobs_of_folder(folder: Path, ids: list[int]) -> list[float]:
     from transformers import AutoModelForCausalLM
 
-    from libra.train import sequence_logprobs
+    from libra.trainer import sequence_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     logprobs: list[float] = sequence_logprobs(model, torch.tensor([ids]))[0].tolist()

@@ -27,15 +27,15 @@ from pydantic import Field
 
 from libra.config import Section
 from libra.engine import TrajectoryRecord
-from libra.train._checkpoint import load_trainer_state, save_trainer_state
-from libra.train._logprobs import (
+from libra.trainer._checkpoint import load_trainer_state, save_trainer_state
+from libra.trainer._logprobs import (
     LogprobGap,
     LogprobsMode,
     records_logprob_gap,
     sequence_logprobs,
     server_logprob_temperature,
 )
-from libra.train._spawn import free_port
+from libra.trainer._spawn import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ __all__ = [
     "split_by_tokens",
 ]
 
-log = logging.getLogger("libra.train")
+log = logging.getLogger("libra.trainer")
 
 B = TypeVar("B")
 T = TypeVar("T")
@@ -285,7 +285,7 @@ class FSDPTrainer:
 
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write the sharded model and optimizer, the LR schedule, the step count and each
-        rank's RNG states under ``folder`` (collective; see ``libra.train._checkpoint``)."""
+        rank's RNG states under ``folder`` (collective; see ``libra.trainer._checkpoint``)."""
         save_trainer_state(self, folder)
 
     def load_checkpoint(self, folder: str | Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from libra.train import Batch, GRPOConfig, Sample, TrainConfig, build_batch
+from libra.trainer import Batch, GRPOConfig, Sample, TrainConfig, build_batch
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class FullParameters:
     """Every parameter's whole value, on CPU (collective), from rank 0."""
 
     def run(self, trainer: object) -> dict[str, torch.Tensor]:
-        from libra.train import FSDPTrainer
+        from libra.trainer import FSDPTrainer
 
         assert isinstance(trainer, FSDPTrainer)
         return trainer.full_parameters()

@@ -10,9 +10,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from libra.train import TrainerConfig, TrainerError, TrainerProcess
+from libra.trainer import TrainerConfig, TrainerError, TrainerProcess
 from tests._helpers import tiny_llama
-from tests.train._ranks import Fail, RankPids, SleepThenMeet
+from tests.trainer._ranks import Fail, RankPids, SleepThenMeet
 
 pytestmark = pytest.mark.anyio
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from libra.train import (
+from libra.trainer import (
     LogprobGap,
     logprob_gap,
     records_logprob_gap,

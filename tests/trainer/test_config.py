@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from libra.config import ConfigError, Section, load_config
-from libra.train import GRPOConfig, TrainConfig
+from libra.trainer import GRPOConfig, TrainConfig
 
 
 class Run(Section):

@@ -29,7 +29,7 @@ from libra.serving import WEIGHTS_FILE
 if TYPE_CHECKING:
     import torch
 
-    from libra.train._fsdp import FSDPTrainer
+    from libra.trainer._fsdp import FSDPTrainer
 
 __all__ = [
     "export_weights",
