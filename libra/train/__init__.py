@@ -3,14 +3,6 @@ training, weights published to the servers, checkpoints and the metrics line; th
 client and the attach checks of a run that serves elsewhere."""
 
 from libra.train._attach import AttachError, check_attached, problems_of
-from libra.train._cluster import (
-    Allocation,
-    AllocConfig,
-    TimedScheduler,
-    WorkerCluster,
-    open_cluster,
-)
-from libra.train._elastic import ElasticTrainer, LoadState, Resize, SaveState, ZeroSync
 from libra.train._gateway import GatewaySyncError
 from libra.train._loop import (
     METRICS_FILE,
@@ -27,28 +19,18 @@ from libra.train._run import Mode, TrainRunConfig
 
 __all__ = [
     "METRICS_FILE",
-    "AllocConfig",
-    "Allocation",
     "AttachError",
     "CheckpointHook",
-    "ElasticTrainer",
     "GatewaySyncError",
-    "LoadState",
     "Mode",
     "NothingToResume",
-    "Resize",
     "RolloutLog",
-    "SaveState",
     "StepRecord",
-    "TimedScheduler",
     "TrainRun",
     "TrainRunConfig",
-    "WorkerCluster",
-    "ZeroSync",
     "check_attached",
     "iter_metrics",
     "keep_reusable",
-    "open_cluster",
     "open_run",
     "problems_of",
     "read_step",

@@ -70,7 +70,7 @@ def problems_of(info: dict[str, Any], logprobs_mode: str) -> list[str]:
     if _tied(Path(str(model.get("model", "")))):
         problems.append(
             f"serves {model.get('model')}, whose embeddings are tied: a reload would keep its "
-            "old LM head; serve an untied copy (libra.train.servable_model writes one)"
+            "old LM head; serve an untied copy (libra.trainer.servable_model writes one)"
         )
     return problems
 

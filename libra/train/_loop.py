@@ -99,14 +99,6 @@ from libra.serving import (
     prepare_model,
 )
 from libra.train._attach import check_attached
-from libra.train._cluster import (
-    Allocation,
-    TimedScheduler,
-    WorkerCluster,
-    open_cluster,
-    rule_planner,
-)
-from libra.train._elastic import ElasticTrainer
 from libra.train._gateway import SESSION_HEADER, Gateway, find_gateway
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._run import TrainRunConfig
@@ -115,6 +107,14 @@ from libra.trainer._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoi
 from libra.trainer._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
 from libra.trainer._weights import servable_model
 from libra.trainer._worker import Export, Logprobs, Train, TrainerProcess, TrainResult
+from libra.workers._cluster import (
+    Allocation,
+    TimedScheduler,
+    WorkerCluster,
+    open_cluster,
+    rule_planner,
+)
+from libra.workers._elastic import ElasticTrainer
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -20,10 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from libra.launch import RolloutConfig
 from libra.serving import VLLMServerConfig, WeightSyncConfig
-from libra.train._cluster import AllocConfig
 from libra.trainer._config import GRPOConfig, TrainConfig
 from libra.trainer._fsdp import TrainerConfig
 from libra.trainer._logprobs import LogprobsMode
+from libra.workers._cluster import AllocConfig
 
 Mode = Literal["sync", "one-step-off"]
 # What the loop itself sets in each step's rollout: naming them in [rollout] is an error.

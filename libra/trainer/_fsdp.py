@@ -223,7 +223,7 @@ class FSDPTrainer:
         """Clip and step the optimizer on the gradients accumulated so far, then clear
         them; the gradient norm (NaN where no step was taken) and the learning rate.
 
-        With ``exchange`` (a hybrid gradient group, ``libra.train._hybrid``) the gradients
+        With ``exchange`` (a hybrid gradient group, ``libra.workers._hybrid``) the gradients
         are first the whole group's; a replica of the group never steps (it takes the
         core's parameters), and a core whose exchange failed does not either.
         """
@@ -242,7 +242,7 @@ class FSDPTrainer:
 
     def backward(self, micro_batch: B, loss_fn: LossFn[B]) -> float:
         """Forward and backward one micro-batch (collective), its gradient reduced at once
-        and added to the step's: a step taken in pieces (``libra.train._hybrid``). Its
+        and added to the step's: a step taken in pieces (``libra.workers._hybrid``). Its
         loss on this rank."""
         self.model.train()
         self.model.set_requires_gradient_sync(True)

@@ -121,7 +121,7 @@ class TrainerCommand(Protocol[R_co]):
 
 class TrainerWorld(Protocol):
     """One world of FSDP ranks as the loop drives it, whatever runs them: processes
-    here (:class:`TrainerProcess`) or Ray actors (``libra.train._ray.RayTrainer``)."""
+    here (:class:`TrainerProcess`) or Ray actors (``libra.workers._ray.RayTrainer``)."""
 
     @property
     def world_size(self) -> int: ...

@@ -16,7 +16,7 @@ its cores. A world change is a restart at a step boundary, in two halves:
    world: a batch is split over :attr:`ElasticTrainer.world_size` ranks.
 
 That rebuilds the core's world. Hybrid workers lent to training do not: they join the
-:class:`~libra.train._hybrid.HybridGroup` as one-rank replicas beside the core's world
+:class:`~libra.workers._hybrid.HybridGroup` as one-rank replicas beside the core's world
 (:meth:`ElasticTrainer.fetch_replica`, :meth:`~ElasticTrainer.sync_replica`,
 :meth:`~ElasticTrainer.activate_replica`, :meth:`~ElasticTrainer.drop_replica`), even
 during a step, which is then taken in pieces over the core and the replicas.
@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Self, TypeVar
 
 import anyio
 
-from libra.train._hybrid import HybridGroup
 from libra.trainer._checkpoint import load_trainer_state, save_trainer_state
 from libra.trainer._fsdp import TrainerConfig
 from libra.trainer._worker import (
@@ -45,6 +44,7 @@ from libra.trainer._worker import (
     TrainerProcess,
     TrainerWorld,
 )
+from libra.workers._hybrid import HybridGroup
 
 if TYPE_CHECKING:
     from libra.trainer._fsdp import FSDPTrainer
@@ -53,7 +53,7 @@ T = TypeVar("T")
 
 WorldFactory = Callable[[tuple[int, ...]], TrainerWorld]
 """How a world of ranks on these workers (worker ids, rank order) is started: processes
-here by default, Ray actors with the Ray backend (``libra.train._ray``)."""
+here by default, Ray actors with the Ray backend (``libra.workers._ray``)."""
 
 
 # ------------------------------------------------------------------------ commands

@@ -17,19 +17,11 @@ from libra.alloc import CallTiming
 from libra.config import load_config
 from libra.engine import jobs_for, rollout
 from libra.serving import VLLMServerConfig
-from libra.train import (
-    METRICS_FILE,
-    StepRecord,
-    TimedScheduler,
-    TrainRun,
-    TrainRunConfig,
-    WorkerCluster,
-    open_cluster,
-    train,
-)
-from libra.train._cluster import rule_planner
-from libra.train._ray import ray_missing
+from libra.train import METRICS_FILE, StepRecord, TrainRun, TrainRunConfig, train
 from libra.trainer import TrainerConfig
+from libra.workers import TimedScheduler, WorkerCluster, open_cluster
+from libra.workers._cluster import rule_planner
+from libra.workers._ray import ray_missing
 from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama, unavailable
 
 pytestmark = pytest.mark.anyio

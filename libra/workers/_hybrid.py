@@ -38,14 +38,6 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 
-from libra.train._bridge import (
-    Accumulate,
-    BridgeAddress,
-    CloseBridge,
-    FinishStep,
-    OpenBridge,
-    SyncBridge,
-)
 from libra.trainer._fsdp import StepMetrics
 from libra.trainer._worker import (
     Train,
@@ -54,6 +46,14 @@ from libra.trainer._worker import (
     TrainerWorld,
     TrainResult,
     combine_loss_metrics,
+)
+from libra.workers._bridge import (
+    Accumulate,
+    BridgeAddress,
+    CloseBridge,
+    FinishStep,
+    OpenBridge,
+    SyncBridge,
 )
 
 T = TypeVar("T")
@@ -97,7 +97,7 @@ class _Piece:
 
 class HybridGroup:
     """The replicas of the hybrid gradient group, driven beside the core's world. The
-    :class:`~libra.train._elastic.ElasticTrainer` owns one: :meth:`fetch` runs while the
+    :class:`~libra.workers._elastic.ElasticTrainer` owns one: :meth:`fetch` runs while the
     core trains, :meth:`sync` and :meth:`drop` at a step boundary (under the trainer's
     lock) or, through :meth:`request_sync`, between two pieces of the step under way.
     ``start`` starts a one-rank world on a worker; ``timeout_s`` bounds the bridge's

@@ -61,9 +61,9 @@ from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
 from libra.sched.policies import REGISTRY
 from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLLMServerConfig
 from libra.signals import ToolSignal
-from libra.train._elastic import ElasticTrainer
-from libra.train._ray import open_ray_workers, ray_missing
 from libra.trainer._fsdp import TrainerConfig
+from libra.workers._elastic import ElasticTrainer
+from libra.workers._ray import open_ray_workers, ray_missing
 
 CurrentWeights = Callable[[], tuple[Path | None, int]]
 
