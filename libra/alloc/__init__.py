@@ -41,6 +41,7 @@ from libra.alloc._protocol import (
     Prediction,
     Role,
     Stage,
+    StepAllocation,
     StepTiming,
     Workload,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "RolloutCost",
     "RooflinePlanner",
     "Stage",
+    "StepAllocation",
     "StepTiming",
     "TailLender",
     "TailRule",

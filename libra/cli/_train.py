@@ -18,15 +18,14 @@ from libra.cli._config import add_config_arguments
 from libra.cli._progress import counters
 from libra.config import load_config
 from libra.engine import RolloutStats
+from libra.launch import TrainRunConfig, train
 from libra.train import (
     METRICS_FILE,
     AttachError,
     GatewaySyncError,
     NothingToResume,
     StepRecord,
-    TrainRunConfig,
     iter_metrics,
-    train,
 )
 from libra.trainer import TrainerError, find_latest
 

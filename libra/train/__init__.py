@@ -1,39 +1,50 @@
 """The RL loop of ``libra train``: one rollout session, a step's groups into a GRPO batch,
 training, weights published to the servers, checkpoints and the metrics line; the gateway
-client and the attach checks of a run that serves elsewhere."""
+client and the attach checks of a run that serves elsewhere. The run it loops over is
+assembled by ``libra.launch`` (``open_run``, ``train``); the workers it trains and serves
+on are seen through ``libra.alloc``'s protocols only."""
 
 from libra.train._attach import AttachError, check_attached, problems_of
-from libra.train._gateway import GatewaySyncError
+from libra.train._gateway import SESSION_HEADER, Gateway, GatewaySyncError, find_gateway
 from libra.train._loop import (
     METRICS_FILE,
     CheckpointHook,
     NothingToResume,
+    Progress,
+    ServedWeights,
     StepRecord,
     TrainRun,
     iter_metrics,
-    open_run,
-    train,
+    no_progress,
+    prepare_run_dir,
+    run_steps,
 )
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
-from libra.train._run import Mode, TrainRunConfig
+from libra.train._settings import Mode, RunSettings
 
 __all__ = [
     "METRICS_FILE",
+    "SESSION_HEADER",
     "AttachError",
     "CheckpointHook",
+    "Gateway",
     "GatewaySyncError",
     "Mode",
     "NothingToResume",
+    "Progress",
     "RolloutLog",
+    "RunSettings",
+    "ServedWeights",
     "StepRecord",
     "TrainRun",
-    "TrainRunConfig",
     "check_attached",
+    "find_gateway",
     "iter_metrics",
     "keep_reusable",
-    "open_run",
+    "no_progress",
+    "prepare_run_dir",
     "problems_of",
     "read_step",
+    "run_steps",
     "step_file",
-    "train",
 ]

@@ -53,12 +53,10 @@ import shutil
 import statistics
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
-    AsyncExitStack,
-    asynccontextmanager,
     nullcontext,
 )
 from dataclasses import asdict, dataclass, field, replace
@@ -67,16 +65,8 @@ from typing import Protocol
 
 import anyio
 import httpx
-from rich.console import Console
 
-from libra.alloc import (
-    AllocationLoop,
-    HybridPool,
-    Layout,
-    PoolConfig,
-    TailLender,
-    start_layout,
-)
+from libra.alloc import StepAllocation
 from libra.engine import (
     Group,
     RolloutSession,
@@ -85,36 +75,31 @@ from libra.engine import (
     TrajectoryRecord,
     jobs_for,
 )
-from libra.envs import Env, GroupId, load_env
-from libra.envs import env_name as registered_name
-from libra.fleet import Endpoint, FleetSpec
-from libra.launch import open_engine, scheduler_forest
+from libra.envs import Env, GroupId
+from libra.fleet import Endpoint
 from libra.sched import Scheduler
-from libra.serving import (
-    EMBEDDED_MODEL_NAME,
-    VLLMServer,
-    VLLMServerConfig,
-    WeightSync,
-    WeightSyncError,
-    prepare_model,
-)
-from libra.train._attach import check_attached
-from libra.train._gateway import SESSION_HEADER, Gateway, find_gateway
+from libra.serving import WeightSync, WeightSyncError
+from libra.train._gateway import Gateway
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
-from libra.train._run import TrainRunConfig
-from libra.trainer._batch import Batch, Sample, build_batch
-from libra.trainer._checkpoint import RestoreCheckpoint, RunState, WriteCheckpoint, find_latest
-from libra.trainer._logprobs import LogprobGap, logprob_gap, server_prompt_logprobs
-from libra.trainer._weights import servable_model
-from libra.trainer._worker import Export, Logprobs, Train, TrainerProcess, TrainResult
-from libra.workers._cluster import (
-    Allocation,
-    TimedScheduler,
-    WorkerCluster,
-    open_cluster,
-    rule_planner,
+from libra.train._settings import RunSettings
+from libra.trainer import (
+    Batch,
+    Export,
+    LogprobGap,
+    Logprobs,
+    Persistent,
+    RestoreCheckpoint,
+    RunState,
+    Sample,
+    Train,
+    TrainerWorld,
+    TrainResult,
+    WriteCheckpoint,
+    build_batch,
+    find_latest,
+    logprob_gap,
+    server_prompt_logprobs,
 )
-from libra.workers._elastic import ElasticTrainer
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -174,7 +159,7 @@ class CheckpointHook(Protocol):
 Progress = Callable[[int, RolloutStats], AbstractContextManager[Callable[[], None]]]
 
 
-def _no_progress(step: int, stats: RolloutStats) -> AbstractContextManager[Callable[[], None]]:
+def no_progress(step: int, stats: RolloutStats) -> AbstractContextManager[Callable[[], None]]:
     return nullcontext(lambda: None)
 
 
@@ -182,37 +167,34 @@ class NothingToResume(FileNotFoundError):
     """``resume=True`` on a run folder without a complete checkpoint."""
 
 
-async def train(
-    config: TrainRunConfig,
+async def run_steps(
+    run: TrainRun,
     *,
     resume: bool = False,
     checkpoint: CheckpointHook | None = None,
     on_step: Callable[[StepRecord], None] = lambda record: None,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> list[StepRecord]:
-    """Run ``config.steps`` steps (from the newest checkpoint's step with ``resume``);
-    returns the metrics lines of the steps it ran (also in the run folder)."""
-    run_dir = _prepare_run_dir(config, resume=resume)
-    config = _with_saved_forest(config, run_dir) if resume else config
-    env_cls = load_env(config.rollout.env)
+    """Run the run's steps (from its newest checkpoint's step with ``resume``); returns
+    the metrics lines of the steps it ran (also in the run folder)."""
+    first = await run.restore() if resume else 0
+    run.submit(first)
     records: list[StepRecord] = []
-    async with open_run(config, env_cls, run_dir) as run:
-        first = await run.restore() if resume else 0
-        run.submit(first)
-        for step in range(first, config.steps):
-            record = await run.step(step, progress)
-            with (run_dir / METRICS_FILE).open("a") as out:
-                out.write(record.to_json() + "\n")
-            records.append(record)
-            on_step(record)
-            await run.save(step + 1)
-            if checkpoint is not None:
-                await checkpoint(run, record)
+    for step in range(first, run.config.steps):
+        record = await run.step(step, progress)
+        with (run.run_dir / METRICS_FILE).open("a") as out:
+            out.write(record.to_json() + "\n")
+        records.append(record)
+        on_step(record)
+        await run.save(step + 1)
+        if checkpoint is not None:
+            await checkpoint(run, record)
     return records
 
 
-def _prepare_run_dir(config: TrainRunConfig, *, resume: bool) -> Path:
-    run_dir = config.run_dir
+def prepare_run_dir(run_dir: Path, config_toml: str, *, resume: bool) -> Path:
+    """The run folder, ready for a new run (or, with ``resume``, one that has a checkpoint
+    to go on from), holding the run's resolved config."""
     if resume and find_latest(run_dir) is None:
         raise NothingToResume(f"{run_dir} holds no checkpoint to resume from")
     if not resume and (run_dir / METRICS_FILE).exists():
@@ -220,18 +202,8 @@ def _prepare_run_dir(config: TrainRunConfig, *, resume: bool) -> Path:
     if not resume:  # records of a run killed before its first step's line: not this run's
         shutil.rmtree(run_dir / ROLLOUTS, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(config.to_toml())
+    (run_dir / "config.toml").write_text(config_toml)
     return run_dir
-
-
-def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
-    """The config whose scheduler starts from the newest checkpoint's prefix forest, if
-    it saved one and the config names no state file of its own."""
-    latest = find_latest(run_dir)
-    if latest is None or latest.forest_path is None or config.rollout.scheduler_state:
-        return config
-    rollout = config.rollout.model_copy(update={"scheduler_state": latest.forest_path})
-    return config.model_copy(update={"rollout": rollout})
 
 
 @dataclass
@@ -253,18 +225,20 @@ class ServedWeights:
 class TrainRun:
     """A running loop's parts: what a checkpoint hook may read (and, for a resume, set)."""
 
-    config: TrainRunConfig
+    config: RunSettings
     run_dir: Path
     env_cls: type[Env]
     env_name: str
-    trainer: TrainerProcess | ElasticTrainer
+    trainer: TrainerWorld
     session: RolloutSession
     endpoints: list[Endpoint]
     scheduler: Scheduler
     log: RolloutLog
     served: ServedWeights = field(default_factory=ServedWeights)
     gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
-    allocation: Allocation | None = None  # [alloc]: the pool and the loop that moves it
+    allocation: StepAllocation | None = None  # [alloc]: the pool and the loop that moves it
+    #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
+    forest: Callable[[], Persistent | None] = lambda: None
     version: int = 0  # the weights the trainer holds: v0 before the first step
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
     # Records of groups not complete yet, and the ids of the groups submitted, by group.
@@ -327,7 +301,7 @@ class TrainRun:
             weight_version=self.version,
             metrics_bytes=metrics.stat().st_size if metrics.exists() else 0,
         )
-        forest = scheduler_forest(self.scheduler)
+        forest = self.forest()
         await self.trainer.call(
             WriteCheckpoint(self.run_dir, state, forest, keep_last=self.config.keep_last)
         )
@@ -604,164 +578,6 @@ def _step_record(
         reused=run.reused.get(step, 0),
         retried=run.retried.get(step, 0),
     )
-
-
-# ---------------------------------------------------------------------- opening
-
-
-@asynccontextmanager
-async def open_run(
-    config: TrainRunConfig, env_cls: type[Env], run_dir: Path
-) -> AsyncIterator[TrainRun]:
-    """The trainer's processes, the fleet, the engine and one session, all started."""
-    model_dir = config.model_dir
-    if model_dir is None:
-        model_dir = await anyio.to_thread.run_sync(prepare_model)
-    rollout = config.rollout
-    gateway = await _gateway_of(config)
-    async with AsyncExitStack() as stack:
-        weights = ServedWeights()
-        trainer: TrainerProcess | ElasticTrainer
-        cluster: WorkerCluster | None = None
-        server, model = config.server, rollout.model
-        own: dict[str, VLLMServer] = {}
-        if config.alloc is not None and config.alloc.enabled:
-            served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
-            cluster = await stack.enter_async_context(
-                open_cluster(
-                    config.alloc,
-                    config.trainer,
-                    model_dir,
-                    base=served,
-                    server=_own_server_config(config),
-                    weights=weights,
-                    weights_lock=weights.lock,
-                )
-            )  # its trainer loads the model while the servers start
-            trainer = cluster.trainer
-            fleet = await _start_workers(cluster, config.alloc.layout(), _pool_config(config))
-            rollout = rollout.model_copy(update={"fleet": fleet})
-            server, model = None, EMBEDDED_MODEL_NAME
-        else:
-            trainer = await stack.enter_async_context(
-                TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
-            )  # it loads the model while the servers start
-        if cluster is None and server == "embedded":
-            served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
-            console = Console(stderr=True)
-            with console.status(f"starting vLLM (dev mode) on {served}"):
-                vllm = await stack.enter_async_context(_own_server(config, served))
-            console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
-            server, model = vllm.url, EMBEDDED_MODEL_NAME
-            own[vllm.url] = vllm  # its instance is named by its URL
-        elif gateway is not None:
-            server = gateway.url
-        elif server is not None and server != "emulated" and config.reloads:
-            await check_attached(server.split(","), config.logprobs_mode)
-        rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
-        warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
-        assembled = await stack.enter_async_context(
-            open_engine(
-                rollout,
-                env_cls,
-                warm,
-                servers=own if cluster is None else cluster.servers,
-                weights=weights,
-                headers=gateway.headers if gateway is not None else None,
-            )
-        )
-        log = stack.enter_context(RolloutLog(run_dir))
-        session = await stack.enter_async_context(RolloutSession(assembled.engine))
-        await trainer.ready()
-        env_name = registered_name(rollout.env, env_cls)
-        endpoints = list(assembled.engine.scheduler.router.endpoints().values())
-        if gateway is not None:  # its scheduler sees each trajectory's turns as one
-            for endpoint in endpoints:
-                endpoint.session_header = SESSION_HEADER
-        scheduler = assembled.engine.scheduler
-        run = TrainRun(
-            config,
-            run_dir,
-            env_cls,
-            env_name,
-            trainer,
-            session,
-            endpoints,
-            scheduler,
-            log,
-            weights,
-            gateway,
-        )
-        if cluster is not None:
-            cluster.supervisor = assembled.supervisor  # watches the instances it starts
-            run.allocation = await _allocation(stack, config, cluster, scheduler)
-            # Every call's timing goes to the loop (the run keeps the scheduler itself).
-            engine = assembled.engine
-            engine.scheduler = TimedScheduler(scheduler, run.allocation.loop.observe_call)
-        async with anyio.create_task_group() as group:
-            group.start_soon(trainer.watch)
-            group.start_soon(run.read_records)
-            yield run
-            group.cancel_scope.cancel()
-
-
-async def _gateway_of(config: TrainRunConfig) -> Gateway | None:
-    """The ``libra serve`` gateway ``config.server`` names (one URL), or None: a gateway
-    takes the run's rollouts and weight syncs (see ``_gateway``)."""
-    server = config.server
-    if server in (None, "embedded", "emulated") or "," in server:
-        return None
-    return await find_gateway(server, sync_timeout_s=config.sync.timeout_s)
-
-
-def _own_server(config: TrainRunConfig, served: Path) -> VLLMServer:
-    """vLLM on ``served`` in dev mode (reloads), with the logprobs the trainer expects."""
-    return VLLMServer(
-        served, served_model_name=EMBEDDED_MODEL_NAME, config=_own_server_config(config)
-    )
-
-
-def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:
-    extra: tuple[str, ...] = ("--logprobs-mode", config.logprobs_mode)
-    if config.export_dtype is not None:
-        extra += ("--dtype", config.export_dtype)
-    return config.vllm.model_copy(
-        update={"dev_mode": True, "extra_args": (*config.vllm.extra_args, *extra)}
-    )
-
-
-# ---------------------------------------------------------------------- [alloc]
-
-
-def _pool_config(config: TrainRunConfig) -> PoolConfig:
-    assert config.alloc is not None
-    return config.alloc.pool.model_copy(update={"model": EMBEDDED_MODEL_NAME})
-
-
-async def _start_workers(cluster: WorkerCluster, layout: Layout, pool: PoolConfig) -> FleetSpec:
-    """Every serving unit's vLLM, started at once: the run's fleet."""
-    console = Console(stderr=True)
-    with console.status(f"starting {len(layout.units())} vLLM servers (dev mode)"):
-        fleet = await start_layout(cluster, layout, pool)
-    for name, vllm in cluster.servers.items():
-        console.print(f"{name}: vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
-    return fleet
-
-
-async def _allocation(
-    stack: AsyncExitStack, config: TrainRunConfig, cluster: WorkerCluster, scheduler: Scheduler
-) -> Allocation:
-    """The pool over the run's router (its moves end before the engine closes) and the
-    loop that decides after each step."""
-    assert config.alloc is not None
-    layout, pool_config = config.alloc.layout(), _pool_config(config)
-    pool = await stack.enter_async_context(
-        HybridPool(cluster, scheduler.router, layout, pool_config)
-    )
-    planner = rule_planner(cluster.base, config.alloc.gpu, config.rollout.scheduler)
-    tail = config.alloc.tail
-    lender = TailLender(pool, tail) if tail is not None else None
-    return Allocation(cluster, pool, AllocationLoop(planner, pool, config.alloc.loop), lender)
 
 
 def iter_metrics(run_dir: Path) -> Iterator[dict[str, object]]:

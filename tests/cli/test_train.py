@@ -17,7 +17,8 @@ import pytest
 
 from libra.cli import main
 from libra.config import load_config
-from libra.train import METRICS_FILE, StepRecord, TrainRunConfig
+from libra.launch import TrainRunConfig
+from libra.train import METRICS_FILE, StepRecord
 from tests._helpers import BREVITY, children_of, cmdline_of
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same

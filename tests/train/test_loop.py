@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from libra.config import load_config
-from libra.train import TrainRunConfig, iter_metrics, read_step, step_file, train
+from libra.launch import TrainRunConfig, train
+from libra.train import iter_metrics, read_step, step_file
 from libra.trainer import (
     Batch,
     FSDPTrainer,

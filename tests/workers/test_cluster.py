@@ -16,11 +16,11 @@ import pytest
 from libra.alloc import CallTiming
 from libra.config import load_config
 from libra.engine import jobs_for, rollout
+from libra.launch import TrainRunConfig, train
 from libra.serving import VLLMServerConfig
-from libra.train import METRICS_FILE, StepRecord, TrainRun, TrainRunConfig, train
+from libra.train import METRICS_FILE, StepRecord, TrainRun
 from libra.trainer import TrainerConfig
-from libra.workers import TimedScheduler, WorkerCluster, open_cluster
-from libra.workers._cluster import rule_planner
+from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
 from libra.workers._ray import ray_missing
 from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama, unavailable
 
@@ -198,7 +198,7 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
     async def after(run: TrainRun, record: StepRecord) -> None:
         # The next step's rollout (submitted already) runs beside the move; its training
         # waits for it here, so that the test knows which world trains it.
-        assert run.allocation is not None
+        assert isinstance(run.allocation, Allocation)  # the workers' own, under the protocol
         await run.allocation.pool.settled()
         timings[:] = run.allocation.cluster.timings
         assert run.allocation.cluster.trainer.resizes == []  # the core is never rebuilt
@@ -252,7 +252,7 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
     )
 
     async def after(run: TrainRun, record: StepRecord) -> None:
-        assert run.allocation is not None
+        assert isinstance(run.allocation, Allocation)  # the workers' own, under the protocol
         await run.allocation.pool.settled()
         assert run.allocation.cluster.trainer.resizes == []
 

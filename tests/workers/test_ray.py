@@ -21,8 +21,8 @@ import pytest
 
 from libra._process import exited_within
 from libra.config import ConfigError, UsageError, load_config
+from libra.launch import TrainRunConfig
 from libra.serving import EMBEDDED_MODEL_NAME
-from libra.train import TrainRunConfig
 from libra.trainer import GRPOConfig, TrainerConfig, TrainerError, TrainerProcess
 from libra.trainer._worker import Train
 from libra.workers import AllocConfig, open_cluster

@@ -3,7 +3,7 @@
 A run folder holds::
 
     config.toml            the resolved config (loads back with ``libra train --config``)
-    metrics.jsonl          one JSON object a step (see ``StepRecord`` in ``_loop``)
+    metrics.jsonl          one JSON object a step (see ``libra.train.StepRecord``)
     rollouts/step-K.jsonl  the records of step K, each appended as it finishes
     weights/vK/            the weights after K optimizer steps (v0: the served start)
     checkpoints/step-K/    what ``libra train --resume`` starts step K from
@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
-from libra.launch import RolloutConfig
+from libra.launch._rollout import RolloutConfig
 from libra.serving import VLLMServerConfig, WeightSyncConfig
-from libra.trainer._config import GRPOConfig, TrainConfig
-from libra.trainer._fsdp import TrainerConfig
-from libra.trainer._logprobs import LogprobsMode
-from libra.workers._cluster import AllocConfig
+from libra.train import Mode
+from libra.trainer import GRPOConfig, LogprobsMode, TrainConfig, TrainerConfig
+from libra.workers import AllocConfig
 
-Mode = Literal["sync", "one-step-off"]
 # What the loop itself sets in each step's rollout: naming them in [rollout] is an error.
 _LOOP_OWNED = ("n", "out", "plot", "samples_per_prompt", "tasks")
 
