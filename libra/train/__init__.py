@@ -6,19 +6,18 @@ on are seen through ``libra.alloc``'s protocols only."""
 
 from libra.train._attach import AttachError, check_attached, problems_of
 from libra.train._gateway import SESSION_HEADER, Gateway, GatewaySyncError, find_gateway
+from libra.train._groups import StepGroups
 from libra.train._loop import (
-    METRICS_FILE,
     CheckpointHook,
     NothingToResume,
     Progress,
-    ServedWeights,
-    StepRecord,
     TrainRun,
-    iter_metrics,
     no_progress,
     prepare_run_dir,
     run_steps,
 )
+from libra.train._metrics import METRICS_FILE, StepRecord, iter_metrics, step_record
+from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
 from libra.train._settings import Mode, RunSettings
 
@@ -32,9 +31,11 @@ __all__ = [
     "Mode",
     "NothingToResume",
     "Progress",
+    "Publisher",
     "RolloutLog",
     "RunSettings",
     "ServedWeights",
+    "StepGroups",
     "StepRecord",
     "TrainRun",
     "check_attached",
@@ -47,4 +48,5 @@ __all__ = [
     "read_step",
     "run_steps",
     "step_file",
+    "step_record",
 ]
