@@ -61,9 +61,10 @@ from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
 from libra.sched.policies import REGISTRY
 from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLLMServerConfig
 from libra.signals import ToolSignal
-from libra.trainer._fsdp import TrainerConfig
+from libra.trainer import TrainerConfig
 from libra.workers._elastic import ElasticTrainer
-from libra.workers._ray import open_ray_workers, ray_missing
+from libra.workers._ray import ray_missing
+from libra.workers._ray_workers import open_ray_workers
 
 CurrentWeights = Callable[[], tuple[Path | None, int]]
 

@@ -23,11 +23,11 @@ from libra._process import exited_within
 from libra.config import ConfigError, UsageError, load_config
 from libra.launch import TrainRunConfig
 from libra.serving import EMBEDDED_MODEL_NAME
-from libra.trainer import GRPOConfig, TrainerConfig, TrainerError, TrainerProcess
-from libra.trainer._worker import Train
-from libra.workers import AllocConfig, open_cluster
-from libra.workers._elastic import ElasticTrainer
-from libra.workers._ray import RayTrainer, RayWorkers, import_ray, ray_missing
+from libra.trainer import GRPOConfig, Train, TrainerConfig, TrainerError, TrainerProcess
+from libra.workers import AllocConfig, ElasticTrainer, open_cluster
+from libra.workers._ray import import_ray, ray_missing
+from libra.workers._ray_trainer import RayTrainer
+from libra.workers._ray_workers import RayWorkers
 from tests._helpers import BREVITY, real_config, tiny_llama, unavailable
 from tests.trainer._ranks import (
     Fail,
@@ -221,7 +221,7 @@ import threading
 import time
 
 import ray
-from libra.workers._ray import ray_started
+from libra.workers._ray_workers import ray_started
 
 held = ray_started([(0,)], None)
 starter = threading.Thread(target=held.__enter__)
