@@ -44,8 +44,8 @@ from libra.trainer import (
     TrainerConfig,
     build_batch,
     export_weights,
+    micro_batch_logprobs,
     spawn,
-    token_logprobs,
 )
 from libra.workers import ElasticTrainer
 
@@ -136,13 +136,7 @@ def bench_train(
 
 
 def _loss(model: nn.Module, micro: MicroBatch, scale: float) -> torch.Tensor:
-    logits = model(
-        input_ids=micro.input_ids,
-        position_ids=micro.position_ids,
-        attention_mask=micro.attention_mask,
-        use_cache=False,
-    ).logits
-    loss, _ = micro.loss(token_logprobs(logits, micro.targets), GRPOConfig())
+    loss, _ = micro.loss(micro_batch_logprobs(model, micro), GRPOConfig())
     return loss * scale
 
 

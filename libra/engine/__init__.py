@@ -25,7 +25,9 @@ from libra.engine._http import (
 from libra.engine._httptools import HttptoolsTransport
 from libra.engine._records import (
     SamplingRecord,
+    Status,
     Timings,
+    TokenSource,
     ToolReturnRecord,
     TrajectoryRecord,
     WeightSpan,
@@ -76,9 +78,11 @@ __all__ = [
     "SamplingRecord",
     "ServerTrouble",
     "ServerUnavailable",
+    "Status",
     "TemplateRenderer",
     "Timings",
     "TokenLog",
+    "TokenSource",
     "ToolReturnRecord",
     "TrajectoryJob",
     "TrajectoryRecord",

@@ -16,7 +16,9 @@ from libra.trainer._checkpoint import (
     RunState,
     WriteCheckpoint,
     find_latest,
+    load_trainer_state,
     resume,
+    save_trainer_state,
     truncate_metrics,
 )
 from libra.trainer._config import (
@@ -32,6 +34,7 @@ from libra.trainer._fsdp import (
     FSDPTrainer,
     StepMetrics,
     TrainerConfig,
+    full_tensor,
     init_distributed,
     split_by_tokens,
 )
@@ -70,6 +73,7 @@ from libra.trainer._worker import (
     TrainResult,
     combine_loss_metrics,
     grpo_micro_batch_loss,
+    micro_batch_logprobs,
 )
 
 __all__ = [
@@ -108,14 +112,18 @@ __all__ = [
     "combine_loss_metrics",
     "export_weights",
     "find_latest",
+    "full_tensor",
     "group_advantages",
     "grpo_loss",
     "grpo_micro_batch_loss",
     "init_distributed",
+    "load_trainer_state",
     "logprob_gap",
+    "micro_batch_logprobs",
     "plan_micro_batches",
     "records_logprob_gap",
     "resume",
+    "save_trainer_state",
     "sequence_logprobs",
     "sequence_token_weight",
     "servable_model",

@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from libra.engine import TrajectoryRecord
-from libra.engine._records import Status, TokenSource
+from libra.engine import Status, TokenSource, TrajectoryRecord
 from libra.trainer._config import GRPOConfig, Layout, TrainConfig
 from libra.trainer._loss import LossMetrics, grpo_loss, sequence_token_weight, staleness_weight
 

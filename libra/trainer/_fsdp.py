@@ -272,14 +272,16 @@ class FSDPTrainer:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient, on CPU, on every rank (collective)."""
         return {
-            name: _full(param.grad).cpu()
+            name: full_tensor(param.grad).cpu()
             for name, param in self.model.named_parameters()
             if param.grad is not None
         }
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole value, on CPU, on every rank (collective)."""
-        return {name: _full(param.detach()).cpu() for name, param in self.model.named_parameters()}
+        return {
+            name: full_tensor(param.detach()).cpu() for name, param in self.model.named_parameters()
+        }
 
     # --------------------------------------------------------------- checkpoints
 
@@ -334,7 +336,7 @@ class FSDPTrainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(_full(norm))
+        return float(full_tensor(norm))
 
     def _check_same_count(self, count: int) -> None:
         """Unequal micro-batch counts would hang FSDP's collectives: fail on all ranks."""
@@ -382,7 +384,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def _full(tensor: Any) -> torch.Tensor:
+def full_tensor(tensor: Any) -> torch.Tensor:
     """A DTensor's whole value (collective), or the tensor itself."""
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor

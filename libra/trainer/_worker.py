@@ -121,7 +121,7 @@ class TrainerCommand(Protocol[R_co]):
 
 class TrainerWorld(Protocol):
     """One world of FSDP ranks as the loop drives it, whatever runs them: processes
-    here (:class:`TrainerProcess`) or Ray actors (``libra.workers._ray.RayTrainer``)."""
+    here (:class:`TrainerProcess`) or Ray actors (``libra.workers._ray_trainer.RayTrainer``)."""
 
     @property
     def world_size(self) -> int: ...
@@ -154,15 +154,23 @@ def grpo_micro_batch_loss(
     out: list[LossMetrics],
 ) -> torch.Tensor:
     """``micro``'s share of the batch's GRPO loss, times ``scale`` (see the module)."""
+    loss, metrics = micro.loss(micro_batch_logprobs(model, micro, temperature), grpo)
+    out.append(metrics)
+    return loss * scale
+
+
+def micro_batch_logprobs(
+    model: nn.Module, micro: MicroBatch, temperature: float = 1.0
+) -> torch.Tensor:
+    """The model's forward pass over ``micro`` (packed or padded, as its ids and masks
+    say): the logprobs of its targets at ``temperature``."""
     logits = model(
         input_ids=micro.input_ids,
         position_ids=micro.position_ids,
         attention_mask=micro.attention_mask,
         use_cache=False,
     ).logits
-    loss, metrics = micro.loss(token_logprobs(logits, micro.targets, temperature), grpo)
-    out.append(metrics)
-    return loss * scale
+    return token_logprobs(logits, micro.targets, temperature)
 
 
 _SUMMED = ("policy_loss", "kl_loss", "tokens", "gap_tokens")

@@ -16,17 +16,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from libra.trainer._batch import MicroBatch
-from libra.trainer._config import GRPOConfig
-from libra.trainer._fsdp import _full
-from libra.trainer._loss import LossMetrics
-from libra.trainer._worker import grpo_micro_batch_loss
+from libra.trainer import GRPOConfig, LossMetrics, MicroBatch, full_tensor, grpo_micro_batch_loss
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from libra.trainer._fsdp import FSDPTrainer
+    from libra.trainer import FSDPTrainer
 
 
 class BridgeBroken(RuntimeError):
@@ -209,7 +205,9 @@ class BridgedStep:
 
         bridge = _in_bridge()
         params = list(model.parameters())
-        whole = [_full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in params]
+        whole = [
+            full_tensor(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in params
+        ]
         # Each of a world's ranks holds the world's whole gradient: a share of it each.
         flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in whole]) / self.world
         try:
@@ -252,7 +250,7 @@ def send_parameters(bridge: _Bridge, model: nn.Module) -> None:
 
     params = list(model.parameters())
     if bridge.core:
-        flat = torch.cat([_full(p.detach()).reshape(-1).float().cpu() for p in params])
+        flat = torch.cat([full_tensor(p.detach()).reshape(-1).float().cpu() for p in params])
     else:
         flat = torch.empty(sum(p.numel() for p in params))
     _broadcast(bridge, flat)

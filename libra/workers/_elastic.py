@@ -35,19 +35,20 @@ from typing import TYPE_CHECKING, Self, TypeVar
 
 import anyio
 
-from libra.trainer._checkpoint import load_trainer_state, save_trainer_state
-from libra.trainer._fsdp import TrainerConfig
-from libra.trainer._worker import (
+from libra.trainer import (
     Train,
     TrainerCommand,
+    TrainerConfig,
     TrainerError,
     TrainerProcess,
     TrainerWorld,
+    load_trainer_state,
+    save_trainer_state,
 )
 from libra.workers._hybrid import HybridGroup
 
 if TYPE_CHECKING:
-    from libra.trainer._fsdp import FSDPTrainer
+    from libra.trainer import FSDPTrainer
 
 T = TypeVar("T")
 

@@ -38,8 +38,8 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 
-from libra.trainer._fsdp import StepMetrics
-from libra.trainer._worker import (
+from libra.trainer import (
+    StepMetrics,
     Train,
     TrainerCommand,
     TrainerError,

@@ -28,11 +28,11 @@ from libra.trainer import (
     Batch,
     GRPOConfig,
     Layout,
-    MicroBatch,
     Sample,
     TrainConfig,
     build_batch,
     grpo_loss,
+    micro_batch_logprobs,
     plan_micro_batches,
     token_logprobs,
 )
@@ -289,20 +289,10 @@ def tiny_model() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def logprobs_of(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-    logits = model(
-        input_ids=micro.input_ids,
-        position_ids=micro.position_ids,
-        attention_mask=micro.attention_mask,
-        use_cache=False,
-    ).logits
-    return token_logprobs(logits, micro.targets)
-
-
 def step_loss(model: torch.nn.Module, batch: Batch, grpo: GRPOConfig) -> torch.Tensor:
     total = torch.zeros(())
     for micro in batch.micro_batches:
-        loss, _ = micro.loss(logprobs_of(model, micro), grpo)
+        loss, _ = micro.loss(micro_batch_logprobs(model, micro), grpo)
         total = total + loss
     return total
 
@@ -350,7 +340,7 @@ def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
     # The reference: every sample in one padded micro-batch, weights from its rows.
     [whole] = batch("padded", 10_000).micro_batches
     reference, _ = grpo_loss(
-        logprobs_of(tiny_model, whole),
+        micro_batch_logprobs(tiny_model, whole),
         whole.old_logprobs,
         whole.advantages,
         whole.loss_mask,

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from libra.trainer import GRPOConfig, TrainerConfig, TrainerProcess
-from libra.trainer._worker import Train
-from libra.workers._elastic import ElasticTrainer
+from libra.trainer import GRPOConfig, Train, TrainerConfig, TrainerProcess
+from libra.workers import ElasticTrainer
 from tests._helpers import tiny_llama
 from tests.trainer._ranks import FullParameters, assert_close, assert_equal, batch
 

@@ -18,9 +18,8 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from libra.trainer import GRPOConfig, TrainerConfig, TrainerProcess
-from libra.trainer._worker import Train, TrainResult
-from libra.workers._elastic import ElasticTrainer
+from libra.trainer import GRPOConfig, Train, TrainerConfig, TrainerProcess, TrainResult
+from libra.workers import ElasticTrainer
 from tests._helpers import tiny_llama
 from tests.trainer._ranks import FullParameters, RankPids, assert_close, assert_equal, batch
 
