@@ -1,4 +1,5 @@
-"""``libra train``: the RL loop (``libra.train.train``); ``libra plot RUN_DIR``: its curves."""
+"""``libra train``: the RL loop (``libra.launch.train`` assembles the run, ``libra.train``
+loops over it); ``libra plot RUN_DIR``: its curves."""
 
 from __future__ import annotations
 

@@ -107,7 +107,8 @@ class StepMetrics:
 
 
 class GradientExchange(Protocol):
-    """What one optimizer step does over a hybrid gradient group (``_bridge.BridgedStep``)."""
+    """What one optimizer step does over a hybrid gradient group
+    (``libra.workers._bridge.BridgedStep``)."""
 
     @property
     def core(self) -> bool:

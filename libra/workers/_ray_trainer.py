@@ -101,7 +101,7 @@ class _RankEnded(Exception):
 class RayTrainer:
     """One world of FSDP ranks as Ray actors, rank ``r`` started with ``placements[r]``
     (Ray actor options: its worker's bundle and share) and pinned to ``cores[r]`` when
-    given. The interface is :class:`~libra.trainer._worker.TrainerProcess`'s: a rank whose
+    given. The interface is :class:`~libra.trainer.TrainerProcess`'s: a rank whose
     actor dies makes :meth:`call` and :meth:`watch` raise ``trainer rank N died ...``."""
 
     def __init__(
