@@ -1,6 +1,6 @@
 """What the trainer tests share: a micro-batch, its loss, and small Llama folders.
 
-Module level, so that ranks spawned by ``libra.train.spawn`` can import what they run.
+Module level, so that ranks spawned by ``libra.trainer.spawn`` can import what they run.
 """
 
 from __future__ import annotations
