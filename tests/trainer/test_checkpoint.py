@@ -288,7 +288,7 @@ def checkpoint_forever(model_dir: Path, run_dir: Path) -> None:
 
 
 def _python(call: str) -> subprocess.Popen[bytes]:
-    code = f"from pathlib import Path\nfrom tests.train.test_checkpoint import *\n{call}\n"
+    code = f"from pathlib import Path\nfrom tests.trainer.test_checkpoint import *\n{call}\n"
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)

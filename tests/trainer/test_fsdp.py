@@ -148,7 +148,7 @@ def test_ranks_die_with_the_process_that_spawned_them(tmp_path: Path) -> None:
     """A loop killed with SIGKILL must not leave ranks computing for nobody."""
     pid_file = tmp_path / "rank.pid"
     script = (
-        "from pathlib import Path; from libra.train import spawn; "
+        "from pathlib import Path; from libra.trainer import spawn; "
         "from tests.trainer._ranks import write_pid_and_sleep; "
         f"spawn(1, write_pid_and_sleep, Path({str(pid_file)!r}))"
     )
