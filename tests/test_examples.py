@@ -10,8 +10,7 @@ from pydantic import BaseModel
 
 from libra.cli._serve import ServeConfig
 from libra.config import load_config
-from libra.launch import RolloutConfig
-from libra.train import TrainRunConfig
+from libra.launch import RolloutConfig, TrainRunConfig
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 COMMANDS: dict[str, type[BaseModel]] = {

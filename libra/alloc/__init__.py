@@ -33,6 +33,7 @@ from libra.alloc._protocol import (
     Prediction,
     Role,
     Stage,
+    StepAllocation,
     StepTiming,
     Workload,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "RolloutCost",
     "RooflinePlanner",
     "Stage",
+    "StepAllocation",
     "StepTiming",
     "TailLender",
     "TailRule",

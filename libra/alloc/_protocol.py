@@ -10,8 +10,13 @@ with a richer emulated truth is a fair one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from libra.alloc._tail import TailLender
+    from libra.engine import TrajectoryRecord
 
 Stage = Literal["rollout", "training"]
 """Where a worker's accelerators are in use."""
@@ -144,4 +149,24 @@ class Cluster(Protocol):
 
     async def leave_training(self, worker: int) -> None:
         """``worker`` stops training (its share goes back to the others)."""
+        ...
+
+
+class StepAllocation(Protocol):
+    """A run's allocation as the RL loop sees it: after each step, the step's timing and
+    workload go in and the decision comes out (for the step's metrics line); with
+    ``[alloc.tail]``, the lender of the hybrid units the rollout's tail leaves idle."""
+
+    @property
+    def tail(self) -> TailLender | None: ...
+
+    def after_step(
+        self,
+        step: int,
+        seconds: tuple[float, float],
+        tokens: int,
+        records: Sequence[TrajectoryRecord],
+    ) -> dict[str, object]:
+        """``seconds``: the step's rollout and what the rollout waits for in training;
+        ``tokens`` trained. What the loop decided and where the workers are."""
         ...

@@ -8,9 +8,9 @@ micro-batches, three ways, each in processes of its own:
 - :class:`FSDPTrainer` on 1 rank and on 2 ranks (each rank its share of the micro-batches
   and of the cores), and after each step the weight export a sync into the servers
   starts with (``export_weights``: the shards gathered and written as a model folder);
-- the same shares on one core rank and hybrid replicas (``libra.train._hybrid``: the
+- the same shares on one core rank and hybrid replicas (``libra.workers._hybrid``: the
   gradients and parameters cross the hybrid gradient group's bridge every step), as the
-  :class:`~libra.train._elastic.ElasticTrainer` runs them once hybrid workers join.
+  :class:`~libra.workers._elastic.ElasticTrainer` runs them once hybrid workers join.
 
 The batch is built by ``build_batch`` from samples of real token ids (the model's
 tokenizer on chat-like prompts and answers), in GRPO groups with varied rewards. The
@@ -32,21 +32,22 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from libra.train import (
+from libra.trainer import (
     Batch,
+    Export,
     FSDPTrainer,
     GRPOConfig,
     MicroBatch,
     Sample,
+    Train,
     TrainConfig,
     TrainerConfig,
     build_batch,
     export_weights,
+    micro_batch_logprobs,
     spawn,
-    token_logprobs,
 )
-from libra.train._elastic import ElasticTrainer
-from libra.train._worker import Export, Train
+from libra.workers import ElasticTrainer
 
 if TYPE_CHECKING:
     import torch
@@ -135,13 +136,7 @@ def bench_train(
 
 
 def _loss(model: nn.Module, micro: MicroBatch, scale: float) -> torch.Tensor:
-    logits = model(
-        input_ids=micro.input_ids,
-        position_ids=micro.position_ids,
-        attention_mask=micro.attention_mask,
-        use_cache=False,
-    ).logits
-    loss, _ = micro.loss(token_logprobs(logits, micro.targets), GRPOConfig())
+    loss, _ = micro.loss(micro_batch_logprobs(model, micro), GRPOConfig())
     return loss * scale
 
 

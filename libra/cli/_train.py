@@ -1,4 +1,5 @@
-"""``libra train``: the RL loop (``libra.train.train``); ``libra plot RUN_DIR``: its curves."""
+"""``libra train``: the RL loop (``libra.launch.train`` assembles the run, ``libra.train``
+loops over it); ``libra plot RUN_DIR``: its curves."""
 
 from __future__ import annotations
 
@@ -18,18 +19,16 @@ from libra.cli._config import add_config_arguments
 from libra.cli._progress import counters
 from libra.config import load_config
 from libra.engine import RolloutStats
+from libra.launch import TrainRunConfig, train
 from libra.train import (
     METRICS_FILE,
     AttachError,
     GatewaySyncError,
     NothingToResume,
     StepRecord,
-    TrainerError,
-    TrainRunConfig,
-    find_latest,
     iter_metrics,
-    train,
 )
+from libra.trainer import TrainerError, find_latest
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

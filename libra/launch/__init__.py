@@ -2,7 +2,8 @@
 
 Fleets (emulated, the embedded vLLM, URLs or a ``[fleet]`` of buckets), sandboxes, the
 scheduler with its saved state, and the engine over them are assembled here, once, for
-every front end: the command line, the trainer, the gateway and the allocation loop.
+every front end: ``libra rollout``, ``libra train`` (its run: trainer, workers, fleet,
+engine and session, then the RL loop over it), the gateway and the allocation loop.
 Runtime packages never import this, nor the policies or the emulator it wires in.
 """
 
@@ -17,6 +18,8 @@ from libra.launch._scheduler import (
     scheduler_forest,
 )
 from libra.launch._tasks import read_tasks
+from libra.launch._train import open_run, train
+from libra.launch._train_config import TrainRunConfig
 
 __all__ = [
     "SCHEDULERS",
@@ -26,14 +29,17 @@ __all__ = [
     "RolloutConfig",
     "SandboxKind",
     "SchedulerName",
+    "TrainRunConfig",
     "beside",
     "build_scheduler",
     "local_templates",
     "open_engine",
     "open_fleet",
+    "open_run",
     "open_sandboxes",
     "read_tasks",
     "save_scheduler_state",
     "scheduler_forest",
+    "train",
     "warm_up",
 ]

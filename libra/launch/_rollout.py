@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +23,7 @@ from libra.launch._scheduler import (
     build_scheduler,
     save_scheduler_state,
 )
-from libra.sched import poll_metrics
+from libra.sched import Scheduler, poll_metrics
 from libra.sched.policies import CMLFQConfig
 from libra.serving import CurrentWeights, ServerProcess, ServerSupervisor, SupervisorConfig
 
@@ -84,6 +84,8 @@ class Assembled:
     engine: Engine
     fleet: Fleet
     supervisor: ServerSupervisor  # of the servers started for this run (none: idle)
+    #: The run's scheduler (the engine's, unless a ``wrap_scheduler`` wrapped it there).
+    scheduler: Scheduler
 
 
 def _waiting_for_restarts(config: RolloutConfig) -> EngineConfig:
@@ -106,14 +108,16 @@ async def open_engine(
     servers: Mapping[str, ServerProcess] | None = None,
     weights: CurrentWeights | None = None,
     headers: Mapping[str, str] | None = None,
+    wrap_scheduler: Callable[[Scheduler], Scheduler] | None = None,
 ) -> AsyncIterator[Assembled]:
     """Open sandboxes and fleet (``warm`` containers start while the servers do), build
     the scheduler (from its saved state) and the engine; poll the servers' metrics if
     asked. The servers started for this run (the fleet's own, and ``servers`` the caller
     started, by instance name) are supervised: restarted when they die or hang, with
     ``weights`` (default: the weights they start on). ``headers`` go with every request
-    to the servers (a gateway's ``Authorization``). On exit the scheduler's state is
-    saved and everything is closed."""
+    to the servers (a gateway's ``Authorization``). The engine routes through
+    ``wrap_scheduler(scheduler)`` if given (one that also times every call, say). On exit
+    the scheduler's state is saved and everything is closed."""
     async with AsyncExitStack() as stack:
         sandboxes = await stack.enter_async_context(
             open_sandboxes(env_cls, config.sandbox, config.sandbox_pool)
@@ -140,7 +144,7 @@ async def open_engine(
         owned = {**fleet.servers, **(servers or {})}
         engine = Engine(
             fleet.http,
-            scheduler,
+            scheduler if wrap_scheduler is None else wrap_scheduler(scheduler),
             config=_waiting_for_restarts(config) if owned else config.engine,
             sandboxes=sandboxes,
         )
@@ -154,6 +158,6 @@ async def open_engine(
                 group.start_soon(poll_metrics, scheduler.router, get, interval)
             if owned:
                 group.start_soon(supervisor.run)
-            yield Assembled(engine, fleet, supervisor)
+            yield Assembled(engine, fleet, supervisor, scheduler)
             group.cancel_scope.cancel()
         save_scheduler_state(scheduler, config.scheduler_state)

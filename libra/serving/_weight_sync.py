@@ -2,7 +2,7 @@
 prefix cache, bump the endpoint's ``weight_version``, resume.
 
 :class:`WeightSync` points each server at a Hugging Face folder of new weights (the
-trainer's export, ``libra.train.export_weights``): pause (in the configured mode),
+trainer's export, ``libra.trainer.export_weights``): pause (in the configured mode),
 ``reload_weights`` with ``weights_path``, reset the prefix cache (KV computed by the old
 weights must not be reused), bump the endpoint's version, resume. The training loop and
 the gateway's admin API both sync through it.
@@ -108,7 +108,7 @@ class WeightSync:
         self.transport = transport
 
     async def sync(self, weights: str | Path, version: int) -> SyncReport:
-        """Load ``weights`` (a folder from ``libra.train.export_weights``) into every
+        """Load ``weights`` (a folder from ``libra.trainer.export_weights``) into every
         endpoint."""
         path = Path(await anyio.Path(weights).resolve())
         if not await anyio.Path(path / WEIGHTS_FILE).is_file():

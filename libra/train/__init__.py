@@ -1,179 +1,52 @@
-"""Training: batches from rollout records, the GRPO loss, the FSDP2 trainer, weight sync
-into the serving fleet, trainer/server logprob agreement, checkpoints to resume from, and
-the loop of ``libra train``."""
+"""The RL loop of ``libra train``: one rollout session, a step's groups into a GRPO batch,
+training, weights published to the servers, checkpoints and the metrics line; the gateway
+client and the attach checks of a run that serves elsewhere. The run it loops over is
+assembled by ``libra.launch`` (``open_run``, ``train``); the workers it trains and serves
+on are seen through ``libra.alloc``'s protocols only."""
 
 from libra.train._attach import AttachError, check_attached, problems_of
-from libra.train._batch import (
-    Batch,
-    MicroBatch,
-    Sample,
-    build_batch,
-    group_advantages,
-    plan_micro_batches,
-)
-from libra.train._checkpoint import (
-    Checkpoint,
-    Persistent,
-    RestoreCheckpoint,
-    RunState,
-    WriteCheckpoint,
-    find_latest,
-    resume,
-    truncate_metrics,
-)
-from libra.train._cluster import (
-    Allocation,
-    AllocConfig,
-    TimedScheduler,
-    WorkerCluster,
-    open_cluster,
-)
-from libra.train._config import (
-    Aggregation,
-    FailureRule,
-    GRPOConfig,
-    Layout,
-    StaleRule,
-    TrainConfig,
-)
-from libra.train._elastic import ElasticTrainer, LoadState, Resize, SaveState, ZeroSync
-from libra.train._fsdp import (
-    DistContext,
-    FSDPTrainer,
-    StepMetrics,
-    TrainerConfig,
-    init_distributed,
-    split_by_tokens,
-)
-from libra.train._gateway import GatewaySyncError
-from libra.train._logprobs import (
-    LogprobGap,
-    LogprobsMode,
-    logprob_gap,
-    records_logprob_gap,
-    sequence_logprobs,
-    server_logprob_temperature,
-    server_prompt_logprobs,
-)
+from libra.train._gateway import SESSION_HEADER, Gateway, GatewaySyncError, find_gateway
+from libra.train._groups import StepGroups
 from libra.train._loop import (
-    METRICS_FILE,
     CheckpointHook,
     NothingToResume,
-    StepRecord,
+    Progress,
     TrainRun,
-    iter_metrics,
-    open_run,
-    train,
+    no_progress,
+    prepare_run_dir,
+    run_steps,
 )
-from libra.train._loss import (
-    LossMetrics,
-    aggregation_weights,
-    grpo_loss,
-    sequence_token_weight,
-    staleness_weight,
-    token_logprobs,
-)
+from libra.train._metrics import METRICS_FILE, StepRecord, iter_metrics, step_record
+from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
-from libra.train._run import Mode, TrainRunConfig
-from libra.train._spawn import spawn
-from libra.train._weights import (
-    export_weights,
-    servable_model,
-    write_weights_folder,
-)
-from libra.train._worker import (
-    Export,
-    Logprobs,
-    RankExit,
-    Train,
-    TrainerCommand,
-    TrainerError,
-    TrainerProcess,
-    TrainResult,
-    combine_loss_metrics,
-    grpo_micro_batch_loss,
-)
+from libra.train._settings import Mode, RunSettings
 
 __all__ = [
     "METRICS_FILE",
-    "Aggregation",
-    "AllocConfig",
-    "Allocation",
+    "SESSION_HEADER",
     "AttachError",
-    "Batch",
-    "Checkpoint",
     "CheckpointHook",
-    "DistContext",
-    "ElasticTrainer",
-    "Export",
-    "FSDPTrainer",
-    "FailureRule",
-    "GRPOConfig",
+    "Gateway",
     "GatewaySyncError",
-    "Layout",
-    "LoadState",
-    "LogprobGap",
-    "Logprobs",
-    "LogprobsMode",
-    "LossMetrics",
-    "MicroBatch",
     "Mode",
     "NothingToResume",
-    "Persistent",
-    "RankExit",
-    "Resize",
-    "RestoreCheckpoint",
+    "Progress",
+    "Publisher",
     "RolloutLog",
-    "RunState",
-    "Sample",
-    "SaveState",
-    "StaleRule",
-    "StepMetrics",
+    "RunSettings",
+    "ServedWeights",
+    "StepGroups",
     "StepRecord",
-    "TimedScheduler",
-    "Train",
-    "TrainConfig",
-    "TrainResult",
     "TrainRun",
-    "TrainRunConfig",
-    "TrainerCommand",
-    "TrainerConfig",
-    "TrainerError",
-    "TrainerProcess",
-    "WorkerCluster",
-    "WriteCheckpoint",
-    "ZeroSync",
-    "aggregation_weights",
-    "build_batch",
     "check_attached",
-    "combine_loss_metrics",
-    "export_weights",
-    "find_latest",
-    "group_advantages",
-    "grpo_loss",
-    "grpo_micro_batch_loss",
-    "init_distributed",
+    "find_gateway",
     "iter_metrics",
     "keep_reusable",
-    "logprob_gap",
-    "open_cluster",
-    "open_run",
-    "plan_micro_batches",
+    "no_progress",
+    "prepare_run_dir",
     "problems_of",
     "read_step",
-    "records_logprob_gap",
-    "resume",
-    "sequence_logprobs",
-    "sequence_token_weight",
-    "servable_model",
-    "server_logprob_temperature",
-    "server_prompt_logprobs",
-    "spawn",
-    "split_by_tokens",
-    "staleness_weight",
+    "run_steps",
     "step_file",
-    "token_logprobs",
-    "train",
-    "truncate_metrics",
-    "write_weights_folder",
+    "step_record",
 ]

@@ -9,7 +9,7 @@ been. Three things break training silently if it was not, so each is an error he
   and ``raw_logprobs`` against a trainer computing at the sampling temperature (or the
   reverse) skews every ratio;
 - **untied embeddings**: on a reload vLLM keeps a tied model's old LM head (see
-  ``libra.train._weights``), so the server must run on an untied folder.
+  ``libra.trainer._weights``), so the server must run on an untied folder.
 
 vLLM reports its whole config at ``/server_info`` (dev mode only).
 """
@@ -70,7 +70,7 @@ def problems_of(info: dict[str, Any], logprobs_mode: str) -> list[str]:
     if _tied(Path(str(model.get("model", "")))):
         problems.append(
             f"serves {model.get('model')}, whose embeddings are tied: a reload would keep its "
-            "old LM head; serve an untied copy (libra.train.servable_model writes one)"
+            "old LM head; serve an untied copy (libra.trainer.servable_model writes one)"
         )
     return problems
 

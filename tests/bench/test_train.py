@@ -10,7 +10,7 @@ import pytest
 
 from libra.cli import main
 from libra.serving import prepare_model
-from tests.train._ranks import save_llama
+from tests.trainer._ranks import save_llama
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -17,7 +17,8 @@ import pytest
 
 from libra.cli import main
 from libra.config import load_config
-from libra.train import METRICS_FILE, StepRecord, TrainRunConfig
+from libra.launch import TrainRunConfig
+from libra.train import METRICS_FILE, StepRecord
 from tests._helpers import BREVITY, children_of, cmdline_of
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same
@@ -223,7 +224,7 @@ def _distance(first: Path, second: Path) -> float:
 
 def test_a_stopped_run_says_where_resume_goes_on_and_what_it_redoes(tmp_path: Path) -> None:
     from libra.cli._train import resume_hint
-    from libra.train import RunState
+    from libra.trainer import RunState
 
     assert "no checkpoint to resume from" in resume_hint(tmp_path)
     checkpoint = tmp_path / "checkpoints" / "step-00000002"

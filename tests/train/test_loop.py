@@ -29,7 +29,9 @@ import pytest
 import torch
 
 from libra.config import load_config
-from libra.train import (
+from libra.launch import TrainRunConfig, train
+from libra.train import iter_metrics, read_step, step_file
+from libra.trainer import (
     Batch,
     FSDPTrainer,
     GRPOConfig,
@@ -37,18 +39,13 @@ from libra.train import (
     Train,
     TrainConfig,
     TrainerConfig,
-    TrainRunConfig,
     build_batch,
     combine_loss_metrics,
     find_latest,
-    iter_metrics,
-    read_step,
     spawn,
-    step_file,
-    train,
 )
 from tests._helpers import BREVITY, children_of, cmdline_of, is_alive, tiny_llama
-from tests.train._ranks import samples as two_groups
+from tests.trainer._ranks import samples as two_groups
 
 pytestmark = pytest.mark.anyio
 # Each run spawns the trainer's processes (seconds): one backend, but for the first test.
@@ -189,7 +186,7 @@ def reference_gradient_norm(model_dir: Path, batch: Batch, grpo: GRPOConfig) -> 
     """The batch's loss computed at once on a plain model (one micro-batch), backward."""
     from transformers import AutoModelForCausalLM
 
-    from libra.train import token_logprobs
+    from libra.trainer import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     [micro] = batch.micro_batches

@@ -1,0 +1,250 @@
+"""``libra train``'s run, assembled: the trainer's processes (or the worker cluster with
+``[alloc]``), the serving fleet (our own vLLM in dev mode on an untied copy of the model,
+servers given by URL, a ``libra serve`` gateway, or the emulator), sandboxes, scheduler
+and engine (:func:`open_engine`), and one rollout session; then the RL loop
+(``libra.train``) runs on it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import anyio
+from rich.console import Console
+
+from libra.alloc import (
+    AllocationLoop,
+    CallTiming,
+    HybridPool,
+    Layout,
+    PoolConfig,
+    TailLender,
+    start_layout,
+)
+from libra.engine import RolloutSession
+from libra.envs import Env, load_env
+from libra.envs import env_name as registered_name
+from libra.fleet import FleetSpec
+from libra.launch._rollout import open_engine
+from libra.launch._scheduler import scheduler_forest
+from libra.launch._train_config import TrainRunConfig
+from libra.sched import Scheduler
+from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
+from libra.train import (
+    SESSION_HEADER,
+    CheckpointHook,
+    Gateway,
+    Progress,
+    RolloutLog,
+    ServedWeights,
+    StepRecord,
+    TrainRun,
+    check_attached,
+    find_gateway,
+    no_progress,
+    prepare_run_dir,
+    run_steps,
+)
+from libra.trainer import TrainerProcess, TrainerWorld, find_latest, servable_model
+from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
+
+
+async def train(
+    config: TrainRunConfig,
+    *,
+    resume: bool = False,
+    checkpoint: CheckpointHook | None = None,
+    on_step: Callable[[StepRecord], None] = lambda record: None,
+    progress: Progress = no_progress,
+) -> list[StepRecord]:
+    """Run ``config.steps`` steps (from the newest checkpoint's step with ``resume``);
+    returns the metrics lines of the steps it ran (also in the run folder)."""
+    run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
+    config = _with_saved_forest(config, run_dir) if resume else config
+    env_cls = load_env(config.rollout.env)
+    async with open_run(config, env_cls, run_dir) as run:
+        return await run_steps(
+            run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
+        )
+
+
+def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
+    """The config whose scheduler starts from the newest checkpoint's prefix forest, if
+    it saved one and the config names no state file of its own."""
+    latest = find_latest(run_dir)
+    if latest is None or latest.forest_path is None or config.rollout.scheduler_state:
+        return config
+    rollout = config.rollout.model_copy(update={"scheduler_state": latest.forest_path})
+    return config.model_copy(update={"rollout": rollout})
+
+
+@asynccontextmanager
+async def open_run(
+    config: TrainRunConfig, env_cls: type[Env], run_dir: Path
+) -> AsyncIterator[TrainRun]:
+    """The trainer's processes, the fleet, the engine and one session, all started."""
+    model_dir = config.model_dir
+    if model_dir is None:
+        model_dir = await anyio.to_thread.run_sync(prepare_model)
+    rollout = config.rollout
+    gateway = await _gateway_of(config)
+    async with AsyncExitStack() as stack:
+        weights = ServedWeights()
+        trainer: TrainerWorld
+        cluster: WorkerCluster | None = None
+        server, model = config.server, rollout.model
+        own: dict[str, VLLMServer] = {}
+        if config.alloc is not None and config.alloc.enabled:
+            served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
+            cluster = await stack.enter_async_context(
+                open_cluster(
+                    config.alloc,
+                    config.trainer,
+                    model_dir,
+                    base=served,
+                    server=_own_server_config(config),
+                    weights=weights,
+                    weights_lock=weights.lock,
+                )
+            )  # its trainer loads the model while the servers start
+            trainer = cluster.trainer
+            fleet = await _start_workers(cluster, config.alloc.layout(), _pool_config(config))
+            rollout = rollout.model_copy(update={"fleet": fleet})
+            server, model = None, EMBEDDED_MODEL_NAME
+        else:
+            trainer = await stack.enter_async_context(
+                TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
+            )  # it loads the model while the servers start
+        if cluster is None and server == "embedded":
+            served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
+            console = Console(stderr=True)
+            with console.status(f"starting vLLM (dev mode) on {served}"):
+                vllm = await stack.enter_async_context(_own_server(config, served))
+            console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
+            server, model = vllm.url, EMBEDDED_MODEL_NAME
+            own[vllm.url] = vllm  # its instance is named by its URL
+        elif gateway is not None:
+            server = gateway.url
+        elif server is not None and server != "emulated" and config.reloads:
+            await check_attached(server.split(","), config.logprobs_mode)
+        rollout = rollout.model_copy(update={"server": server, "model": model, "progress": False})
+        warm = min(rollout.sandbox_pool, rollout.engine.concurrency)
+        # With [alloc], every call's timing goes to the allocation loop (built below, once
+        # the pool has the run's router; no call runs before the loop does).
+        calls = _CallTimings()
+        assembled = await stack.enter_async_context(
+            open_engine(
+                rollout,
+                env_cls,
+                warm,
+                servers=own if cluster is None else cluster.servers,
+                weights=weights,
+                headers=gateway.headers if gateway is not None else None,
+                wrap_scheduler=None if cluster is None else partial(TimedScheduler, observe=calls),
+            )
+        )
+        log = stack.enter_context(RolloutLog(run_dir))
+        session = await stack.enter_async_context(RolloutSession(assembled.engine))
+        await trainer.ready()
+        env_name = registered_name(rollout.env, env_cls)
+        scheduler = assembled.scheduler  # the run's own, not the engine's timed wrapper
+        endpoints = list(scheduler.router.endpoints().values())
+        if gateway is not None:  # its scheduler sees each trajectory's turns as one
+            for endpoint in endpoints:
+                endpoint.session_header = SESSION_HEADER
+        run = TrainRun(
+            config,
+            run_dir,
+            env_cls,
+            env_name,
+            trainer,
+            session,
+            endpoints,
+            scheduler,
+            log,
+            weights,
+            gateway,
+            forest=partial(scheduler_forest, scheduler),
+        )
+        if cluster is not None:
+            cluster.supervisor = assembled.supervisor  # watches the instances it starts
+            allocation = await _allocation(stack, config, cluster, scheduler)
+            calls.observe = allocation.loop.observe_call
+            run.allocation = allocation
+        async with anyio.create_task_group() as group:
+            group.start_soon(trainer.watch)
+            group.start_soon(run.read_records)
+            yield run
+            group.cancel_scope.cancel()
+
+
+class _CallTimings:
+    """Where the engine's timed scheduler sends each call's timing: the allocation loop,
+    once it is built."""
+
+    def __init__(self) -> None:
+        self.observe: Callable[[CallTiming], None] = lambda timing: None
+
+    def __call__(self, timing: CallTiming) -> None:
+        self.observe(timing)
+
+
+async def _gateway_of(config: TrainRunConfig) -> Gateway | None:
+    """The ``libra serve`` gateway ``config.server`` names (one URL), or None: a gateway
+    takes the run's rollouts and weight syncs (see ``libra.train.Gateway``)."""
+    server = config.server
+    if server in (None, "embedded", "emulated") or "," in server:
+        return None
+    return await find_gateway(server, sync_timeout_s=config.sync.timeout_s)
+
+
+def _own_server(config: TrainRunConfig, served: Path) -> VLLMServer:
+    """vLLM on ``served`` in dev mode (reloads), with the logprobs the trainer expects."""
+    return VLLMServer(
+        served, served_model_name=EMBEDDED_MODEL_NAME, config=_own_server_config(config)
+    )
+
+
+def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:
+    extra: tuple[str, ...] = ("--logprobs-mode", config.logprobs_mode)
+    if config.export_dtype is not None:
+        extra += ("--dtype", config.export_dtype)
+    return config.vllm.model_copy(
+        update={"dev_mode": True, "extra_args": (*config.vllm.extra_args, *extra)}
+    )
+
+
+# ---------------------------------------------------------------------- [alloc]
+
+
+def _pool_config(config: TrainRunConfig) -> PoolConfig:
+    assert config.alloc is not None
+    return config.alloc.pool.model_copy(update={"model": EMBEDDED_MODEL_NAME})
+
+
+async def _start_workers(cluster: WorkerCluster, layout: Layout, pool: PoolConfig) -> FleetSpec:
+    """Every serving unit's vLLM, started at once: the run's fleet."""
+    console = Console(stderr=True)
+    with console.status(f"starting {len(layout.units())} vLLM servers (dev mode)"):
+        fleet = await start_layout(cluster, layout, pool)
+    for name, vllm in cluster.servers.items():
+        console.print(f"{name}: vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
+    return fleet
+
+
+async def _allocation(
+    stack: AsyncExitStack, config: TrainRunConfig, cluster: WorkerCluster, scheduler: Scheduler
+) -> Allocation:
+    """The pool over the run's router (its moves end before the engine closes) and the
+    loop that decides after each step."""
+    assert config.alloc is not None
+    layout, pool_config = config.alloc.layout(), _pool_config(config)
+    pool = await stack.enter_async_context(
+        HybridPool(cluster, scheduler.router, layout, pool_config)
+    )
+    planner = rule_planner(cluster.base, config.alloc.gpu, config.rollout.scheduler)
+    tail = config.alloc.tail
+    lender = TailLender(pool, tail) if tail is not None else None
+    return Allocation(cluster, pool, AllocationLoop(planner, pool, config.alloc.loop), lender)
