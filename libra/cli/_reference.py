@@ -20,9 +20,8 @@ from pydantic.fields import FieldInfo
 
 from libra.cli import _parser
 from libra.cli._serve import ServeConfig
-from libra.launch import RolloutConfig
+from libra.launch import RolloutConfig, TrainRunConfig
 from libra.serving import VLLMServerConfig
-from libra.train import TrainRunConfig
 
 #: The config each command loads (``--config FILE``, ``--set KEY=VALUE``), in page order.
 CONFIGS: tuple[tuple[str, type[BaseModel]], ...] = (
