@@ -6,8 +6,9 @@ every front end: the command line, the trainer, the gateway and the allocation l
 Runtime packages never import this, nor the policies or the emulator it wires in.
 """
 
+from libra.launch._engine import Assembled, EngineSettings, assemble_engine
 from libra.launch._fleet import Fleet, FleetError, local_templates, open_fleet
-from libra.launch._rollout import Assembled, RolloutConfig, open_engine
+from libra.launch._rollout import RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import (
     SCHEDULERS,
@@ -21,11 +22,13 @@ from libra.launch._tasks import read_tasks
 __all__ = [
     "SCHEDULERS",
     "Assembled",
+    "EngineSettings",
     "Fleet",
     "FleetError",
     "RolloutConfig",
     "SandboxKind",
     "SchedulerName",
+    "assemble_engine",
     "beside",
     "build_scheduler",
     "local_templates",
