@@ -62,25 +62,27 @@ from libra.gateway._auth import Keys
 from libra.gateway._metrics import CONTENT_TYPE as _PROMETHEUS
 from libra.gateway._metrics import GatewayMetrics
 from libra.gateway._protocol import ChatReply, GatewayCore
-from libra.gateway._wire import (
-    ChatRequest,
+from libra.gateway._wire_replies import (
     CompletionOut,
-    CompletionRequest,
     ErrorFields,
     ErrorOut,
     Head,
+    chat_chunks,
+    chat_completion,
+    completion_chunks,
+    public_completion,
+)
+from libra.gateway._wire_requests import (
+    ChatRequest,
+    CompletionRequest,
     ReloadRequest,
     ReportRequest,
     TokenizeRequest,
     WireError,
-    chat_chunks,
-    chat_completion,
     chat_turn,
-    completion_chunks,
     decode,
     decode_chat,
     decode_completion,
-    public_completion,
     upstream_completion,
 )
 from libra.sched import NoEndpointAvailable
