@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from libra.cli import _bench, _images, _rollout, _serve, _train, _vllm
 from libra.config import UsageError
 from libra.envs import SandboxError, available_envs
-from libra.gateway._auth import AuthError
+from libra.gateway import AuthError
 from libra.serving import ModelError, VLLMServerError
 
 # Errors a user can fix from the message alone: print one line, not a traceback. Front

@@ -28,22 +28,22 @@ from libra.cli._config import add_config_arguments
 from libra.cli._http_protocol import ServeHttpToolsProtocol
 from libra.config import load_config
 from libra.emulation import EmulatorConfig
-from libra.engine import Engine, EngineConfig, TransportName
+from libra.engine import EngineConfig, TransportName
 from libra.fleet import FleetSpec
-from libra.gateway import GatewayConfig, Sessions
-from libra.gateway._app import DEFAULT_MAX_BODY_BYTES, create_gateway
-from libra.gateway._auth import Keys, gateway_keys
-from libra.gateway._metrics import GatewayMetrics, Totals
-from libra.launch import (
-    SCHEDULERS,
-    SchedulerName,
-    build_scheduler,
-    local_templates,
-    open_fleet,
-    save_scheduler_state,
+from libra.gateway import (
+    DEFAULT_MAX_BODY_BYTES,
+    GatewayConfig,
+    GatewayMetrics,
+    Keys,
+    Sessions,
+    Totals,
+    create_gateway,
+    gateway_keys,
 )
+from libra.launch import SCHEDULERS, SchedulerName, assemble_engine, local_templates
 from libra.sched import Scheduler
 from libra.sched.policies import CMLFQConfig, RoutedPolicy
+from libra.serving import SupervisorConfig
 
 
 class ServeConfig(BaseModel):
@@ -59,6 +59,14 @@ class ServeConfig(BaseModel):
     scheduler_state: Path | None = Field(
         None, description="C-MLFQ's prefix forest: read at start if it exists, written at exit"
     )
+    metrics_interval_s: PositiveFloat | None = Field(
+        None,
+        description="read each server's vLLM /metrics this often, for servers that other "
+        "clients use too (the router's own counts miss their load); None: never",
+    )
+    probe_timeout_s: PositiveFloat = Field(
+        10.0, description="how long a server given by URL may take to list its models"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535, description="0: any free port (printed)")
     record: Path | None = Field(None, description="append every ended session here (JSONL)")
@@ -73,6 +81,7 @@ class ServeConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
     gateway: GatewayConfig = GatewayConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,22 +136,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: ServeConfig, keys: Keys) -> None:
     """Serve until SIGINT or SIGTERM; then stop taking requests, end every session
-    (recorded) and save the scheduler's state."""
-    opening = open_fleet(
-        config.server,
-        fleet=config.fleet,
-        model=config.model,
-        transport=config.transport,
-        max_connections=config.max_connections,
-        emulator=config.emulator,
-    )
-    async with opening as fleet:
-        scheduler = build_scheduler(config.policy, fleet.spec, config.cmlfq, config.scheduler_state)
-        engine = Engine(fleet.http, scheduler, config=config.engine, templates=local_templates())
+    (recorded) and save the scheduler's state. The fleet is assembled as a rollout's
+    is (``libra.launch``): a server started for it is restarted when it dies or hangs."""
+    async with assemble_engine(config, config.policy, templates=local_templates()) as run:
+        scheduler = run.engine.scheduler
         gateway = config.gateway
         if config.record is not None:
             gateway = gateway.model_copy(update={"record_path": config.record})
-        async with Sessions(engine, gateway) as core:
+        async with Sessions(run.engine, gateway) as core:
             metrics = GatewayMetrics(scheduler.router, _reasons(scheduler))
             app = create_gateway(core, keys, metrics=metrics, max_body_bytes=config.max_body_bytes)
             server = _Server(_uvicorn_config(app, config))
@@ -153,7 +154,6 @@ async def serve(config: ServeConfig, keys: Keys) -> None:
                     group.start_soon(console_view, metrics, core, config.console_every_s)
                 await server.serve()
                 group.cancel_scope.cancel()
-        save_scheduler_state(scheduler, config.scheduler_state)
 
 
 class _Server(uvicorn.Server):

@@ -6,16 +6,35 @@ sessions as trajectories. The surface sees the core only through :class:`Gateway
 (``_protocol.py``).
 """
 
+from libra.gateway._app import (
+    ADMIN_HEADER,
+    DEFAULT_MAX_BODY_BYTES,
+    SESSION_HEADER,
+    GatewayApp,
+    create_gateway,
+)
+from libra.gateway._auth import AuthError, Keys, gateway_keys
 from libra.gateway._config import GatewayConfig
+from libra.gateway._metrics import GatewayMetrics, Totals
 from libra.gateway._protocol import ChatReply, ChatTurn, FinishReason, FleetStatus, GatewayCore
 from libra.gateway._sessions import Sessions
 
 __all__ = [
+    "ADMIN_HEADER",
+    "DEFAULT_MAX_BODY_BYTES",
+    "SESSION_HEADER",
+    "AuthError",
     "ChatReply",
     "ChatTurn",
     "FinishReason",
     "FleetStatus",
+    "GatewayApp",
     "GatewayConfig",
     "GatewayCore",
+    "GatewayMetrics",
+    "Keys",
     "Sessions",
+    "Totals",
+    "create_gateway",
+    "gateway_keys",
 ]

@@ -30,13 +30,12 @@ request costs little more than decoding and encoding its JSON.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import secrets
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -59,28 +58,31 @@ from libra._asgi import (
 )
 from libra.engine import RequestRejected, ServerUnavailable
 from libra.gateway._auth import Keys
+from libra.gateway._disconnects import Watch, bare_task
 from libra.gateway._metrics import CONTENT_TYPE as _PROMETHEUS
 from libra.gateway._metrics import GatewayMetrics
 from libra.gateway._protocol import ChatReply, GatewayCore
-from libra.gateway._wire import (
-    ChatRequest,
+from libra.gateway._wire_replies import (
     CompletionOut,
-    CompletionRequest,
     ErrorFields,
     ErrorOut,
     Head,
+    chat_chunks,
+    chat_completion,
+    completion_chunks,
+    public_completion,
+)
+from libra.gateway._wire_requests import (
+    ChatRequest,
+    CompletionRequest,
     ReloadRequest,
     ReportRequest,
     TokenizeRequest,
     WireError,
-    chat_chunks,
-    chat_completion,
     chat_turn,
-    completion_chunks,
     decode,
     decode_chat,
     decode_completion,
-    public_completion,
     upstream_completion,
 )
 from libra.sched import NoEndpointAvailable
@@ -100,55 +102,10 @@ _Headers = list[tuple[bytes, bytes]]
 _HeaderPairs = tuple[tuple[bytes, bytes], ...]
 
 
-class _Watch:
-    """Watches a generating request for its client's disconnect, which cancels the
-    core's call (and with it the upstream request) if it is still running."""
-
-    __slots__ = ("_cancel", "ended")
-
-    def __init__(self) -> None:
-        self.ended = False  # the client has gone
-        self._cancel: Callable[[], object] | None = None  # cancels the call running
-
-    def client_left(self) -> None:
-        self.ended = True
-        if self._cancel is not None:
-            self._cancel()
-
-    async def run(self, receive: Receive) -> None:
-        """Wait on ``receive`` for the disconnect (servers without a disconnect hook)."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.client_left()
-
-    async def call(self, call: Callable[[], Awaitable[_T]]) -> _T:
-        """``call``'s result; :class:`ClientDisconnected` once the client has gone."""
-        task = _asyncio_task()
-        if task is None:  # trio
-            with anyio.CancelScope() as scope:
-                self._cancel = scope.cancel
-                try:
-                    return await call()
-                finally:
-                    self._cancel = None
-            raise ClientDisconnected  # the scope was cancelled: the client left
-        # On asyncio the request's own task is cancelled: a cancel scope a request
-        # cost a twentieth of the gateway's CPU under ``libra bench serve``.
-        self._cancel = task.cancel
-        try:
-            return await call()
-        except asyncio.CancelledError:
-            if self.ended and task.uncancel() == 0:  # (no one else cancels the task)
-                raise ClientDisconnected from None
-            raise
-        finally:
-            self._cancel = None
-
-
 class _Request(msgspec.Struct, frozen=True):
     scope: Scope
     body: bytes
-    watch: _Watch | None = None
+    watch: Watch | None = None
 
 
 class _Response(msgspec.Struct, frozen=True):
@@ -245,7 +202,7 @@ class GatewayApp:
             return await self._send(send, self._refusal(error))
         if not route.generates:
             return await self._answer(route, _Request(scope, body), send)
-        watch = _Watch()
+        watch = Watch()
         if on_disconnect(scope, watch.client_left):
             return await self._answer(route, _Request(scope, body, watch), send)
         return await self._answer_watched(route, _Request(scope, body, watch), receive, send)
@@ -258,7 +215,7 @@ class GatewayApp:
         the server reports the exchange over through receive(), and the watcher ends."""
         watch = request.watch
         assert watch is not None
-        task = _bare_task(watch.run(receive))
+        task = bare_task(watch.run(receive))
         if task is not None:
             try:
                 return await self._answer(route, request, send)
@@ -412,7 +369,7 @@ class GatewayApp:
         return self._json(result, headers)
 
     async def _in_core(
-        self, route: str, watch: _Watch | None, call: Callable[[], Awaitable[_T]]
+        self, route: str, watch: Watch | None, call: Callable[[], Awaitable[_T]]
     ) -> _T:
         """``call``'s result; cancelled, and :class:`ClientDisconnected` raised, when the
         client goes away first (so the upstream request is cancelled too)."""
@@ -493,26 +450,6 @@ class GatewayApp:
 
     async def _status(self, request: _Request) -> _Response:
         return self._json(self.core.status())
-
-
-def _asyncio_task() -> asyncio.Task[Any] | None:
-    """The asyncio task running, or None on another event loop (trio)."""
-    try:
-        return asyncio.current_task()
-    except RuntimeError:
-        return None
-
-
-def _bare_task(watching: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
-    """On asyncio, ``watching`` as a bare task: an anyio task group and its task cost
-    ~0.1 ms a request, a sixth of the gateway's CPU. The watcher needs no cancel scope
-    of its own (it only waits on ``receive`` and cancels the watched call), and the
-    caller cancels it when the exchange ends. None elsewhere (trio): use a task group."""
-    task = _asyncio_task()
-    if task is None:
-        watching.close()
-        return None
-    return task.get_loop().create_task(watching)
 
 
 async def _with_admin_marker(send: Send, message: ASGIMessage) -> None:

@@ -7,8 +7,9 @@ engine and session, then the RL loop over it), the gateway and the allocation lo
 Runtime packages never import this, nor the policies or the emulator it wires in.
 """
 
+from libra.launch._engine import Assembled, EngineSettings, assemble_engine
 from libra.launch._fleet import Fleet, FleetError, local_templates, open_fleet
-from libra.launch._rollout import Assembled, RolloutConfig, open_engine
+from libra.launch._rollout import RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import (
     SCHEDULERS,
@@ -24,12 +25,14 @@ from libra.launch._train_config import TrainRunConfig
 __all__ = [
     "SCHEDULERS",
     "Assembled",
+    "EngineSettings",
     "Fleet",
     "FleetError",
     "RolloutConfig",
     "SandboxKind",
     "SchedulerName",
     "TrainRunConfig",
+    "assemble_engine",
     "beside",
     "build_scheduler",
     "local_templates",

@@ -3,29 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-import anyio
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from libra.emulation import EmulatorConfig
-from libra.engine import Engine, EngineConfig, TransportName
+from libra.engine import EngineConfig, TransportName
 from libra.envs import Env
 from libra.fleet import FleetSpec
-from libra.launch._fleet import Fleet, open_fleet
-from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
-from libra.launch._scheduler import (
-    SCHEDULERS,
-    SchedulerName,
-    build_scheduler,
-    save_scheduler_state,
-)
-from libra.sched import Scheduler, poll_metrics
+from libra.launch._engine import Assembled, assemble_engine
+from libra.launch._sandboxes import SandboxKind, open_sandboxes, warm_up
+from libra.launch._scheduler import SCHEDULERS, SchedulerName
+from libra.sched import Scheduler
 from libra.sched.policies import CMLFQConfig
-from libra.serving import CurrentWeights, ServerProcess, ServerSupervisor, SupervisorConfig
+from libra.serving import CurrentWeights, ServerProcess, SupervisorConfig
 
 
 class RolloutConfig(BaseModel):
@@ -77,28 +70,6 @@ class RolloutConfig(BaseModel):
     supervisor: SupervisorConfig = SupervisorConfig()
 
 
-@dataclass
-class Assembled:
-    """What a rollout runs on: the engine, and the fleet it routes over."""
-
-    engine: Engine
-    fleet: Fleet
-    supervisor: ServerSupervisor  # of the servers started for this run (none: idle)
-    #: The run's scheduler (the engine's, unless a ``wrap_scheduler`` wrapped it there).
-    scheduler: Scheduler
-
-
-def _waiting_for_restarts(config: RolloutConfig) -> EngineConfig:
-    """A supervised server comes back: a call that finds every server down waits out
-    its restart rather than fail."""
-    wait = max(config.engine.capacity_wait_s, config.supervisor.calls_wait_s)
-    return config.engine.model_copy(update={"capacity_wait_s": wait})
-
-
-def _start_weights() -> tuple[None, int]:
-    return None, 0
-
-
 @asynccontextmanager
 async def open_engine(
     config: RolloutConfig,
@@ -118,46 +89,18 @@ async def open_engine(
     to the servers (a gateway's ``Authorization``). The engine routes through
     ``wrap_scheduler(scheduler)`` if given (one that also times every call, say). On exit
     the scheduler's state is saved and everything is closed."""
-    async with AsyncExitStack() as stack:
-        sandboxes = await stack.enter_async_context(
-            open_sandboxes(env_cls, config.sandbox, config.sandbox_pool)
-        )
-        opening = open_fleet(
-            config.server,
-            fleet=config.fleet,
-            model=config.model,
-            transport=config.transport,
-            max_connections=config.max_connections,
-            emulator=config.emulator,
-            probe_timeout_s=config.probe_timeout_s,
-            headers=headers,
-        )
-        # Containers start (seconds each, cold) while vLLM does, not after it.
-        fleet = await beside(
-            partial(stack.enter_async_context, opening), partial(warm_up, sandboxes, env_cls, warm)
-        )
-        scheduler = build_scheduler(
-            config.scheduler, fleet.spec, config.cmlfq, config.scheduler_state
-        )
-        for endpoint in scheduler.router.endpoints().values():
-            endpoint.headers.update(headers or {})
-        owned = {**fleet.servers, **(servers or {})}
-        engine = Engine(
-            fleet.http,
-            scheduler if wrap_scheduler is None else wrap_scheduler(scheduler),
-            config=_waiting_for_restarts(config) if owned else config.engine,
+    async with (
+        open_sandboxes(env_cls, config.sandbox, config.sandbox_pool) as sandboxes,
+        assemble_engine(
+            config,
+            config.scheduler,
             sandboxes=sandboxes,
-        )
-        supervisor = ServerSupervisor(
-            scheduler.router, owned, weights=weights or _start_weights, config=config.supervisor
-        )
-        async with anyio.create_task_group() as group:
-            interval = config.metrics_interval_s
-            if interval is not None:  # every scheduler routes over the live fleet
-                get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
-                group.start_soon(poll_metrics, scheduler.router, get, interval)
-            if owned:
-                group.start_soon(supervisor.run)
-            yield Assembled(engine, fleet, supervisor, scheduler)
-            group.cancel_scope.cancel()
-        save_scheduler_state(scheduler, config.scheduler_state)
+            # Containers start (seconds each, cold) while vLLM does, not after it.
+            while_starting=partial(warm_up, sandboxes, env_cls, warm),
+            servers=servers,
+            weights=weights,
+            headers=headers,
+            wrap_scheduler=wrap_scheduler,
+        ) as assembled,
+    ):
+        yield assembled

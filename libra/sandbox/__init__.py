@@ -10,13 +10,9 @@ Command line: ``libra images build|reap``; ``libra bench sandbox`` measures them
 from typing import TYPE_CHECKING
 
 from libra.sandbox._bwrap import BwrapSandbox, BwrapSandboxProvider, reap_stale_workdirs
-from libra.sandbox._docker import (
-    DockerSandbox,
-    DockerSandboxProvider,
-    PoolStats,
-    connect_docker,
-    reap_stale_containers,
-)
+from libra.sandbox._docker_container import PoolStats, connect_docker, reap_stale_containers
+from libra.sandbox._docker_pool import DockerSandboxProvider
+from libra.sandbox._docker_sandbox import DockerSandbox
 from libra.sandbox._images import (
     RECIPES,
     BuiltImage,

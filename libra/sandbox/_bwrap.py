@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import posixpath
 import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -52,8 +49,14 @@ import anyio.to_thread
 
 from libra.envs import ExecResult, SandboxError, SandboxSpec, check_exec_args
 from libra.sandbox._beneath import read_beneath, write_beneath
-from libra.sandbox._cgroups import SandboxCgroup, create_cgroup, stale_cgroup_dirs
-from libra.sandbox._common import CappedOutput, process_start_time
+from libra.sandbox._bwrap_command import enter_cgroup_as, limits, mount_args
+from libra.sandbox._bwrap_scratch import (
+    Scratch,
+    make_scratch,
+    reap_stale_workdirs,
+    remove_scratch,
+)
+from libra.sandbox._common import CappedOutput
 from libra.sandbox._images import rootfs_dir
 from libra.sandbox._seccomp import program_fd, seccomp_program
 
@@ -62,8 +65,6 @@ __all__ = ["BwrapSandbox", "BwrapSandboxProvider", "reap_stale_workdirs"]
 _log = logging.getLogger(__name__)
 
 INSIDE_UID = 65534  # what commands see as their uid and gid, as in the Docker sandboxes
-_TMP_SIZE_MB = 16  # /tmp, and /dev/shm
-_BASE_SIZE_MB = 1  # the trajectory directory itself: mount points and the identity files
 _KILL_DRAIN_S = 1.0  # after killing a timed-out command, how long its exit may take to show
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Printed inside the sandbox before the command runs: stdout that does not start with it means
@@ -71,32 +72,6 @@ _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # proof, since the command can print the same and fake a sandbox fault.
 _STARTED = b"\0libra-started\0"
 _MARK_START = "printf '\\0libra-started\\0'; exec \"$@\""
-
-# Top-level entries of a root filesystem that commands need; anything else stays invisible.
-_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
-# From the host's /etc only what programs need to start (no secrets; the host's name, hosts
-# and resolver are replaced by the sandbox's own: see _IDENTITY).
-_HOST_ETC_FILES = (
-    "passwd",
-    "group",
-    "nsswitch.conf",
-    "host.conf",
-    "ld.so.cache",
-    "ld.so.conf",
-    "ld.so.conf.d",
-    "localtime",
-    "alternatives",
-    "ssl",
-    "ca-certificates",
-)
-
-# The sandbox's own /etc/hostname and /etc/hosts; /etc/resolv.conf is empty without network
-# and the host's with it (the command then shares the host's network).
-_IDENTITY = {
-    "hostname": "sandbox\n",
-    "hosts": "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost\n",
-    "resolv.conf": "",
-}
 
 RootChoice = Literal["auto", "image", "host"] | Path
 
@@ -112,230 +87,6 @@ def _require_tools() -> None:
             )
 
 
-def _workdirs_parent() -> Path:
-    """Where trajectory directories live: traversable (bwrap resolves bind paths as the
-    sandbox uid) but not listable."""
-    parent = Path(tempfile.gettempdir()) / f"libra-bwrap-{os.geteuid()}"
-    parent.mkdir(mode=0o711, exist_ok=True)
-    os.chmod(parent, 0o711)
-    return parent
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-trajectory host directory
-
-
-@dataclass(frozen=True, slots=True)
-class _Scratch:
-    """A trajectory's host directory: ``work`` and ``tmp`` are bound into every command, and
-    ``rootfs`` (when set) is a bind of the image's root filesystem that the sandbox uid can
-    reach (the image itself may lie under a root-only home). ``cgroup`` holds all the
-    trajectory's processes (None where cgroups cannot be made: see the README)."""
-
-    base: Path
-    mounted: bool
-    rootfs: Path | None
-    cgroup: SandboxCgroup | None = None
-
-    @property
-    def work(self) -> Path:
-        return self.base / "work"
-
-    @property
-    def tmp(self) -> Path:
-        return self.base / "tmp"
-
-
-def _make_scratch(spec: SandboxSpec, host_uid: int | None, rootfs: Path | None) -> _Scratch:
-    pid = os.getpid()
-    base = _workdirs_parent() / f"{pid}-{process_start_time(pid)}-{secrets.token_hex(4)}"
-    base.mkdir(mode=0o700)
-    mounted = False
-    cgroup = None
-    try:
-        if host_uid is not None:
-            mounted = _mount_tmpfs(base, _BASE_SIZE_MB)
-            # Only root and the trajectory's own uid (through its group) may pass through.
-            os.chown(base, 0, host_uid)
-            os.chmod(base, 0o710)
-        for sub, size_mb in (("work", spec.workdir_size_mb), ("tmp", _TMP_SIZE_MB)):
-            (base / sub).mkdir()
-            if mounted:  # each its own cap, as Docker's two tmpfs mounts
-                _mount_tmpfs(base / sub, size_mb)
-            os.chmod(base / sub, 0o1777)  # like /tmp: commands add files, cannot drop the env's
-        for name, text in _IDENTITY.items():
-            (base / name).write_text(text)
-            os.chmod(base / name, 0o644)
-        if rootfs is not None and mounted:
-            rootfs = _bind_rootfs(rootfs, base / "rootfs")
-        if host_uid is not None:
-            cgroup = create_cgroup(
-                base.name, memory_mb=spec.memory_mb, cpus=spec.cpus, pids=spec.pids + 2
-            )
-    except BaseException:
-        _remove_scratch(base, mounted, cgroup)
-        raise
-    return _Scratch(base, mounted, rootfs, cgroup)
-
-
-def _mount_tmpfs(path: Path, size_mb: int) -> bool:
-    """Mount a size-capped tmpfs on ``path``; False (and a warning) where mounting is denied."""
-    options = f"size={size_mb}m,mode=0700,nosuid,nodev"
-    argv = ["mount", "-t", "tmpfs", "-o", options, "libra-sandbox", str(path)]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        _log.warning("no tmpfs for sandbox dirs (%s): work dir size is not capped", done.stderr)
-    return done.returncode == 0
-
-
-def _bind_rootfs(rootfs: Path, target: Path) -> Path:
-    target.mkdir()
-    argv = ["mount", "--bind", "-o", "ro", str(rootfs), str(target)]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SandboxError(f"cannot bind the root filesystem {rootfs}: {done.stderr.strip()}")
-    return target
-
-
-def _remove_scratch(base: Path, mounted: bool, cgroup: SandboxCgroup | None = None) -> None:
-    # No command runs by now (each died with its pid namespace): nothing races these calls.
-    if cgroup is not None and not cgroup.remove():
-        _log.warning("sandbox cgroup %s is still busy; it is reaped later", base.name)
-    if mounted:  # lazily detaches the tmpfs mounts and the root filesystem bind inside them
-        subprocess.run(["umount", "-l", str(base)], capture_output=True, check=False)
-    if os.geteuid() != 0:
-        _make_dirs_writable(base)
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def _make_dirs_writable(base: Path) -> None:
-    """A command may leave directories it cannot write; as the same non-root uid, fix that."""
-    for parent, dirnames, _ in os.walk(base):
-        for name in dirnames:
-            path = os.path.join(parent, name)
-            if not os.path.islink(path):  # chmod follows links: never touch a link's target
-                with contextlib.suppress(OSError):
-                    os.chmod(path, 0o700)
-
-
-def reap_stale_workdirs() -> list[Path]:
-    """Remove the trajectory directories of dead processes (e.g. a killed run); return them."""
-    parent = _workdirs_parent()
-    mounts = _mount_points()
-    reaped: list[Path] = []
-    for base in parent.iterdir():
-        if _owner_alive(base.name):
-            continue
-        with contextlib.suppress(OSError):
-            _remove_scratch(base, str(base) in mounts)
-            reaped.append(base)
-    for dirs in stale_cgroup_dirs(lambda name: not _owner_alive(name)).values():
-        SandboxCgroup(dirs).remove()
-    return reaped
-
-
-def _owner_alive(name: str) -> bool:
-    """Whether the process that named a trajectory directory (or cgroup) still runs."""
-    pid_text, _, rest = name.partition("-")
-    started = rest.rsplit("-", 1)[0]
-    return pid_text.isdigit() and process_start_time(int(pid_text)) == started
-
-
-def _mount_points() -> set[str]:
-    with open("/proc/self/mounts") as mounts:
-        return {fields[1] for fields in (line.split() for line in mounts) if len(fields) > 1}
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-
-
-def _mount_args(scratch: _Scratch, workdir: str, network: bool) -> list[str]:
-    """bwrap's mounts: read-only system dirs, /proc, /dev, the work dir and /tmp."""
-    args: list[str] = []
-    source = scratch.rootfs or Path("/")
-    for name in _SYSTEM_DIRS:
-        args += _ro_bind(source / name, f"/{name}")
-    if scratch.rootfs is not None:
-        args += _ro_bind(scratch.rootfs / "etc", "/etc")
-    else:
-        args += ["--dir", "/etc"]
-        for name in _HOST_ETC_FILES:
-            args += _ro_bind(Path("/etc") / name, f"/etc/{name}")
-    args += _identity_binds(scratch, network)
-    # A minimal /dev, read-only but for a capped /dev/shm (bwrap's own is writable, uncapped).
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--perms", "1777", "--size", str(_TMP_SIZE_MB << 20), "--tmpfs", "/dev/shm"]
-    args += ["--remount-ro", "/dev"]
-    args += ["--bind", str(scratch.work), workdir, "--bind", str(scratch.tmp), "/tmp"]
-    # bwrap's own root is a writable tmpfs: make it read-only once everything is mounted,
-    # so only the work dir, /tmp and /dev/shm take writes (as in the Docker sandbox).
-    return [*args, "--remount-ro", "/"]
-
-
-def _identity_binds(scratch: _Scratch, network: bool) -> list[str]:
-    """The sandbox's own hostname, hosts and resolver files over whatever /etc holds (an
-    image's carry those of the machine that built it)."""
-    args: list[str] = []
-    for name in _IDENTITY:
-        source = scratch.base / name
-        if name == "resolv.conf" and network:
-            source = Path("/etc/resolv.conf")
-        target_exists = scratch.rootfs is None or (scratch.rootfs / "etc" / name).exists()
-        if source.exists() and target_exists:  # bwrap cannot add a file to a read-only /etc
-            args += ["--ro-bind", str(source), f"/etc/{name}"]
-    return args
-
-
-def _ro_bind(host: Path, inside: str) -> list[str]:
-    if host.is_symlink():  # e.g. /bin -> usr/bin on merged-/usr systems
-        return ["--symlink", os.readlink(host), inside]
-    if host.exists():
-        return ["--ro-bind", str(host), inside]
-    return []
-
-
-# As root: join the trajectory's cgroup (one cgroup.procs per hierarchy), then become its uid.
-_JOIN_CGROUP = 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done'
-
-
-def _enter_cgroup_as(host_uid: int | None, cgroup: SandboxCgroup | None) -> list[str]:
-    """The wrapper that puts the command in ``cgroup`` and drops root for ``host_uid``."""
-    if host_uid is None:  # not root: the command runs as the caller, in the caller's cgroup
-        return []
-    procs = cgroup.procs_files if cgroup is not None else []
-    user = [f"--reuid={host_uid}", f"--regid={host_uid}", "--clear-groups"]
-    join = f'{_JOIN_CGROUP}; shift; exec "$@"'
-    return ["sh", "-c", join, "sh", *procs, "--", "setpriv", *user, "--"]
-
-
-def _limits(spec: SandboxSpec, timeout_s: float, host_uid: int | None) -> list[str]:
-    # RLIMIT_NPROC counts every task of the uid: the budget comes on top of those it has now,
-    # such as earlier calls' namespace inits that the host's init has yet to reap (seconds,
-    # in some containers). bwrap itself takes two tasks (its parent and its pid-1 reaper).
-    tasks = _tasks_of_uid(os.getuid() if host_uid is None else host_uid) + spec.pids + 2
-    return [
-        "prlimit",
-        f"--as={spec.memory_mb * 1024 * 1024}",
-        f"--nproc={tasks}",
-        f"--cpu={math.ceil(timeout_s) + 1}",
-        f"--fsize={spec.workdir_size_mb * 1024 * 1024}",
-        "--core=0",
-        "--",
-    ]
-
-
-def _tasks_of_uid(uid: int) -> int:
-    """How many tasks (threads) ``uid`` runs now: what RLIMIT_NPROC counts."""
-    count = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if entry.stat().st_uid == uid:
-                    count += len(os.listdir(f"/proc/{entry.name}/task"))
-    return count
-
-
 # ---------------------------------------------------------------------------------------------
 # Sandbox
 
@@ -343,7 +94,7 @@ def _tasks_of_uid(uid: int) -> int:
 class BwrapSandbox:
     """A trajectory's bubblewrap sandbox: its files persist across calls, processes do not."""
 
-    def __init__(self, spec: SandboxSpec, scratch: _Scratch, host_uid: int | None) -> None:
+    def __init__(self, spec: SandboxSpec, scratch: Scratch, host_uid: int | None) -> None:
         self.spec = spec
         self.host_uid = host_uid
         self._scratch = scratch
@@ -437,8 +188,8 @@ class BwrapSandbox:
         # No user namespaces inside (`unshare -r` and friends), and the seccomp filter.
         kernel = ["--unshare-user", "--disable-userns", *seccomp_args]
         return [
-            *_enter_cgroup_as(self.host_uid, self._scratch.cgroup),
-            *_limits(spec, timeout_s, self.host_uid),
+            *enter_cgroup_as(self.host_uid, self._scratch.cgroup),
+            *limits(spec, timeout_s, self.host_uid),
             "bwrap",
             "--unshare-all",
             *network,
@@ -446,7 +197,7 @@ class BwrapSandbox:
             "--die-with-parent",
             "--new-session",
             *identity,
-            *_mount_args(self._scratch, spec.workdir, spec.network),
+            *mount_args(self._scratch, spec.workdir, spec.network),
             "--chdir",
             posixpath.normpath(posixpath.join(spec.workdir, workdir or ".")),
             "--clearenv",
@@ -584,7 +335,7 @@ class BwrapSandboxProvider:
         self._uids_in_use: set[int] = set()
         # Host uids no account uses (a random base: two runs on one host rarely share any).
         self._uid_base = 1_000_000 + secrets.randbelow(1_000_000_000)
-        self._open: dict[Path, _Scratch] = {}
+        self._open: dict[Path, Scratch] = {}
 
     async def start(self) -> None:
         """Check the tools and reap directories of dead runs (done once; also done lazily)."""
@@ -626,7 +377,7 @@ class BwrapSandboxProvider:
         await self.start()
         rootfs = self.rootfs_for(spec)
         with self._host_uid() as host_uid:
-            scratch = await anyio.to_thread.run_sync(_make_scratch, spec, host_uid, rootfs)
+            scratch = await anyio.to_thread.run_sync(make_scratch, spec, host_uid, rootfs)
             self._open[scratch.base] = scratch
             try:
                 yield BwrapSandbox(spec, scratch, host_uid)
@@ -634,7 +385,7 @@ class BwrapSandboxProvider:
                 with anyio.CancelScope(shield=True):
                     if self._open.pop(scratch.base, None) is not None:
                         await anyio.to_thread.run_sync(
-                            _remove_scratch, scratch.base, scratch.mounted, scratch.cgroup
+                            remove_scratch, scratch.base, scratch.mounted, scratch.cgroup
                         )
 
     @contextlib.contextmanager
@@ -660,5 +411,5 @@ class BwrapSandboxProvider:
         with anyio.CancelScope(shield=True):
             for scratch in leftovers:
                 await anyio.to_thread.run_sync(
-                    _remove_scratch, scratch.base, scratch.mounted, scratch.cgroup
+                    remove_scratch, scratch.base, scratch.mounted, scratch.cgroup
                 )

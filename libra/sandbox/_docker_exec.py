@@ -1,4 +1,4 @@
-"""``docker exec`` over a hijacked socket: how :mod:`libra.sandbox._docker` runs commands.
+"""``docker exec`` over a hijacked socket: how the Docker sandboxes run commands.
 
 A sandbox's exec must feed stdin, keep at most ``output_limit`` bytes of each stream and stop
 waiting at a deadline, even when the command never reads its stdin or never ends. The Docker

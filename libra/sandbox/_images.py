@@ -296,7 +296,7 @@ def build_image(
     client: docker.DockerClient | None = None,
 ) -> BuiltImage:
     """Make image ``name`` available to Docker; see the module docstring for the strategy."""
-    from libra.sandbox._docker import connect_docker
+    from libra.sandbox._docker_container import connect_docker
 
     started = time.monotonic()
     recipe = recipe_for(name)

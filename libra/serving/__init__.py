@@ -24,7 +24,8 @@ from libra.serving._supervisor import (
     ServerSupervisor,
     SupervisorConfig,
 )
-from libra.serving._vllm import VLLMServer, VLLMServerConfig, VLLMServerError
+from libra.serving._vllm import VLLMServer
+from libra.serving._vllm_config import VLLMServerConfig, VLLMServerError
 from libra.serving._weight_sync import (
     WEIGHTS_FILE,
     ControlTransport,

@@ -16,7 +16,7 @@ import httpx
 
 from libra._home import libra_home
 from libra.config import load_config
-from libra.serving._vllm import VLLMServerConfig
+from libra.serving._vllm_config import VLLMServerConfig
 
 
 def server_config(

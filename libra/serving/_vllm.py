@@ -34,78 +34,34 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal, Self
+from typing import IO, Self
 
 import anyio
 import httpx
-from pydantic import Field
 
 from libra._home import libra_home
 from libra._process import exited_within, wait_exited
-from libra.config import Section
+from libra.serving._vllm_config import (
+    VLLMServerConfig,
+    VLLMServerError,
+    vllm_command,
+    vllm_environment,
+)
+from libra.serving._vllm_control import VLLMControl
 
-__all__ = ["VLLMServer", "VLLMServerConfig", "VLLMServerError"]
+__all__ = ["VLLMServer"]
 
 _GUARD_SCRIPT = Path(__file__).with_name("_guard.py")
-_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _LOG_TAIL_LINES = 30
 _LOG_TAIL_BYTES = 64 * 1024
 _LOGS_KEPT = 16  # default-named logs; older ones are deleted when a server starts
 _POLL_S = 0.5
 _HEALTH_TIMEOUT_S = 5.0
-PauseMode = Literal["abort", "wait", "keep"]
 # Extra time the parent gives the guard beyond its own SIGTERM-to-SIGKILL grace.
 _GUARD_SLACK_S = 5.0
 
 
-class VLLMServerError(RuntimeError):
-    """The vLLM server failed to start, died, or refused a control request."""
-
-
-class VLLMServerConfig(Section):
-    """How to run one vLLM server (everything but the model)."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port at start")
-    threads: int | None = Field(
-        default=None, ge=1, description="OMP_NUM_THREADS for the server; None leaves vLLM's"
-    )
-    cpu_threads_bind: str | None = Field(
-        default=None,
-        description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or core ids like '0-1'",
-    )
-    kv_cache_gib: int = Field(default=2, ge=1, description="VLLM_CPU_KVCACHE_SPACE, in GiB")
-    enforce_eager: bool = Field(
-        default=True,
-        description="skip torch.compile: engine init ~1 s instead of 70-130 s on 2 cores",
-    )
-    max_model_len: int | None = Field(default=None, ge=1)
-    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (CUDA)")
-    gpu_memory_utilization: float | None = Field(
-        default=None, gt=0, le=1, description="share of each GPU's memory vLLM takes (CUDA)"
-    )
-    tool_call_parser: str | None = Field(
-        default=None, description="enables --enable-auto-tool-choice with this parser"
-    )
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    dev_mode: bool = Field(
-        default=False, description="VLLM_SERVER_DEV_MODE=1: /collective_rpc (weight reloads)"
-    )
-    extra_args: tuple[str, ...] = ()
-    extra_env: dict[str, str] = Field(default_factory=dict)
-    python_executable: Path | None = Field(
-        default=None, description="interpreter that has vllm installed; default: this one"
-    )
-    log_file: Path | None = Field(
-        default=None, description="default: $LIBRA_HOME/logs/vllm-NAME-PORT.log"
-    )
-    startup_timeout_s: float = Field(default=300.0, gt=0)
-    stop_grace_s: float = Field(
-        default=10.0, gt=0, description="SIGTERM to SIGKILL delay when stopping"
-    )
-
-
-class VLLMServer:
+class VLLMServer(VLLMControl):
     """One vLLM OpenAI-compatible server process serving one model."""
 
     def __init__(
@@ -270,74 +226,6 @@ class VLLMServer:
         with httpx.Client(timeout=_HEALTH_TIMEOUT_S) as client:
             return self._healthy(lambda: client.get(f"{self.url}/health"))
 
-    def reload_weights(self, timeout_s: float = 300.0) -> None:
-        """Make the server reload the weights from its model folder (needs ``dev_mode``)."""
-        self._require_dev_mode()
-        with httpx.Client(timeout=timeout_s) as client:
-            response = client.post(f"{self.url}/collective_rpc", json={"method": "reload_weights"})
-        self._check_rpc(response)
-
-    async def areload_weights(self, timeout_s: float = 300.0) -> None:
-        """Async :meth:`reload_weights`."""
-        self._require_dev_mode()
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            response = await client.post(
-                f"{self.url}/collective_rpc", json={"method": "reload_weights"}
-            )
-        self._check_rpc(response)
-
-    async def pause(self, mode: PauseMode = "abort", timeout_s: float = 300.0) -> None:
-        """Stop generating (``POST /pause``, needs ``dev_mode``): new requests queue until
-        :meth:`resume`; ``abort`` ends those in flight now (they answer with
-        ``finish_reason: "abort"`` and what they sampled so far), ``wait`` returns once
-        they have finished, ``keep`` freezes them until :meth:`resume`."""
-        self._require_dev_mode("pause")
-        response = await self._control("POST", f"/pause?mode={mode}", timeout_s)
-        self._check_control(response)
-
-    async def resume(self, timeout_s: float = 60.0) -> None:
-        """Go on generating after :meth:`pause` (``POST /resume``)."""
-        self._require_dev_mode("resume")
-        self._check_control(await self._control("POST", "/resume", timeout_s))
-
-    async def is_paused(self, timeout_s: float = 60.0) -> bool:
-        """Whether the server is paused (``GET /is_paused``)."""
-        self._require_dev_mode("is_paused")
-        response = await self._control("GET", "/is_paused", timeout_s)
-        self._check_control(response)
-        return bool(response.json()["is_paused"])
-
-    async def _control(self, method: str, path: str, timeout_s: float) -> httpx.Response:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            return await client.request(method, f"{self.url}{path}")
-
-    @staticmethod
-    def _check_control(response: httpx.Response) -> None:
-        if response.status_code != 200:
-            raise VLLMServerError(
-                f"{response.request.url.path} answered {response.status_code}: "
-                f"{response.text[:500]}"
-            )
-
-    def reload_weights_from(self, weights_path: str | Path, timeout_s: float = 300.0) -> None:
-        """Make the server load the weights in ``weights_path`` (a folder holding
-        safetensors); later reloads read that folder too (needs ``dev_mode``)."""
-        self._require_dev_mode()
-        with httpx.Client(timeout=timeout_s) as client:
-            response = client.post(f"{self.url}/collective_rpc", json=_reload_from(weights_path))
-        self._check_rpc(response)
-
-    async def areload_weights_from(
-        self, weights_path: str | Path, timeout_s: float = 300.0
-    ) -> None:
-        """Async :meth:`reload_weights_from`."""
-        self._require_dev_mode()
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
-            response = await client.post(
-                f"{self.url}/collective_rpc", json=_reload_from(weights_path)
-            )
-        self._check_rpc(response)
-
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server log."""
         if self._log_file is None or not self._log_file.exists():
@@ -351,44 +239,11 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         """The vLLM command line this server runs (the port must be known)."""
-        config = self.config
-        python = str(config.python_executable or sys.executable)
-        args = [python, "-m", _API_SERVER_MODULE, "--model", self.model]
-        args += ["--served-model-name", self.served_model_name]
-        args += ["--host", config.host, "--port", str(self.port), "--dtype", "bfloat16"]
-        if config.enforce_eager:
-            args.append("--enforce-eager")
-        if config.max_model_len is not None:
-            args += ["--max-model-len", str(config.max_model_len)]
-        if config.tensor_parallel_size > 1:
-            args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
-        if config.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-        if config.scheduling_policy != "fcfs":
-            args += ["--scheduling-policy", config.scheduling_policy]
-        if config.tool_call_parser is not None:
-            args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
-        return args + list(config.extra_args)
+        return vllm_command(self.config, self.model, self.served_model_name, self.port)
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The server's environment: ``base`` (default ``os.environ``) plus vLLM settings."""
-        config = self.config
-        env = dict(os.environ if base is None else base)
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        if config.threads is not None:
-            env["OMP_NUM_THREADS"] = str(config.threads)
-        if config.cpu_threads_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
-        if config.dev_mode:
-            env["VLLM_SERVER_DEV_MODE"] = "1"
-        # Unbuffered, so the log tail in an error shows the server's last words.
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        if Path(self.model).is_dir():
-            # A local folder needs no hub; lookups on an offline machine would only wait.
-            env.setdefault("HF_HUB_OFFLINE", "1")
-        env.update(config.extra_env)
-        return env
+        return vllm_environment(self.config, self.model, base)
 
     # ------------------------------------------------------------------ internals
 
@@ -478,17 +333,6 @@ class VLLMServer:
                 self._server_pid = int(data)
             self._close_pid_pipe()
 
-    def _require_dev_mode(self, what: str = "reload_weights") -> None:
-        if not self.config.dev_mode:
-            raise VLLMServerError(f"{what} needs a server started with dev_mode=True")
-
-    @staticmethod
-    def _check_rpc(response: httpx.Response) -> None:
-        if response.status_code != 200:
-            raise VLLMServerError(
-                f"/collective_rpc answered {response.status_code}: {response.text[:500]}"
-            )
-
     def _kill_everything(self) -> None:
         """Last resort when the guard does not finish in time, or was killed: SIGKILL guard
         and server, and wait until the server has exited (a SIGKILL lands a moment later)."""
@@ -516,13 +360,6 @@ class VLLMServer:
             self._log.close()
             self._log = None
         _live_servers.discard(self)
-
-
-def _reload_from(weights_path: str | Path) -> dict[str, object]:
-    # vLLM's worker takes the folder as ``weights_path`` and reads it with the loader it
-    # started with; /collective_rpc passes kwargs through as strings.
-    path = str(Path(weights_path).resolve())
-    return {"method": "reload_weights", "kwargs": {"weights_path": path}}
 
 
 async def _cancel_when_exited(pid: int, scope: anyio.CancelScope) -> None:

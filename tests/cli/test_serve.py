@@ -1,6 +1,7 @@
 """``libra serve`` as a user runs it: a subprocess on a loopback port over the emulated
 fleet, driven by the official ``openai`` SDK (sync, streaming and not, tool calls), with
-API keys, recording, a client that gives up, and the refusals of bad settings."""
+API keys, recording, a client that gives up, and the refusals of bad settings; and over
+the embedded vLLM, killed under it and restarted (slow)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,16 @@ from rich.console import Console
 from libra.cli._serve import ServeConfig, console_view
 from libra.config import load_config
 from libra.engine import TrajectoryRecord
-from libra.gateway import GatewayConfig, Sessions
-from libra.gateway._app import create_gateway
-from libra.gateway._auth import Keys
-from libra.gateway._metrics import GatewayMetrics
-from tests._helpers import CALCULATOR, MODEL, emulated_engine
+from libra.gateway import GatewayConfig, GatewayMetrics, Keys, Sessions, create_gateway
+from tests._helpers import (
+    CALCULATOR,
+    MODEL,
+    REAL_MODEL_NAME,
+    children_of,
+    cmdline_of,
+    emulated_engine,
+    is_alive,
+)
 
 ROOT = Path(__file__).parents[2]
 USER_KEY, ADMIN_KEY = "cli-user-key", "cli-admin-key"
@@ -41,15 +47,26 @@ ZERO_LATENCY = [
 
 
 @contextmanager
-def libra_serve(*flags: str, settings: list[str] = ZERO_LATENCY) -> Iterator[str]:
-    """``libra serve --server emulated`` on a free loopback port; yields its base URL.
-    Stopped with SIGTERM (as a service manager stops it) and checked to exit cleanly."""
-    command = [sys.executable, "-m", "libra", "serve", "--server", "emulated", "--port", "0"]
+def libra_serve(
+    *flags: str,
+    settings: list[str] = ZERO_LATENCY,
+    server: str = "emulated",
+    home: Path | None = None,
+    started: list[int] | None = None,
+) -> Iterator[str]:
+    """``libra serve --server emulated`` (or ``server``) on a free loopback port; yields
+    its base URL (and appends its pid to ``started``). Stopped with SIGTERM (as a service
+    manager stops it) and checked to exit cleanly."""
+    command = [sys.executable, "-m", "libra", "serve", "--server", server, "--port", "0"]
     command += ["--no-console", *flags, *(f"--set={s}" for s in settings)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env |= {"LIBRA_API_KEY": USER_KEY, "LIBRA_ADMIN_KEY": ADMIN_KEY}
+    if home is not None:
+        env["LIBRA_HOME"] = str(home)
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
         try:
+            if started is not None:
+                started.append(process.pid)
             assert process.stdout is not None
             line = process.stdout.readline()  # "libra serve: http://127.0.0.1:PORT/v1 (...)"
             assert line.startswith("libra serve: http://"), line
@@ -135,6 +152,43 @@ def test_a_client_that_gives_up_cancels_its_call_upstream() -> None:
         assert 'libra_gateway_disconnects_total{route="chat"} 1.0' in metrics
         in_flight = [line for line in metrics.splitlines() if "upstream_in_flight{" in line]
         assert in_flight and all(line.endswith(" 0.0") for line in in_flight), in_flight
+
+
+def _vllm_under(pid: int) -> list[int]:
+    """The vLLM API servers ``pid`` runs (each its guard's child)."""
+    guards = [child for child in children_of(pid) if "_guard.py" in cmdline_of(child)]
+    return [server for guard in guards for server in children_of(guard)]
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_an_embedded_vllm_killed_under_libra_serve_is_restarted_and_serves_again(
+    embedded_model: Path, tmp_path: Path
+) -> None:
+    """``--server embedded`` starts vLLM for the gateway (no ``libra vllm`` runs under
+    this ``LIBRA_HOME``); SIGKILLed, it is restarted, and the gateway answers again."""
+    (tmp_path / "models").symlink_to(embedded_model.parent)  # the model, not a rebuild
+    started: list[int] = []
+    messages = [{"role": "user", "content": "Hi"}]
+    body: dict[str, object] = {"model": REAL_MODEL_NAME, "messages": messages, "max_tokens": 8}
+    auth = {"Authorization": f"Bearer {USER_KEY}"}
+    with libra_serve(server="embedded", settings=[], home=tmp_path, started=started) as url:
+        chat = f"{url}/v1/chat/completions"
+        assert httpx2.post(chat, json=body, headers=auth, timeout=120).status_code == 200
+        (first,) = _vllm_under(started[0])
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            again = [pid for pid in _vllm_under(started[0]) if pid != first]
+            if again and httpx2.get(f"{url}/health", timeout=10).status_code == 200:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("the killed vLLM was not restarted")
+        assert not is_alive(first)
+        reply = httpx2.post(chat, json=body, headers=auth, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 @pytest.mark.parametrize(

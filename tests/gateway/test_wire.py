@@ -9,10 +9,9 @@ from typing import Any
 import pytest
 
 from libra.gateway._protocol import ChatReply
-from libra.gateway._wire import (
-    Head,
+from libra.gateway._wire_replies import Head, chat_chunks
+from libra.gateway._wire_requests import (
     WireError,
-    chat_chunks,
     chat_turn,
     decode_chat,
     decode_completion,

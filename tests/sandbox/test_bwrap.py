@@ -19,7 +19,7 @@ import pytest
 
 from libra.envs import SandboxError, SandboxSpec
 from libra.sandbox import BwrapSandboxProvider, reap_stale_workdirs
-from libra.sandbox._bwrap import _workdirs_parent
+from libra.sandbox._bwrap_scratch import workdirs_parent
 from libra.sandbox._cgroups import create_cgroup
 from tests._helpers import assert_exec_round_trip, processes_of, unavailable
 
@@ -116,7 +116,7 @@ async def test_directories_are_removed_and_stale_ones_reaped(
     assert str(base) not in await anyio.Path("/proc/self/mounts").read_text()
     async with await anyio.open_process(["true"]) as dead:
         await dead.wait()
-    stale = _workdirs_parent() / f"{dead.pid}-1-deadbeef"
+    stale = workdirs_parent() / f"{dead.pid}-1-deadbeef"
     (stale / "work").mkdir(parents=True)
     assert stale in reap_stale_workdirs()
     assert not stale.exists()

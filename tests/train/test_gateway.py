@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from libra.emulation import AgentScript, EmulatorConfig, LatencyModel, running_emulator
-from libra.gateway._app import ADMIN_HEADER as GATEWAY_ADMIN_HEADER
+from libra.gateway import ADMIN_HEADER as GATEWAY_ADMIN_HEADER
 from libra.launch import TrainRunConfig, train
 from libra.train import iter_metrics
 from libra.train._gateway import ADMIN_HEADER, ADMIN_KEY_VAR, find_gateway

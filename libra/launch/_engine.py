@@ -1,0 +1,139 @@
+"""An engine over a supervised fleet: the assembly ``libra rollout``, ``libra serve`` and
+the trainer share (fleet, scheduler and its saved state, supervisor, metrics polling)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+
+from libra.emulation import EmulatorConfig
+from libra.engine import ChatTemplate, Engine, EngineConfig, TransportName
+from libra.envs import SandboxProvider
+from libra.fleet import FleetSpec
+from libra.launch._fleet import Fleet, open_fleet
+from libra.launch._sandboxes import beside
+from libra.launch._scheduler import SchedulerName, build_scheduler, save_scheduler_state
+from libra.sched import Scheduler, poll_metrics
+from libra.sched.policies import CMLFQConfig
+from libra.serving import CurrentWeights, ServerProcess, ServerSupervisor, SupervisorConfig
+
+
+class EngineSettings(Protocol):
+    """The settings an engine over a fleet is assembled from: the keys ``libra rollout``'s
+    and ``libra serve``'s configs share (each names its scheduler its own way)."""
+
+    @property
+    def server(self) -> str | None: ...
+    @property
+    def fleet(self) -> FleetSpec | None: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def transport(self) -> TransportName: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def emulator(self) -> EmulatorConfig: ...
+    @property
+    def probe_timeout_s(self) -> float: ...
+    @property
+    def cmlfq(self) -> CMLFQConfig: ...
+    @property
+    def scheduler_state(self) -> Path | None: ...
+    @property
+    def metrics_interval_s(self) -> float | None: ...
+    @property
+    def engine(self) -> EngineConfig: ...
+    @property
+    def supervisor(self) -> SupervisorConfig: ...
+
+
+@dataclass
+class Assembled:
+    """What a run routes through: the engine, and the fleet it routes over."""
+
+    engine: Engine
+    fleet: Fleet
+    supervisor: ServerSupervisor  # of the servers started for this run (none: idle)
+    #: The run's scheduler (the engine's, unless a ``wrap_scheduler`` wrapped it there).
+    scheduler: Scheduler
+
+
+def _waiting_for_restarts(settings: EngineSettings) -> EngineConfig:
+    """A supervised server comes back: a call that finds every server down waits out
+    its restart rather than fail."""
+    wait = max(settings.engine.capacity_wait_s, settings.supervisor.calls_wait_s)
+    return settings.engine.model_copy(update={"capacity_wait_s": wait})
+
+
+def _start_weights() -> tuple[None, int]:
+    return None, 0
+
+
+async def _nothing() -> None:
+    pass
+
+
+@asynccontextmanager
+async def assemble_engine(
+    settings: EngineSettings,
+    policy: SchedulerName,
+    *,
+    sandboxes: SandboxProvider | None = None,
+    while_starting: Callable[[], Coroutine[Any, Any, None]] = _nothing,
+    templates: Sequence[ChatTemplate] = (),
+    servers: Mapping[str, ServerProcess] | None = None,
+    weights: CurrentWeights | None = None,
+    headers: Mapping[str, str] | None = None,
+    wrap_scheduler: Callable[[Scheduler], Scheduler] | None = None,
+) -> AsyncIterator[Assembled]:
+    """Open the fleet (``while_starting`` runs while its servers start), build the
+    scheduler ``policy`` names (from its saved state) and the engine; poll the servers'
+    metrics if asked. The servers started for this run (the fleet's own, and ``servers``
+    the caller started, by instance name) are supervised: restarted when they die or
+    hang, with ``weights`` (default: the weights they start on). ``headers`` go with
+    every request to the servers (a gateway's ``Authorization``). The engine routes
+    through ``wrap_scheduler(scheduler)`` if given (one that also times every call, say).
+    On exit the scheduler's state is saved and the fleet is closed."""
+    async with AsyncExitStack() as stack:
+        opening = open_fleet(
+            settings.server,
+            fleet=settings.fleet,
+            model=settings.model,
+            transport=settings.transport,
+            max_connections=settings.max_connections,
+            emulator=settings.emulator,
+            probe_timeout_s=settings.probe_timeout_s,
+            headers=headers,
+        )
+        fleet = await beside(partial(stack.enter_async_context, opening), while_starting)
+        scheduler = build_scheduler(policy, fleet.spec, settings.cmlfq, settings.scheduler_state)
+        for endpoint in scheduler.router.endpoints().values():
+            endpoint.headers.update(headers or {})
+        owned = {**fleet.servers, **(servers or {})}
+        engine = Engine(
+            fleet.http,
+            scheduler if wrap_scheduler is None else wrap_scheduler(scheduler),
+            config=_waiting_for_restarts(settings) if owned else settings.engine,
+            sandboxes=sandboxes,
+            templates=templates,
+        )
+        supervisor = ServerSupervisor(
+            scheduler.router, owned, weights=weights or _start_weights, config=settings.supervisor
+        )
+        async with anyio.create_task_group() as group:
+            interval = settings.metrics_interval_s
+            if interval is not None:  # every scheduler routes over the live fleet
+                get = partial(fleet.http.get, timeout_s=min(interval, 10.0))
+                group.start_soon(poll_metrics, scheduler.router, get, interval)
+            if owned:
+                group.start_soon(supervisor.run)
+            yield Assembled(engine, fleet, supervisor, scheduler)
+            group.cancel_scope.cancel()
+        save_scheduler_state(scheduler, settings.scheduler_state)

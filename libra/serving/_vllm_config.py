@@ -1,0 +1,107 @@
+"""How a vLLM server runs: its settings, and the command line and environment they make."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from libra.config import Section
+
+_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server failed to start, died, or refused a control request."""
+
+
+class VLLMServerConfig(Section):
+    """How to run one vLLM server (everything but the model)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port at start")
+    threads: int | None = Field(
+        default=None, ge=1, description="OMP_NUM_THREADS for the server; None leaves vLLM's"
+    )
+    cpu_threads_bind: str | None = Field(
+        default=None,
+        description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or core ids like '0-1'",
+    )
+    kv_cache_gib: int = Field(default=2, ge=1, description="VLLM_CPU_KVCACHE_SPACE, in GiB")
+    enforce_eager: bool = Field(
+        default=True,
+        description="skip torch.compile: engine init ~1 s instead of 70-130 s on 2 cores",
+    )
+    max_model_len: int | None = Field(default=None, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (CUDA)")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="share of each GPU's memory vLLM takes (CUDA)"
+    )
+    tool_call_parser: str | None = Field(
+        default=None, description="enables --enable-auto-tool-choice with this parser"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    dev_mode: bool = Field(
+        default=False, description="VLLM_SERVER_DEV_MODE=1: /collective_rpc (weight reloads)"
+    )
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    python_executable: Path | None = Field(
+        default=None, description="interpreter that has vllm installed; default: this one"
+    )
+    log_file: Path | None = Field(
+        default=None, description="default: $LIBRA_HOME/logs/vllm-NAME-PORT.log"
+    )
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    stop_grace_s: float = Field(
+        default=10.0, gt=0, description="SIGTERM to SIGKILL delay when stopping"
+    )
+
+
+def vllm_command(
+    config: VLLMServerConfig, model: str, served_model_name: str, port: int
+) -> list[str]:
+    """The vLLM command line that serves ``model`` on ``port``."""
+    python = str(config.python_executable or sys.executable)
+    args = [python, "-m", _API_SERVER_MODULE, "--model", model]
+    args += ["--served-model-name", served_model_name]
+    args += ["--host", config.host, "--port", str(port), "--dtype", "bfloat16"]
+    if config.enforce_eager:
+        args.append("--enforce-eager")
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    if config.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+    if config.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.scheduling_policy != "fcfs":
+        args += ["--scheduling-policy", config.scheduling_policy]
+    if config.tool_call_parser is not None:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    return args + list(config.extra_args)
+
+
+def vllm_environment(
+    config: VLLMServerConfig, model: str, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The server's environment: ``base`` (default ``os.environ``) plus vLLM settings."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    if config.threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.threads)
+    if config.cpu_threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    if config.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    # Unbuffered, so the log tail in an error shows the server's last words.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if Path(model).is_dir():
+        # A local folder needs no hub; lookups on an offline machine would only wait.
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(config.extra_env)
+    return env
