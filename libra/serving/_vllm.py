@@ -26,7 +26,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ import anyio
 import httpx
 
 from libra._home import libra_home
+from libra._net import free_port
 from libra._process import exited_within, wait_exited
 from libra.serving._vllm_config import (
     VLLMServerConfig,
@@ -253,7 +253,7 @@ class VLLMServer(VLLMControl):
             raise VLLMServerError(f"the server is already started (pid {self._server_pid})")
         self._server_pid = None
         # A restarted server keeps its address: routers and clients know it by its URL.
-        self._port = self.config.port or self._port or _free_port(self.config.host)
+        self._port = self.config.port or self._port or free_port(self.config.host)
         self._log_file = self.config.log_file
         if self._log_file is None:
             self._log_file = _default_log_file(self.served_model_name, self._port)
@@ -382,14 +382,6 @@ def _guard_killed(guard: subprocess.Popen[bytes]) -> bool:
     the server's tree stopped; killed, it stopped nothing, and the tree lives on in its
     own process group (a server in a Ray actor: nothing here waited on the guard's exit)."""
     return guard.returncode is not None and guard.returncode < 0
-
-
-def _free_port(host: str) -> int:
-    """A port that was free a moment ago (the server binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _default_log_file(served_model_name: str, port: int) -> Path:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
+from libra._net import free_port
 from libra.config import Section
 from libra.engine import TrajectoryRecord
 from libra.trainer._checkpoint import load_trainer_state, save_trainer_state
@@ -35,7 +36,6 @@ from libra.trainer._logprobs import (
     sequence_logprobs,
     server_logprob_temperature,
 )
-from libra.trainer._spawn import free_port
 
 if TYPE_CHECKING:
     import torch

@@ -21,14 +21,15 @@ import gc
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["die_with_parent", "free_port", "spawn"]
+from libra._net import free_port
+
+__all__ = ["die_with_parent", "spawn"]
 
 R = TypeVar("R")
 
@@ -114,11 +115,3 @@ def _process_group_torn_down() -> Iterator[None]:
 def _read_result(folder: Path, rank: int) -> Any:
     with (folder / f"rank{rank}.pkl").open("rb") as file:
         return pickle.load(file)
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from libra.trainer import TrainerConfig
 
 from libra.workers._ray import import_ray, ray_get
+from libra.workers._ray_head import ray_head
 from libra.workers._ray_server import RayServer
 from libra.workers._ray_trainer import RayTrainer
 
@@ -139,24 +140,24 @@ def ray_started(cores: Sequence[tuple[int, ...]], address: str | None) -> Iterat
     """Ray started (``address`` None) or attached to, from a thread of its own that lives
     until Ray is shut down on exit.
 
-    Ray's head processes (its GCS and raylet) ask Linux to kill them when the *thread*
-    that started them exits (``PR_SET_PDEATHSIG``, as ``_vllm`` notes for the guard). From
-    one of anyio's worker threads, which exit after 10 s idle or with their event loop,
-    that killed the head mid-run, and this process with it: Ray's driver exits with
-    status 1 and no word when its raylet dies. Not the main thread either: see
-    :func:`_init_ray`."""
+    A head started here asks Linux to stop it when the *thread* that started it exits
+    (``PR_SET_PDEATHSIG``, as ``_vllm`` notes for the guard). One of anyio's worker
+    threads exits after 10 s idle or with its event loop, which would stop the head
+    mid-run, and this process with it: Ray's driver exits with status 1 and no word when
+    its raylet dies. Not the main thread either: see :func:`_init_ray`."""
     ray = import_ray()
     started: Future[None] = Future()
     stop = threading.Event()
 
     def hold_ray() -> None:
         try:
-            _init_ray(ray, cores, address)
+            head = _init_ray(ray, cores, address)
         except BaseException as error:
             started.set_exception(error)
             return
         started.set_result(None)
-        stop.wait()  # Ray's head lives as long as this thread
+        with head:
+            stop.wait()  # Ray lives as long as this thread
 
     holder = threading.Thread(target=hold_ray, name="libra-ray", daemon=True)
     holder.start()
@@ -171,7 +172,9 @@ def ray_started(cores: Sequence[tuple[int, ...]], address: str | None) -> Iterat
             holder.join()
 
 
-def _init_ray(ray: Any, cores: Sequence[tuple[int, ...]], address: str | None) -> None:
+def _init_ray(ray: Any, cores: Sequence[tuple[int, ...]], address: str | None) -> ExitStack:
+    """Ray attached to at ``address``, or to a head started here (see ``_ray_head``); the
+    stack returned stops that head."""
     # Called off the main thread on purpose: from the main thread Ray installs a SIGTERM
     # handler that exits the process, where `libra train` stops its servers and ranks
     # itself. Ray warns that it did not; the warning is about that choice, so it is muted.
@@ -180,10 +183,12 @@ def _init_ray(ray: Any, cores: Sequence[tuple[int, ...]], address: str | None) -
     here = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": path}}
-    if address is not None:
+    head = ExitStack()
+    if address is None:
+        # As many CPUs as the workers' core sets hold (they may share cores on a small
+        # machine), and at least the machine's.
+        cpus = max(os.cpu_count() or 1, sum(len(c) for c in cores))
+        address = head.enter_context(ray_head(cpus))
+    with head:
         ray.init(address=address, runtime_env=runtime_env)
-        return
-    # As many CPUs as the workers' core sets hold (they may share cores on a small
-    # machine), and at least the machine's.
-    cpus = max(os.cpu_count() or 1, sum(len(c) for c in cores))
-    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=runtime_env)
+        return head.pop_all()

@@ -26,6 +26,7 @@ from libra.serving import EMBEDDED_MODEL_NAME
 from libra.trainer import GRPOConfig, Train, TrainerConfig, TrainerError, TrainerProcess
 from libra.workers import AllocConfig, ElasticTrainer, open_cluster
 from libra.workers._ray import import_ray, ray_missing
+from libra.workers._ray_head import ray_head
 from libra.workers._ray_trainer import RayTrainer
 from libra.workers._ray_workers import RayWorkers
 from tests._helpers import BREVITY, real_config, tiny_llama, unavailable
@@ -56,15 +57,15 @@ def ray_instance() -> Iterator[None]:
         unavailable(missing)
     ray = import_ray()
     started = time.perf_counter()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
-    )
-    print(f"ray.init: {time.perf_counter() - started:.1f} s")
-    yield
-    ray.shutdown()
+    with ray_head(cpus=2) as address:
+        ray.init(
+            address=address,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
+        print(f"ray.init: {time.perf_counter() - started:.1f} s")
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
