@@ -62,16 +62,21 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 
+# Tests that need no real server wait more than they compute (emulated latency, timeouts):
+# pytest-xdist runs them on JOBS workers. Those of real servers, engines and process groups
+# run one at a time after them: two vLLM servers with their trainers outgrow 24 GiB here.
+JOBS ?= 3
+FAST := not (slow or vllm or docker or bwrap or trainer or ray)
 unit: setup-serving setup-sandbox
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "$(FAST)"
+	$(BIN)/python -m pytest -q -m "not ($(FAST))"
 
 test: lint docs unit
 
 # The inner loop: lint, types and every test that needs no real server, engine or process
 # group (the markers tests/conftest.py sets from the fixtures a test asks for).
-FAST := not (slow or vllm or docker or bwrap or trainer or ray)
 check: lint setup-serving
-	$(BIN)/python -m pytest -q -m "$(FAST)"
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "$(FAST)"
 
 # The fault-injection suite (servers killed or hung, tools hung, containers killed, garbage
 # from the model or the server): the short tests `make test` runs too, and the long ones

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -445,10 +448,10 @@ class Trajectory:
 
     def play(self, turns: Sequence[tuple[int, ToolSignal | None]]) -> list[Route]:
         routes = []
-        for tokens, signal in turns:
+        for tokens, tool_signal in turns:
             routes.append(self.call(tokens))
-            if signal is not None:
-                self.tool(signal)
+            if tool_signal is not None:
+                self.tool(tool_signal)
         self.finish()
         return routes
 
@@ -560,3 +563,47 @@ def emulated_cluster(workers: int = 4, *, start_s: float = 20.0) -> EmulatedClus
         server=server,
         truth=ClusterTruth(start_s=start_s),
     )
+
+
+ROOT = Path(__file__).resolve().parents[1]  # `libra serve` subprocesses import this checkout
+
+#: Emulator settings for ``libra serve``: no simulated latency.
+ZERO_LATENCY = [
+    f"emulator.latency.{field}=0"
+    for field in ("prefill_s_per_token", "step_base_s", "step_per_seq_s", "step_per_ctx_token_s")
+]
+#: The keys :func:`libra_serve` starts ``libra serve`` with.
+SERVE_USER_KEY, SERVE_ADMIN_KEY = "serve-user-key", "serve-admin-key"
+
+
+@contextmanager
+def libra_serve(
+    *flags: str,
+    settings: Sequence[str] = ZERO_LATENCY,
+    server: str = "emulated",
+    home: Path | None = None,
+    started: list[int] | None = None,
+) -> Iterator[str]:
+    """``libra serve --server emulated`` (or ``server``) on a free loopback port, as a
+    user runs it (a subprocess with :data:`SERVE_USER_KEY` and :data:`SERVE_ADMIN_KEY`);
+    yields its base URL (and appends its pid to ``started``). Stopped with SIGTERM (as a
+    service manager stops it) and checked to exit cleanly."""
+    command = [sys.executable, "-m", "libra", "serve", "--server", server, "--port", "0"]
+    command += ["--no-console", *flags, *(f"--set={s}" for s in settings)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env |= {"LIBRA_API_KEY": SERVE_USER_KEY, "LIBRA_ADMIN_KEY": SERVE_ADMIN_KEY}
+    if home is not None:
+        env["LIBRA_HOME"] = str(home)
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            if started is not None:
+                started.append(process.pid)
+            assert process.stdout is not None
+            line = process.stdout.readline()  # "libra serve: http://127.0.0.1:PORT/v1 (...)"
+            assert line.startswith("libra serve: http://"), line
+            yield line.split()[2].removesuffix("/v1")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()

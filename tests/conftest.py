@@ -53,9 +53,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+#: Where async tests run on trio as well as asyncio: the packages (under tests/) whose code
+#: has paths of its own on trio (bare asyncio tasks and loops kept apart, trio's clock and
+#: cancellation), and the clock. Elsewhere libra's async code is anyio's alone, and a
+#: second run of a test on trio tests anyio rather than libra.
+ON_TRIO_TOO = {"bench", "emulation", "engine", "gateway", "sched", "test_clock.py"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """asyncio; on trio too where :data:`ON_TRIO_TOO` says (``pytest_generate_tests``)."""
+    return "asyncio"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    definitions = metafunc._arg2fixturedefs.get("anyio_backend", ())
+    if not definitions or definitions[-1].func.__module__ != __name__:
+        return  # not async, or a module picks its own backends
+    if any(
+        "anyio_backend" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize")
+    ):
+        return  # the test picks its own
+    where = Path(metafunc.definition.path).relative_to(Path(__file__).parent).parts[0]
+    if where in ON_TRIO_TOO:
+        metafunc.parametrize("anyio_backend", ["asyncio", "trio"])
 
 
 # ------------------------------------------------ real vLLM on the embedded model (slow)

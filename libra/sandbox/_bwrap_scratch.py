@@ -46,7 +46,8 @@ class Scratch:
     """A trajectory's host directory: ``work`` and ``tmp`` are bound into every command, and
     ``rootfs`` (when set) is a bind of the image's root filesystem that the sandbox uid can
     reach (the image itself may lie under a root-only home). ``cgroup`` holds all the
-    trajectory's processes (None where cgroups cannot be made: see the README)."""
+    trajectory's processes (None where cgroups cannot be made: see "bubblewrap without
+    root" in docs/guides/sandboxes.md)."""
 
     base: Path
     mounted: bool

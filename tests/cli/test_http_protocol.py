@@ -53,7 +53,6 @@ def request(path: str) -> bytes:
     return f"GET {path} HTTP/1.1\r\nhost: test\r\n\r\n".encode()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_answer_arrives_whole_in_one_read_and_the_connection_lives_on() -> None:
     async with serving() as port, await anyio.connect_tcp("127.0.0.1", port) as client:
         for _ in range(3):  # kept alive: the next request on the same connection
@@ -65,7 +64,6 @@ async def test_an_answer_arrives_whole_in_one_read_and_the_connection_lives_on()
             assert body == BODY  # in the same read as the headers: written once
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_what_is_held_goes_out_before_a_close() -> None:
     async with serving() as port, await anyio.connect_tcp("127.0.0.1", port) as client:
         await client.send(request("/close"))
@@ -79,7 +77,6 @@ async def test_what_is_held_goes_out_before_a_close() -> None:
         assert received.endswith(b"\r\n\r\n" + BODY) and b"connection: close" in received
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_client_gone_before_its_answer_is_reported_to_the_app() -> None:
     left: list[str] = []  # the paths whose client went away before their answer
     gone, release = anyio.Event(), anyio.Event()

@@ -11,8 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import anyio
@@ -31,51 +30,18 @@ from tests._helpers import (
     CALCULATOR,
     MODEL,
     REAL_MODEL_NAME,
+    SERVE_ADMIN_KEY,
+    SERVE_USER_KEY,
     children_of,
     cmdline_of,
     emulated_engine,
     is_alive,
+    libra_serve,
 )
 
 ROOT = Path(__file__).parents[2]
-USER_KEY, ADMIN_KEY = "cli-user-key", "cli-admin-key"
+USER_KEY, ADMIN_KEY = SERVE_USER_KEY, SERVE_ADMIN_KEY
 TOOLS: list[ChatCompletionToolParam] = [CALCULATOR]  # type: ignore[list-item]
-ZERO_LATENCY = [
-    f"emulator.latency.{field}=0"
-    for field in ("prefill_s_per_token", "step_base_s", "step_per_seq_s", "step_per_ctx_token_s")
-]
-
-
-@contextmanager
-def libra_serve(
-    *flags: str,
-    settings: list[str] = ZERO_LATENCY,
-    server: str = "emulated",
-    home: Path | None = None,
-    started: list[int] | None = None,
-) -> Iterator[str]:
-    """``libra serve --server emulated`` (or ``server``) on a free loopback port; yields
-    its base URL (and appends its pid to ``started``). Stopped with SIGTERM (as a service
-    manager stops it) and checked to exit cleanly."""
-    command = [sys.executable, "-m", "libra", "serve", "--server", server, "--port", "0"]
-    command += ["--no-console", *flags, *(f"--set={s}" for s in settings)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env |= {"LIBRA_API_KEY": USER_KEY, "LIBRA_ADMIN_KEY": ADMIN_KEY}
-    if home is not None:
-        env["LIBRA_HOME"] = str(home)
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
-        try:
-            if started is not None:
-                started.append(process.pid)
-            assert process.stdout is not None
-            line = process.stdout.readline()  # "libra serve: http://127.0.0.1:PORT/v1 (...)"
-            assert line.startswith("libra serve: http://"), line
-            yield line.split()[2].removesuffix("/v1")
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=30) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
 
 
 def test_an_sdk_agent_with_tools_is_served_streamed_and_recorded(tmp_path: Path) -> None:

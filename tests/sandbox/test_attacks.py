@@ -55,7 +55,9 @@ async def provider(request: pytest.FixtureRequest) -> AsyncIterator[SandboxProvi
     else:
         root = request.getfixturevalue("bwrap_root")
         if not AS_ROOT:
-            pytest.skip("without root, bwrap commands run as the env's own uid (see the README)")
+            pytest.skip(
+                "without root, bwrap commands run as the env's own uid (docs/guides/sandboxes.md)"
+            )
         async with BwrapSandboxProvider(root=root) as bwrap_provider:
             yield bwrap_provider
 

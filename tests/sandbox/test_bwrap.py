@@ -29,11 +29,6 @@ SPEC = SandboxSpec(memory_mb=256, pids=32, workdir_size_mb=16, output_limit_byte
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def provider(
     bwrap_root: Path | Literal["host"],
 ) -> AsyncIterator[BwrapSandboxProvider]:

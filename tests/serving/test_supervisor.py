@@ -64,7 +64,6 @@ async def until(condition: object, timeout_s: float = 30.0) -> None:
             await anyio.sleep(0.01)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # server processes: one backend
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 async def test_a_lost_server_comes_back_with_the_current_weights(
     fault: str, tmp_path: Path
@@ -99,7 +98,6 @@ async def test_a_lost_server_comes_back_with_the_current_weights(
     assert any(span.version == 3 for r in records for span in r.weight_versions)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_server_that_will_not_start_again_is_given_up() -> None:
     jobs = jobs_for(Calc, "calc", 24)
     records: list[TrajectoryRecord] = []
@@ -127,7 +125,6 @@ async def test_a_server_that_will_not_start_again_is_given_up() -> None:
     assert all(r.endpoints[-1] == "a" for r in records)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_with_its_only_server_down_the_rollout_waits_for_the_restart() -> None:
     jobs = jobs_for(Calc, "calc", 16)
     records: list[TrajectoryRecord] = []
@@ -151,7 +148,6 @@ async def test_with_its_only_server_down_the_rollout_waits_for_the_restart() -> 
     assert [event.kind for event in supervisor.events] == ["died", "restarted"]
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_server_watched_later_is_restarted_and_one_unwatched_is_left_stopped() -> None:
     """The allocation pool's servers: started after the run began, stopped on purpose."""
     async with two_servers() as servers:

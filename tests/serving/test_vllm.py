@@ -95,11 +95,6 @@ def _wait_until_gone(pgids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def fake_python(tmp_path: Path) -> Path:
     """An "interpreter" that runs the fake server whatever module it is asked for."""
     server = tmp_path / "fake_vllm.py"

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -22,42 +21,30 @@ from libra.gateway import ADMIN_HEADER as GATEWAY_ADMIN_HEADER
 from libra.launch import TrainRunConfig, train
 from libra.train import iter_metrics
 from libra.train._gateway import ADMIN_HEADER, ADMIN_KEY_VAR, find_gateway
-from tests._helpers import BREVITY, tiny_llama
+from tests._helpers import (
+    BREVITY,
+    SERVE_ADMIN_KEY,
+    SERVE_USER_KEY,
+    ZERO_LATENCY,
+    libra_serve,
+    tiny_llama,
+)
 
 ROOT = Path(__file__).parents[2]
-USER_KEY, ADMIN_KEY = "train-user-key", "train-admin-key"
-ZERO_LATENCY = [
-    f"emulator.latency.{field}=0"
-    for field in ("prefill_s_per_token", "step_base_s", "step_per_seq_s", "step_per_ctx_token_s")
-]
+USER_KEY, ADMIN_KEY = SERVE_USER_KEY, SERVE_ADMIN_KEY
 
 
-@contextmanager
-def libra_serve(server: str = "emulated", *settings: str) -> Iterator[str]:
-    """``libra serve --server emulated`` (or ``server``) with user and admin keys on a
-    free loopback port, under ``settings`` too; yields its base URL. Stopped with SIGTERM
-    and checked to exit cleanly."""
-    command = [sys.executable, "-m", "libra", "serve", "--server", server, "--port", "0"]
-    command += ["--no-console", "--policy", "cmlfq", *(f"--set={s}" for s in ZERO_LATENCY)]
-    command += ["--set=emulator.agent.think_tokens=[0, 40]", *(f"--set={s}" for s in settings)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIBRA_API_KEY": USER_KEY}
-    env[ADMIN_KEY_VAR] = ADMIN_KEY
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as process:
-        try:
-            assert process.stdout is not None
-            line = process.stdout.readline()  # "libra serve: http://127.0.0.1:PORT/v1 (...)"
-            assert line.startswith("libra serve: http://"), line
-            yield line.split()[2].removesuffix("/v1")
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=30) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
+def gateway(server: str = "emulated", *settings: str) -> AbstractContextManager[str]:
+    """``libra serve`` routing by C-MLFQ, over an emulator whose agent thinks briefly."""
+    think = "emulator.agent.think_tokens=[0, 40]"
+    return libra_serve(
+        "--policy", "cmlfq", server=server, settings=[*ZERO_LATENCY, think, *settings]
+    )
 
 
 @pytest.fixture(scope="module")
 def gateway_url() -> Iterator[str]:
-    with libra_serve() as url:
+    with gateway() as url:
         yield url
 
 
@@ -78,7 +65,6 @@ def run_config(run_dir: Path, model_dir: Path, serve: str) -> TrainRunConfig:
     return TrainRunConfig.model_validate(data)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the trainer's processes: seconds
 @pytest.mark.anyio
 async def test_two_steps_through_the_gateway_sync_its_fleet_and_record_exact_tokens(
     gateway_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -139,7 +125,7 @@ def test_a_weight_sync_that_fails_at_the_gateway_is_one_line_and_exit_status_1(
     config = run_config(tmp_path / "run", tiny_llama(tmp_path / "model"), "")
     with (
         running_emulator(upstream) as server,
-        libra_serve(server, "gateway.weight_sync.timeout_s=1e-06") as url,
+        gateway(server, "gateway.weight_sync.timeout_s=1e-06") as url,
     ):
         config_file = tmp_path / "train.toml"
         config_file.write_text(config.model_copy(update={"serve": url}).to_toml())

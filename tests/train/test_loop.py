@@ -48,8 +48,6 @@ from tests._helpers import BREVITY, children_of, cmdline_of, is_alive, tiny_llam
 from tests.trainer._ranks import samples as two_groups
 
 pytestmark = pytest.mark.anyio
-# Each run spawns the trainer's processes (seconds): one backend, but for the first test.
-asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +80,8 @@ def read_records(run_dir: Path, step: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
+# The whole loop once on trio too: the run's own code is backend-neutral (anyio).
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_two_sync_steps_train_export_and_bump_versions(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -119,7 +119,6 @@ async def test_two_sync_steps_train_export_and_bump_versions(
     assert (config.run_dir / "weights" / "v2" / "model.safetensors").is_file()
 
 
-@asyncio_only
 async def test_one_step_off_samples_the_next_step_on_the_old_weights(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -148,7 +147,6 @@ async def test_one_step_off_samples_the_next_step_on_the_old_weights(
     assert weights == ["v2", "v3"]
 
 
-@asyncio_only
 async def test_a_run_folder_is_never_reused(tiny_model: Path, tmp_path: Path) -> None:
     config = run_config(tmp_path / "run", tiny_model, steps=1)
     config.run_dir.mkdir()
@@ -259,7 +257,6 @@ def _task_keys(run_dir: Path, step: int) -> list[tuple[str, int]]:
     return sorted((r["task_id"], r["sample"]) for r in read_records(run_dir, step))
 
 
-@asyncio_only
 async def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_tasks(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -319,7 +316,6 @@ def test_resume_without_a_checkpoint_is_one_line(
     )
 
 
-@asyncio_only
 async def test_a_resumed_run_goes_on_with_the_cmlfq_forest_it_saved(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -379,7 +375,6 @@ def _assert_one_record_per_trajectory(run_dir: Path, steps: int) -> None:
 
 
 @pytest.mark.faults
-@asyncio_only
 async def test_a_run_killed_mid_step_takes_its_finished_records_back_from_the_log(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -417,7 +412,6 @@ def _trainer_ranks(train_pid: int) -> list[int]:
 
 @pytest.mark.faults
 @pytest.mark.slow
-@asyncio_only
 async def test_a_trainer_rank_killed_mid_step_stops_the_run_and_resume_finishes_it(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -470,7 +464,6 @@ def _failing_config(run_dir: Path, model_dir: Path, failures: str) -> TrainRunCo
     return run_config(run_dir, model_dir, rollout=rollout, steps=1, train=train)
 
 
-@asyncio_only
 async def test_infrastructure_failures_are_excluded_or_retried_as_configured(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -489,7 +482,6 @@ async def test_infrastructure_failures_are_excluded_or_retried_as_configured(
     assert retried.trajectories == 6 and retried.samples_trained == 6
 
 
-@asyncio_only
 async def test_a_one_step_off_resume_takes_back_what_the_checkpoint_weights_sampled(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -18,8 +18,6 @@ pytestmark = pytest.mark.anyio
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1)
 # A death is noticed within seconds; the bound only keeps a regression from hanging.
 PROMPTLY_S = 60
-# Two ranks load the model in each of these (seconds): one backend where it adds nothing.
-asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,6 @@ async def test_a_rank_killed_between_commands_stops_watch_and_every_later_call(
 
 @pytest.mark.faults
 @pytest.mark.slow
-@asyncio_only
 async def test_a_rank_killed_mid_command_fails_the_call_with_its_death(
     tiny_model: Path, tmp_path: Path
 ) -> None:

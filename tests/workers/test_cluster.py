@@ -107,7 +107,6 @@ async def test_the_timed_scheduler_reports_every_call_and_routes_as_before() -> 
 
 
 # Each world is processes loading a model: one event loop's run is enough.
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_operations(
     tmp_path: Path,
 ) -> None:
@@ -182,7 +181,6 @@ def assert_each_trajectory_recorded_once(run_dir: Path, lines: list[dict[str, An
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
     embedded_model: Path, tmp_path: Path, backend: str
@@ -266,7 +264,6 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_tail_lends_an_idle_server_to_the_training_under_way_and_takes_it_back(
     embedded_model: Path, tmp_path: Path
 ) -> None:
@@ -282,7 +279,6 @@ async def test_the_tail_lends_an_idle_server_to_the_training_under_way_and_takes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_in_one_step_off_the_tail_of_the_next_rollout_lends_to_the_training(
     embedded_model: Path, tmp_path: Path
 ) -> None:

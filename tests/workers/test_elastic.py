@@ -26,7 +26,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Each world is processes loading the model: one event loop's run (trio passed too) is enough.
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_world_grows_and_shrinks_between_steps_and_training_goes_on_exactly(
     tiny_model: Path,
 ) -> None:

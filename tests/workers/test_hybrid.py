@@ -27,8 +27,6 @@ pytestmark = pytest.mark.anyio
 
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
 GRPO = GRPOConfig()
-# Each world is processes loading the model: one event loop's run is enough.
-asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,6 @@ async def replica_parameters(trainer: ElasticTrainer, worker: int) -> dict[str, 
     return await trainer.hybrid.replicas[worker].world.call(FullParameters())
 
 
-@asyncio_only
 async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact(
     tiny_model: Path,
 ) -> None:
@@ -100,7 +97,6 @@ async def test_a_replica_joins_trains_a_share_and_leaves_and_every_step_is_exact
     assert elastic.resizes == []  # the core's world was never rebuilt
 
 
-@asyncio_only
 async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path) -> None:
     async with fixed_and_elastic(tiny_model, in_pieces=True) as (fixed, elastic):
         await elastic.fetch_replica(1)  # loaded beside training, as the pool does it
@@ -127,7 +123,6 @@ async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path
     assert elastic.resizes == []
 
 
-@asyncio_only
 async def test_a_core_of_two_ranks_takes_a_step_in_pieces_exactly(tiny_model: Path) -> None:
     # Pieces of two micro-batches, the last padded when one is left: what a run with
     # hybrid units does before any is lent.
@@ -144,7 +139,6 @@ async def test_a_core_of_two_ranks_takes_a_step_in_pieces_exactly(tiny_model: Pa
 
 
 @pytest.mark.faults
-@asyncio_only
 async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it(
     tiny_model: Path,
 ) -> None:
@@ -169,7 +163,6 @@ async def test_a_replica_that_dies_is_dropped_and_its_step_runs_again_without_it
 
 
 @pytest.mark.faults
-@asyncio_only
 async def test_a_replica_that_hangs_is_cut_once_the_core_s_pieces_say_how_long_one_takes(
     tiny_model: Path,
 ) -> None:
@@ -201,7 +194,6 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-@asyncio_only
 async def test_a_replica_that_cannot_start_leaves_nothing_behind(tiny_model: Path) -> None:
     cores = workers() | {1: (10_000,)}  # no such core: the rank cannot pin itself
     async with ElasticTrainer(tiny_model, CONFIG, cores, members=(0,)) as elastic:
@@ -215,7 +207,6 @@ async def test_a_replica_that_cannot_start_leaves_nothing_behind(tiny_model: Pat
 
 
 @pytest.mark.faults
-@asyncio_only
 async def test_a_replica_that_dies_before_it_syncs_fails_its_join_and_costs_no_step(
     tiny_model: Path,
 ) -> None:

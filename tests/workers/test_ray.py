@@ -46,8 +46,6 @@ CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
 GRPO = GRPOConfig()
 ROOT = Path(__file__).resolve().parents[2]  # Ray's workers import this checkout
 PROMPTLY_S = 60  # a death is noticed within seconds; the bound only stops a hang
-# Each world is processes loading a model: one event loop's run where trio adds nothing.
-asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +111,6 @@ async def local_and_ray_elastic(
         yield local, elastic
 
 
-@asyncio_only
 async def test_a_ray_world_grows_and_shrinks_and_trains_as_a_local_world_does(
     ray_instance: None, tiny_model: Path
 ) -> None:
@@ -141,7 +138,6 @@ async def test_a_ray_world_grows_and_shrinks_and_trains_as_a_local_world_does(
         )
 
 
-@asyncio_only
 async def test_a_ray_replica_joins_the_hybrid_gradient_group_and_trains_a_share_exactly(
     ray_instance: None, tiny_model: Path
 ) -> None:
@@ -179,7 +175,6 @@ async def test_a_rank_actor_killed_between_commands_stops_watch_and_every_later_
             await world.call(RankPids())
 
 
-@asyncio_only
 async def test_a_rank_actor_killed_mid_command_fails_the_call_with_its_death(
     ray_instance: None, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -201,7 +196,6 @@ async def test_a_rank_actor_killed_mid_command_fails_the_call_with_its_death(
         assert str(failed.value).startswith("trainer rank 1 died (")
 
 
-@asyncio_only
 async def test_a_command_that_raises_on_ray_reports_its_traceback(
     ray_instance: None, tiny_model: Path
 ) -> None:
@@ -292,7 +286,6 @@ def test_the_ray_backend_loads_from_toml_and_says_when_ray_is_missing(
 
 
 @pytest.mark.slow
-@asyncio_only
 async def test_a_ray_cluster_serves_from_an_actor_sees_its_server_die_and_stops_it(
     ray_instance: None, embedded_model: Path, tmp_path: Path
 ) -> None:

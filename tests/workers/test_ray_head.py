@@ -27,17 +27,18 @@ def ray_module() -> Iterator[Any]:
     ray.shutdown()
 
 
-def ray_processes() -> list[int]:
-    """This process's descendants: a head started here, its GCS, raylet and workers."""
-    found, parents = [], [os.getpid()]
+def descendants() -> set[int]:
+    """This process's descendants (a head started here, its GCS, raylet and workers, and
+    whatever else the session runs, such as its shared vLLM server)."""
+    found, parents = set(), [os.getpid()]
     while parents:
         children = children_of(parents.pop())
-        found += children
+        found.update(children)
         parents += children
     return found
 
 
-def all_exit(pids: list[int], timeout_s: float = 60) -> bool:
+def all_exit(pids: set[int], timeout_s: float = 60) -> bool:
     deadline = time.monotonic() + timeout_s
     while any(is_alive(pid) for pid in pids):
         if time.monotonic() > deadline:
@@ -48,24 +49,26 @@ def all_exit(pids: list[int], timeout_s: float = 60) -> bool:
 
 def test_a_driver_attaches_to_the_head_and_its_exit_leaves_no_process(ray_module: Any) -> None:
     ray = ray_module
+    before = descendants()
     with ray_head(cpus=3) as address:
         ray.init(address=address, log_to_driver=False)
         assert ray.cluster_resources()["CPU"] == 3
         assert ray.get(ray.remote(lambda: 2 + 2).remote()) == 4
         ray.shutdown()
-        head = ray_processes()
+        head = descendants() - before
         assert len(head) >= 3  # `ray start`, its GCS and raylet
     assert all_exit(head)
 
 
 def test_the_head_stops_when_the_thread_that_started_it_exits(ray_module: Any) -> None:
     started = threading.Event()
-    pids: list[int] = []
+    pids: set[int] = set()
+    before = descendants()
 
     def start_then_exit() -> None:
         stack = ray_head(cpus=1)
         stack.__enter__()  # left open: the thread's exit alone must stop the head
-        pids.extend(ray_processes())
+        pids.update(descendants() - before)
         started.set()
 
     thread = threading.Thread(target=start_then_exit)

@@ -37,8 +37,8 @@ likely stragglers when a server's queue forms, and makes a likely straggler the 
 preempted when its KV cache runs short; ``longest_first`` does the opposite. It acts
 only where a server queues or preempts, which the ``finish`` rule mostly avoids: on the
 shipped workloads (``libra bench sched --ablate``) ``cmlfq-no-priority`` ran exactly as
-``cmlfq`` in most runs, and faster or slower by chance in the others (see the README's
-scheduling section). New trajectories are placed by the same rule from the tree's root
+``cmlfq`` in most runs, and faster or slower by chance in the others (the ablations in
+docs/scheduling/cmlfq.md). New trajectories are placed by the same rule from the tree's root
 estimate; ``start_in_shortest`` restores the reference's "every trajectory starts in the shortest
 bucket", which leaves the larger buckets idle during the first turn. Every decision is
 logged with its reason (see :class:`~libra.sched.Decision`).
