@@ -66,10 +66,14 @@ class StepCost(Section):
     sequence one token; prefill takes ``prefill_s_per_token`` per uncached prompt token.
     """
 
-    prefill_s_per_token: float = Field(ge=0)
-    step_base_s: float = Field(ge=0)
-    step_per_seq_s: float = Field(ge=0)
-    step_per_ctx_token_s: float = Field(ge=0)
+    prefill_s_per_token: float = Field(ge=0, description="seconds per uncached prompt token")
+    step_base_s: float = Field(ge=0, description="seconds of every decode step, whatever its batch")
+    step_per_seq_s: float = Field(
+        ge=0, description="seconds a decode step adds per sequence in its batch"
+    )
+    step_per_ctx_token_s: float = Field(
+        ge=0, description="seconds a decode step adds per context token its sequences hold"
+    )
 
     def step_time(self, batch_size: float, context_tokens: float) -> float:
         return (
@@ -211,10 +215,18 @@ class Roofline:
 class InstanceSpec(Section):
     """One serving instance (a vLLM server, or any OpenAI-compatible one)."""
 
-    name: str = Field(min_length=1)
-    url: str = Field(min_length=1)
-    model: str = "default"
-    api: Api = "auto"
+    name: str = Field(min_length=1, description="its name, unique: buckets list it by this")
+    url: str = Field(
+        min_length=1, description="base URL of its OpenAI-compatible server (without /v1)"
+    )
+    model: str = Field(
+        "default", description="model name to request; 'default': the first the server lists"
+    )
+    api: Api = Field(
+        "auto",
+        description="tokens: token ids to /v1/completions (needs /tokenize); chat: messages "
+        "to /v1/chat/completions; auto: tokens where the server has /tokenize",
+    )
     tp: PositiveInt = Field(1, description="tensor-parallel degree (GPUs of the instance)")
     max_num_seqs: PositiveInt = Field(256, description="vLLM's --max-num-seqs")
     kv_capacity_tokens: PositiveInt = Field(200_000, description="tokens its KV cache holds")
@@ -241,9 +253,14 @@ class BucketSpec(Section):
     """A named group of instances for trajectories expected to need up to ``max_tokens``
     more output tokens (C-MLFQ's level)."""
 
-    name: str = Field(min_length=1)
-    max_tokens: PositiveInt
-    instances: list[str] = Field(min_length=1)
+    name: str = Field(min_length=1, description="its name, unique")
+    max_tokens: PositiveInt = Field(
+        description="its token ceiling: for trajectories expected to need up to this many "
+        "more output tokens"
+    )
+    instances: list[str] = Field(
+        min_length=1, description="the names of its instances (each in exactly one bucket)"
+    )
 
 
 class FleetSpec(Section):

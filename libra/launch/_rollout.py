@@ -24,7 +24,7 @@ from libra.serving import CurrentWeights, ServerProcess, SupervisorConfig
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    env: str
+    env: str = Field(description="the env: a registered name (see libra envs) or module:Class")
     server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
     fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
     scheduler: SchedulerName = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
@@ -39,7 +39,11 @@ class RolloutConfig(BaseModel):
         description="C-MLFQ's prefix forest: read before the rollout if the file exists, "
         "written after it, so what one step learnt guides the next",
     )
-    model: str | None = None
+    model: str | None = Field(
+        None,
+        description="model name to request (default: the server's); a [fleet] names it per "
+        "instance",
+    )
     probe_timeout_s: PositiveFloat = Field(
         10.0, description="how long a server given by URL may take to list its models"
     )
@@ -49,7 +53,9 @@ class RolloutConfig(BaseModel):
     tasks: Path | None = Field(
         None, description="JSONL file of tasks (key, seed, payload), each sampled in turn"
     )
-    samples_per_prompt: PositiveInt = 1
+    samples_per_prompt: PositiveInt = Field(
+        1, description="trajectories per task (libra train sets it each step)"
+    )
     max_failed_fraction: float = Field(
         1.0,
         ge=0.0,
@@ -57,14 +63,36 @@ class RolloutConfig(BaseModel):
         description="the run fails (exit status 1) when more of its trajectories than this "
         "failed; one in which every trajectory failed always does",
     )
-    seed: int = 0
-    out: Path = Path("rollout.jsonl")
+    seed: int = Field(
+        0,
+        description="seed of the task sampler (unused with tasks); libra train seeds its "
+        "steps with its own seed",
+    )
+    out: Path = Field(
+        Path("rollout.jsonl"),
+        description="JSONL file of the records, one a line as each trajectory ends (libra "
+        "train writes rollouts/ in its run_dir)",
+    )
     plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")
-    transport: TransportName = "httptools"
-    max_connections: PositiveInt = 1024
-    progress: bool = True
-    sandbox: SandboxKind = "auto"
-    sandbox_pool: PositiveInt = 16
+    transport: TransportName = Field(
+        "httptools",
+        description="HTTP client for servers on real ports (httptools: the least CPU a "
+        "call); the emulated server is called in-process",
+    )
+    max_connections: PositiveInt = Field(
+        1024, description="sockets open to all servers together; more calls wait for one"
+    )
+    progress: bool = Field(True, description="a progress bar on stderr")
+    sandbox: SandboxKind = Field(
+        "auto",
+        description="where tools run code: docker, bwrap (bubblewrap), or auto: Docker if "
+        "its engine answers, else bwrap",
+    )
+    sandbox_pool: PositiveInt = Field(
+        16,
+        description="Docker: idle containers kept per sandbox spec; at most this many are "
+        "started ahead of the trajectories",
+    )
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
     supervisor: SupervisorConfig = SupervisorConfig()

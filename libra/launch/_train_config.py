@@ -34,8 +34,12 @@ class TrainRunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rollout: RolloutConfig
-    steps: PositiveInt = 2
-    prompts_per_step: PositiveInt = 4
+    steps: PositiveInt = Field(
+        2, description="RL steps to run: each a rollout of its groups, then one optimizer step"
+    )
+    prompts_per_step: PositiveInt = Field(
+        4, description="tasks per step (its GRPO groups), each sampled samples_per_prompt times"
+    )
     samples_per_prompt: PositiveInt = Field(4, description="a GRPO group's size")
     mode: Mode = Field(
         "sync",
@@ -66,7 +70,11 @@ class TrainRunConfig(BaseModel):
         description="dtype of exported weights (and of the loop's own server): fp32 keeps "
         "small updates that bf16 rounds away; None: the model folder's",
     )
-    run_dir: Path = Path("runs/train")
+    run_dir: Path = Field(
+        Path("runs/train"),
+        description="the run folder: config.toml, metrics.jsonl, rollouts/, weights/ and "
+        "checkpoints/",
+    )
     seed: int = Field(0, description="seeds each step's tasks (step k draws with seed + k)")
     checkpoint_every: NonNegativeInt = Field(
         1,

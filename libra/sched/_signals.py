@@ -26,10 +26,22 @@ DEFAULT_STATE = "{tool}:{size}:{status}"
 class SignalRule(Section):
     """Matches tool returns by tool name (a glob), size class and status (``*``: any)."""
 
-    tool: str = "*"
-    size_class: SizeClass | Literal["*"] = "*"
-    status: ToolStatus | Literal["*"] = "*"
-    action: Literal["keep", "ignore"] = "keep"
+    tool: str = Field("*", description="tool names it matches, a glob (*: any)")
+    size_class: SizeClass | Literal["*"] = Field(
+        "*",
+        description="output size it matches: small (up to 500 characters), medium (up to "
+        "5,000), large; *: any",
+    )
+    status: ToolStatus | Literal["*"] = Field(
+        "*",
+        description="status it matches: success, failure (raised, or the output reads like "
+        "an error), timeout; *: any",
+    )
+    action: Literal["keep", "ignore"] = Field(
+        "keep",
+        description="keep: the return becomes a state (named by state); ignore: the "
+        "trajectory's path does not grow",
+    )
     state: str = Field(
         DEFAULT_STATE, description="the state's name; {tool}, {size} and {status} are filled in"
     )
@@ -50,7 +62,9 @@ class SignalRule(Section):
 class SignalMap(Section):
     """Per-env rules (by env name), then ``default`` rules, then ``tool:size:status``."""
 
-    envs: dict[str, list[SignalRule]] = Field(default_factory=dict)
+    envs: dict[str, list[SignalRule]] = Field(
+        default_factory=dict, description="rules per env name, tried before the default rules"
+    )
     default: list[SignalRule] = Field(default_factory=list)
 
     def state(self, env: str, signal: ToolSignal) -> str | None:

@@ -57,7 +57,9 @@ class SupervisorConfig(Section):
     hung_after: PositiveInt = Field(3, description="missed probes in a row that mean hung")
     max_restarts: PositiveInt = Field(5, description="failed starts in a row before giving up")
     backoff_s: PositiveFloat = Field(1.0, description="wait after a failed start, doubling")
-    max_backoff_s: PositiveFloat = 60.0
+    max_backoff_s: PositiveFloat = Field(
+        60.0, description="the longest wait after a failed start: backoff_s doubles up to it"
+    )
     calls_wait_s: PositiveFloat = Field(
         900.0,
         description="a call with every server down waits this long for a restart before it "

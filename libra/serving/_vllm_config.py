@@ -22,7 +22,7 @@ class VLLMServerError(RuntimeError):
 class VLLMServerConfig(Section):
     """How to run one vLLM server (everything but the model)."""
 
-    host: str = "127.0.0.1"
+    host: str = Field(default="127.0.0.1", description="the address it listens on (its URL's host)")
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port at start")
     threads: int | None = Field(
         default=None, ge=1, description="OMP_NUM_THREADS for the server; None leaves vLLM's"
@@ -36,7 +36,11 @@ class VLLMServerConfig(Section):
         default=True,
         description="skip torch.compile: engine init ~1 s instead of 70-130 s on 2 cores",
     )
-    max_model_len: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="--max-model-len: a request's prompt + output tokens; None: the model's",
+    )
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per server (CUDA)")
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0, le=1, description="share of each GPU's memory vLLM takes (CUDA)"
@@ -44,19 +48,32 @@ class VLLMServerConfig(Section):
     tool_call_parser: str | None = Field(
         default=None, description="enables --enable-auto-tool-choice with this parser"
     )
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="--scheduling-policy: priority serves requests by the priority each "
+        "carries (cmlfq.priority); fcfs by arrival",
+    )
     dev_mode: bool = Field(
         default=False, description="VLLM_SERVER_DEV_MODE=1: /collective_rpc (weight reloads)"
     )
-    extra_args: tuple[str, ...] = ()
-    extra_env: dict[str, str] = Field(default_factory=dict)
+    extra_args: tuple[str, ...] = Field(
+        default=(), description="more vLLM command-line arguments, appended as given"
+    )
+    extra_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="more environment variables for the server, set last (they win)",
+    )
     python_executable: Path | None = Field(
         default=None, description="interpreter that has vllm installed; default: this one"
     )
     log_file: Path | None = Field(
         default=None, description="default: $LIBRA_HOME/logs/vllm-NAME-PORT.log"
     )
-    startup_timeout_s: float = Field(default=300.0, gt=0)
+    startup_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="seconds a starting server has to answer /health, else it fails",
+    )
     stop_grace_s: float = Field(
         default=10.0, gt=0, description="SIGTERM to SIGKILL delay when stopping"
     )

@@ -62,12 +62,19 @@ LossFn = Callable[["nn.Module", B], "torch.Tensor"]
 class TrainerConfig(Section):
     """How the trainer optimizes (the model comes from its folder)."""
 
-    lr: float = Field(default=1e-6, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(default=1e-6, gt=0, description="AdamW's learning rate (after warmup)")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW's weight decay")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999),
+        description="AdamW's betas: decay rates of the gradient's running averages (mean, square)",
+    )
     warmup_steps: int = Field(default=0, ge=0, description="linear warmup, then constant lr")
     grad_clip: float | None = Field(default=1.0, gt=0, description="max grad norm; None: off")
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="recompute each layer's activations in the backward pass: less memory, "
+        "more compute",
+    )
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="auto: bf16 compute with fp32 reductions on CUDA, fp32 on CPU"
     )

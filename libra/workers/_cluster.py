@@ -112,7 +112,9 @@ def local_server(
 class AllocConfig(Section):
     """``[alloc]``: the run's workers, which of them move, and the loop that moves them."""
 
-    enabled: bool = False
+    enabled: bool = Field(
+        False, description="run the allocation; false: the run is as without [alloc]"
+    )
     workers: tuple[tuple[int, ...], ...] = Field(
         (),
         description="each worker's CPU cores (a core may be in several sets on a small "

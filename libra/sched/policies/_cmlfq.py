@@ -68,7 +68,12 @@ PriorityOrder = Literal["none", "longest_first", "shortest_first"]
 
 
 class CMLFQConfig(Section):
-    rule: Rule = "finish"
+    rule: Rule = Field(
+        "finish",
+        description="what picks a call's instance: simple (the bucket that covers the "
+        "residual estimate), cost (expected decode seconds plus moving), finish (the "
+        "instance that would finish first, its load included)",
+    )
     priority: PriorityOrder = Field(
         "shortest_first",
         description="vLLM priority inside an instance (the servers need "
