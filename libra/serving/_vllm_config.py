@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,6 +54,13 @@ class VLLMServerConfig(Section):
         description="--scheduling-policy: priority serves requests by the priority each "
         "carries (cmlfq.priority); fcfs by arrival",
     )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        description="--seed of the server's sampling stream; None: a fresh one at each start. "
+        "vLLM's default is 0 for every server, and servers that get the same requests in the "
+        "same order then sample the same tokens: a group spread over them collapses",
+    )
     dev_mode: bool = Field(
         default=False, description="VLLM_SERVER_DEV_MODE=1: /collective_rpc (weight reloads)"
     )
@@ -99,6 +107,8 @@ def vllm_command(
         args += ["--scheduling-policy", config.scheduling_policy]
     if config.tool_call_parser is not None:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    seed = secrets.randbelow(2**31) if config.seed is None else config.seed
+    args += ["--seed", str(seed)]
     return args + list(config.extra_args)
 
 

@@ -161,6 +161,20 @@ def test_default_command_has_no_optional_flags() -> None:
         assert flag not in joined
 
 
+def test_each_start_samples_with_a_seed_of_its_own_unless_one_is_set() -> None:
+    """vLLM seeds every server with 0: two servers given the same requests in the same
+    order sampled the same tokens, so a GRPO group spread over them tied."""
+
+    def seed(config: VLLMServerConfig) -> str:
+        server = VLLMServer("/models/m", config=config)
+        server._port = 9000
+        command = server.command()
+        return command[command.index("--seed") + 1]
+
+    assert len({seed(VLLMServerConfig()) for _ in range(8)}) == 8
+    assert seed(VLLMServerConfig(seed=3)) == "3"
+
+
 def test_environment_carries_cpu_settings(tmp_path: Path) -> None:
     config = VLLMServerConfig(
         threads=2, cpu_threads_bind="0-1", kv_cache_gib=3, dev_mode=True, extra_env={"X": "y"}
