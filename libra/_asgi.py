@@ -32,7 +32,7 @@ for a callback put in later).
 
 ASGI tells an app of a disconnect only through ``receive()``, so an app that must notice
 one while it works keeps a task waiting there, a task a request. ``libra serve``'s
-uvicorn protocol (``libra/cli/_http_protocol.py``) offers this hook instead; other servers
+uvicorn protocol (``libra/gateway/_http_protocol.py``) offers this hook instead; other servers
 do not, and the app falls back to the waiting task."""
 
 

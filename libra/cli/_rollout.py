@@ -26,14 +26,15 @@ from libra.engine import (
     jobs_for,
     jobs_of,
 )
-from libra.envs import Env, env_name, load_env
+from libra.envs import Env
 from libra.fleet import FleetSpec
-from libra.launch import RolloutConfig, open_engine, read_tasks
+from libra.launch import RolloutConfig, load_player, open_engine, open_session, read_tasks
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser("rollout", help="run trajectories of an env, write JSONL")
     parser.add_argument("--env", help="env name (see `libra envs`) or module:Class")
+    parser.add_argument("--agent", help="an agent plays instead: module:function (async def)")
     parser.add_argument(
         "--server", help="'emulated' (default), 'embedded' or OpenAI-compatible URL(s)"
     )
@@ -71,6 +72,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     flags = {
         "env": args.env,
+        "agent": args.agent,
         "server": args.server,
         "model": args.model,
         "scheduler": args.scheduler,
@@ -136,13 +138,16 @@ class Failures:
 async def run_rollout(config: RolloutConfig, *, failures: Failures | None = None) -> RolloutStats:
     """One session, its jobs all submitted at once, and its records written as JSONL
     (and shown to ``failures``)."""
-    env_cls = load_env(config.env)
-    name = env_name(config.env, env_cls)
+    player = load_player(config)
+    env_cls, name = player.env_cls, player.name
     jobs = _jobs(config, env_cls, name)
     encoder = msgspec.json.Encoder()
     warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
     timeline = Timeline()
-    async with open_engine(config, env_cls, warm) as run, RolloutSession(run.engine) as session:
+    async with (
+        open_engine(config, env_cls, warm) as run,
+        open_session(run.engine, config, player) as session,
+    ):
         scheduler, stats = run.engine.scheduler, session.stats
         session.submit(jobs)
         session.close()
@@ -175,7 +180,7 @@ def _labels(fleet: FleetSpec) -> dict[str, str]:
     return {name: f"{name} ({b.name})" for b in fleet.buckets for name in b.instances}
 
 
-def _jobs(config: RolloutConfig, env_cls: type[Env], env_name: str) -> list[TrajectoryJob]:
+def _jobs(config: RolloutConfig, env_cls: type[Env] | None, env_name: str) -> list[TrajectoryJob]:
     """The tasks of ``config.tasks``, each sampled in turn, or ``n`` of seeded tasks."""
     per_prompt = config.samples_per_prompt
     if config.tasks is None:

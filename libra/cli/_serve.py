@@ -11,11 +11,9 @@ traffic once a second.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
-import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import anyio
@@ -25,7 +23,6 @@ from rich.console import Console
 from rich.live import Live
 
 from libra.cli._config import add_config_arguments
-from libra.cli._http_protocol import ServeHttpToolsProtocol
 from libra.config import load_config
 from libra.emulation import EmulatorConfig
 from libra.engine import EngineConfig, TransportName
@@ -34,11 +31,13 @@ from libra.gateway import (
     DEFAULT_MAX_BODY_BYTES,
     GatewayConfig,
     GatewayMetrics,
+    GatewayServer,
     Keys,
     Sessions,
     Totals,
     create_gateway,
     gateway_keys,
+    uvicorn_config,
 )
 from libra.launch import SCHEDULERS, SchedulerName, assemble_engine, local_templates
 from libra.sched import Scheduler
@@ -157,8 +156,14 @@ async def serve(config: ServeConfig, keys: Keys) -> None:
             gateway = gateway.model_copy(update={"record_path": config.record})
         async with Sessions(run.engine, gateway) as core:
             metrics = GatewayMetrics(scheduler.router, _reasons(scheduler))
-            app = create_gateway(core, keys, metrics=metrics, max_body_bytes=config.max_body_bytes)
-            server = _Server(_uvicorn_config(app, config))
+            app = create_gateway(
+                core,
+                keys,
+                metrics=metrics,
+                max_body_bytes=config.max_body_bytes,
+                any_model=gateway.any_model,
+            )
+            server = GatewayServer(uvicorn_config(app, config.host, config.port))
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signal, server)
                 group.start_soon(_announce, server, config, keys)
@@ -168,40 +173,6 @@ async def serve(config: ServeConfig, keys: Keys) -> None:
                 group.cancel_scope.cancel()
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, without its own signal handling: ``libra serve`` stops it (and then
-    ends its sessions) on SIGINT or SIGTERM rather than re-raising them at the end."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.listening = anyio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.listening.set()
-
-
-def _uvicorn_config(app: Callable[..., object], config: ServeConfig) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        http=ServeHttpToolsProtocol,  # httptools, one socket write an answer
-        loop="none",  # anyio's loop (uvloop) is already running
-        lifespan="off",
-        log_level="warning",
-        access_log=False,  # a log of requests would hold their headers' neighbours
-        backlog=4096,
-        proxy_headers=False,  # the gateway reads no client address: no per-request middleware
-        server_header=False,  # no banner naming the server (and one header less an answer)
-        timeout_keep_alive=60,
-    )
-
-
 async def _stop_on_signal(server: uvicorn.Server) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
@@ -209,12 +180,12 @@ async def _stop_on_signal(server: uvicorn.Server) -> None:
             return
 
 
-async def _announce(server: _Server, config: ServeConfig, keys: Keys) -> None:
+async def _announce(server: GatewayServer, config: ServeConfig, keys: Keys) -> None:
     """Print the endpoint once uvicorn listens (the port, when ``port`` was 0)."""
     await server.listening.wait()
     if not server.started:  # it could not bind: uvicorn said why
         return
-    port = server.servers[0].sockets[0].getsockname()[1]
+    port = server.port
     auth = "API key required" if keys.enabled else "no auth (loopback)"
     print(f"libra serve: http://{config.host}:{port}/v1 ({config.policy}, {auth})", flush=True)
 

@@ -37,6 +37,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument("--steps", type=int, help="RL steps (default 2)")
     parser.add_argument(
+        "--agent", help="rollout.agent: an async def (task, client) plays the episodes"
+    )
+    parser.add_argument(
         "--serve",
         help="attach to running vLLM server URL(s) in dev mode, or to a libra serve gateway "
         "($LIBRA_ADMIN_KEY), instead of starting one",
@@ -59,7 +62,12 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def run(args: argparse.Namespace) -> int:
-    flags = {"steps": args.steps, "serve": args.serve, "run_dir": args.run_dir}
+    flags = {
+        "steps": args.steps,
+        "serve": args.serve,
+        "run_dir": args.run_dir,
+        "rollout.agent": args.agent,
+    }
     config = load_config(TrainRunConfig, args.config, flags, args.set)
     if args.dry_run:
         print(config.to_toml(), end="")
@@ -67,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(
         f"libra train: {config.steps} steps of {config.prompts_per_step} prompts x "
-        f"{config.samples_per_prompt} samples ({config.rollout.env}, {config.mode}) "
+        f"{config.samples_per_prompt} samples ({config.rollout.agent or config.rollout.env}, "
+        f"{config.mode}) "
         f"into {config.run_dir}"
     )
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)

@@ -34,7 +34,7 @@ from libra.engine._records import (
     WeightSpan,
 )
 from libra.engine._rollout import jobs_for, jobs_of, rollout
-from libra.engine._session import Group, RolloutSession
+from libra.engine._session import Group, RolloutSession, TrajectoryRunner
 from libra.engine._stats import RolloutStats
 from libra.engine._tokens import ChatTemplate, TemplateRenderer, TokenLog
 from libra.engine._trajectory import run_trajectory
@@ -87,6 +87,7 @@ __all__ = [
     "ToolReturnRecord",
     "TrajectoryJob",
     "TrajectoryRecord",
+    "TrajectoryRunner",
     "TransportError",
     "TransportName",
     "TransportTimeout",

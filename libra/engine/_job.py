@@ -10,16 +10,18 @@ from libra.envs import Env, GroupId, Task, TaskId, TrajectoryId
 
 @dataclass(frozen=True, slots=True)
 class TrajectoryJob:
-    """One trajectory to run: sample ``sample`` of ``task`` at RL step ``step``."""
+    """One trajectory to run: sample ``sample`` of ``task`` at RL step ``step``.
+    ``env_cls`` is None for a run whose episodes an agent plays (``libra.agents``) and
+    that scores them with no env."""
 
-    env_cls: type[Env]
+    env_cls: type[Env] | None
     task: Task
     sample: int = 0
     step: int = 0
 
     @classmethod
     def seeded(
-        cls, env_cls: type[Env], env_name: str, seed: int, sample: int = 0, step: int = 0
+        cls, env_cls: type[Env] | None, env_name: str, seed: int, sample: int = 0, step: int = 0
     ) -> TrajectoryJob:
         """A job of a seeded env: its task is keyed by ``seed``."""
         return cls(env_cls, Task.from_seed(env_name, seed), sample, step)

@@ -14,7 +14,7 @@ from libra.envs import Env, Task
 
 
 def jobs_for(
-    env_cls: type[Env],
+    env_cls: type[Env] | None,
     env_name: str,
     n: int,
     *,
@@ -34,7 +34,7 @@ def jobs_for(
 
 
 def jobs_of(
-    env_cls: type[Env], tasks: Iterable[Task], *, samples_per_prompt: int = 1, step: int = 0
+    env_cls: type[Env] | None, tasks: Iterable[Task], *, samples_per_prompt: int = 1, step: int = 0
 ) -> list[TrajectoryJob]:
     """``samples_per_prompt`` trajectories of each of ``tasks`` at RL step ``step``."""
     return [

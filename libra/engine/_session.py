@@ -39,10 +39,11 @@ through. Such records go in past the bound.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -83,6 +84,20 @@ class Group:
 _Ended = tuple[TrajectoryJob, TrajectoryRecord]
 
 
+class TrajectoryRunner(Protocol):
+    """Plays one job to its record: :func:`run_trajectory` (an env's episode), or an
+    agent's (``libra.agents.AgentRunner``). A cancelled run hands its record to
+    ``on_cancelled`` before the cancellation goes on."""
+
+    def __call__(
+        self,
+        job: TrajectoryJob,
+        engine: Engine,
+        *,
+        on_cancelled: Callable[[TrajectoryRecord], None] | None = None,
+    ) -> Awaitable[TrajectoryRecord]: ...
+
+
 class _Outbox:
     """Finished trajectories waiting for the reader: bounded, and closed at the end."""
 
@@ -121,8 +136,15 @@ class _Outbox:
 class RolloutSession:
     """Runs submitted jobs on ``engine`` and streams their records (see the module)."""
 
-    def __init__(self, engine: Engine, *, stats: RolloutStats | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        stats: RolloutStats | None = None,
+        runner: TrajectoryRunner = run_trajectory,
+    ) -> None:
         self.engine = engine
+        self.runner = runner
         #: Counters over the whole session (``total``: jobs submitted) and per step.
         self.stats = stats or RolloutStats()
         self.step_stats: dict[int, RolloutStats] = {}
@@ -336,7 +358,7 @@ class RolloutSession:
 
         try:
             with scope:
-                record = await run_trajectory(job, self.engine, on_cancelled=hand_over_now)
+                record = await self.runner(job, self.engine, on_cancelled=hand_over_now)
                 self._observe(job, record)
                 try:  # it keeps its slot until the reader has room: the backpressure
                     await self._outbox.put((job, record))

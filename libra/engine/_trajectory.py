@@ -74,6 +74,8 @@ async def run_trajectory(
     *,
     on_cancelled: Callable[[TrajectoryRecord], None] | None = None,
 ) -> TrajectoryRecord:
+    if job.env_cls is None:
+        raise TypeError(f"trajectory {job.id} has no env to run (an agent's job?)")
     t = TrajectoryState(job, engine.config.sampling)
     env = job.env_cls()
     started = now()

@@ -2,7 +2,13 @@
 
 from libra.envs._bugs import EnvBugs
 from libra.envs._env import Env
-from libra.envs._registry import UnknownEnvError, available_envs, env_name, load_env
+from libra.envs._registry import (
+    UnknownEnvError,
+    available_envs,
+    env_name,
+    load_env,
+    load_object,
+)
 from libra.envs._sandbox import (
     ExecResult,
     Sandbox,
@@ -45,6 +51,7 @@ __all__ = [
     "env_name",
     "from_openai",
     "load_env",
+    "load_object",
     "tool",
     "valid_utf8",
 ]

@@ -32,12 +32,7 @@ def available_envs() -> list[str]:
 def load_env(name: str) -> type[Env]:
     """The env class registered as ``name``, or the class at ``package.module:Class``."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        _look_in_the_current_directory()
-        module = _importing(name, lambda: importlib.import_module(module_name))
-        if not hasattr(module, attr):
-            raise UnknownEnvError(f"cannot load env {name!r}: module {module_name} has no {attr}")
-        target = getattr(module, attr)
+        target = load_object(name)
     else:
         matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
         if not matches:
@@ -47,6 +42,19 @@ def load_env(name: str) -> type[Env]:
     if not (isinstance(target, type) and issubclass(target, Env)):
         raise UnknownEnvError(f"{name!r} is not an Env subclass")
     return target
+
+
+def load_object(spec: str, what: str = "env") -> object:
+    """The object at ``package.module:name`` (an env class, an agent function), looked
+    for in the current directory first; a module that fails to import is one line."""
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise UnknownEnvError(f"cannot load {what} {spec!r}: write it as package.module:name")
+    _look_in_the_current_directory()
+    module = _importing(spec, lambda: importlib.import_module(module_name), what)
+    if not hasattr(module, attr):
+        raise UnknownEnvError(f"cannot load {what} {spec!r}: module {module_name} has no {attr}")
+    return getattr(module, attr)
 
 
 def env_name(name: str, env_cls: type[Env]) -> str:
@@ -64,24 +72,24 @@ def _look_in_the_current_directory() -> None:
         sys.path.insert(0, os.getcwd())
 
 
-def _importing(name: str, load: Callable[[], object]) -> object:
-    """``load()``, with any failure of the env's module turned into one line."""
+def _importing(name: str, load: Callable[[], object], what: str = "env") -> object:
+    """``load()``, with any failure of the user's module turned into one line."""
     try:
         return load()
     except ModuleNotFoundError as exc:
         if _env_frames(exc):  # the env's own code imports something that is missing
-            raise UnknownEnvError(f"cannot load env {name!r}: {_where(exc)}") from None
+            raise UnknownEnvError(f"cannot load {what} {name!r}: {_where(exc)}") from None
         raise UnknownEnvError(
-            f"cannot load env {name!r}: no module named {exc.name!r} "
+            f"cannot load {what} {name!r}: no module named {exc.name!r} "
             f"(looked in the current directory, {os.getcwd()}, and the installed packages)"
         ) from None
     except SyntaxError as exc:
         where = f"{exc.filename}:{exc.lineno}" if exc.filename else "its source"
         raise UnknownEnvError(
-            f"cannot load env {name!r}: syntax error at {where}: {exc.msg}"
+            f"cannot load {what} {name!r}: syntax error at {where}: {exc.msg}"
         ) from None
     except Exception as exc:
-        raise UnknownEnvError(f"cannot load env {name!r}: {_where(exc)}") from None
+        raise UnknownEnvError(f"cannot load {what} {name!r}: {_where(exc)}") from None
 
 
 def _where(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ from libra.gateway._auth import AuthError, Keys, gateway_keys
 from libra.gateway._config import GatewayConfig
 from libra.gateway._metrics import GatewayMetrics, Totals
 from libra.gateway._protocol import ChatReply, ChatTurn, FinishReason, FleetStatus, GatewayCore
+from libra.gateway._server import GatewayServer, serving, uvicorn_config
 from libra.gateway._sessions import Sessions
 
 __all__ = [
@@ -32,9 +33,12 @@ __all__ = [
     "GatewayConfig",
     "GatewayCore",
     "GatewayMetrics",
+    "GatewayServer",
     "Keys",
     "Sessions",
     "Totals",
     "create_gateway",
     "gateway_keys",
+    "serving",
+    "uvicorn_config",
 ]

@@ -138,9 +138,11 @@ class GatewayApp:
         *,
         metrics: GatewayMetrics | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        any_model: bool = False,
     ) -> None:
         self.core = core
         self.keys = keys
+        self.any_model = any_model  # (GatewayConfig.any_model)
         self.metrics = metrics or GatewayMetrics()
         self.max_body_bytes = max_body_bytes
         self._encoder = msgspec.json.Encoder()
@@ -387,7 +389,7 @@ class GatewayApp:
         a miss (a fleet that grew): reading them for every request cost ~2% of the
         gateway's CPU. A model whose last server left still passes here, and its
         request then finds no server (503)."""
-        if model in self._served:
+        if model in self._served or self.any_model:
             return
         models = self.core.models()
         self._served = frozenset(models)
@@ -487,6 +489,9 @@ def create_gateway(
     *,
     metrics: GatewayMetrics | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    any_model: bool = False,
 ) -> GatewayApp:
     """The ASGI app of ``libra serve`` over ``core``."""
-    return GatewayApp(core, keys, metrics=metrics, max_body_bytes=max_body_bytes)
+    return GatewayApp(
+        core, keys, metrics=metrics, max_body_bytes=max_body_bytes, any_model=any_model
+    )

@@ -30,6 +30,11 @@ class GatewayConfig(Section):
         description="the env name the scheduler sees for sessions (what per-env signal "
         "rules match) and records carry",
     )
+    any_model: bool = Field(
+        False,
+        description="answer a request whatever model it names, with the fleet's: a "
+        "training run's agents, written for some other model name, train the run's policy",
+    )
     record_path: Path | None = Field(
         None, description="append every ended session here as one JSONL record; None: off"
     )

@@ -35,7 +35,7 @@ import itertools
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 import anyio
@@ -78,9 +78,18 @@ _SAMPLINGS_KEPT = 1024
 class Sessions:
     """Live sessions over ``engine``'s fleet and scheduler (see the module)."""
 
-    def __init__(self, engine: Engine, config: GatewayConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: GatewayConfig | None = None,
+        *,
+        on_end: Callable[[str | None, TrajectoryRecord], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config if config is not None else GatewayConfig()
+        #: Called with the client's key (None: it gave none) and the record of each
+        #: session as it ends: how an agent's runner finds its episode's sessions.
+        self.on_end = on_end
         self.recorder = Recorder(
             self.config.record_path,
             stream=self.config.record_stream,
@@ -436,12 +445,14 @@ class Sessions:
             output_tokens=session.output_tokens,
             failed=status == "failed" or reason in _CUT_SHORT,
         )
-        if not self.recorder.on and self.engine.on_record is None:
+        if not self.recorder.on and self.engine.on_record is None and self.on_end is None:
             return
         record = session.record(status, reason, error)
         self.recorder.add(record)
         if self.engine.on_record is not None:
             self.engine.on_record(record)
+        if self.on_end is not None:
+            self.on_end(session.client_key, record)
 
     async def _sweep(self) -> None:
         while True:

@@ -18,6 +18,7 @@ from libra.launch._scheduler import (
     save_scheduler_state,
     scheduler_forest,
 )
+from libra.launch._session import Player, load_player, open_session
 from libra.launch._tasks import read_tasks
 from libra.launch._train import open_run, train
 from libra.launch._train_config import TrainRunConfig
@@ -28,6 +29,7 @@ __all__ = [
     "EngineSettings",
     "Fleet",
     "FleetError",
+    "Player",
     "RolloutConfig",
     "SandboxKind",
     "SchedulerName",
@@ -35,11 +37,13 @@ __all__ = [
     "assemble_engine",
     "beside",
     "build_scheduler",
+    "load_player",
     "local_templates",
     "open_engine",
     "open_fleet",
     "open_run",
     "open_sandboxes",
+    "open_session",
     "read_tasks",
     "save_scheduler_state",
     "scheduler_forest",

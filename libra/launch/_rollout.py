@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from libra.emulation import EmulatorConfig
 from libra.engine import EngineConfig, TransportName
@@ -24,7 +24,19 @@ from libra.serving import CurrentWeights, ServerProcess, SupervisorConfig
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    env: str = Field(description="the env: a registered name (see libra envs) or module:Class")
+    env: str | None = Field(
+        None,
+        description="the env: a registered name (see libra envs) or module:Class; with an "
+        "agent, the env whose reward scores the episodes the agent returns no reward for",
+    )
+    agent: str | None = Field(
+        None,
+        description="an agent plays the episodes instead of an env: module:function, an "
+        "async def (task, client) returning the reward (see docs/agents.md)",
+    )
+    agent_timeout_s: PositiveFloat = Field(
+        600.0, description="an agent's episode that runs longer fails (agent_timeout)"
+    )
     server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
     fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
     scheduler: SchedulerName = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
@@ -97,11 +109,17 @@ class RolloutConfig(BaseModel):
     emulator: EmulatorConfig = EmulatorConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
 
+    @model_validator(mode="after")
+    def _env_or_agent(self) -> RolloutConfig:
+        if self.env is None and self.agent is None:
+            raise ValueError("name an env (rollout.env) or an agent (rollout.agent)")
+        return self
+
 
 @asynccontextmanager
 async def open_engine(
     config: RolloutConfig,
-    env_cls: type[Env],
+    env_cls: type[Env] | None,
     warm: int,
     *,
     servers: Mapping[str, ServerProcess] | None = None,

@@ -17,10 +17,11 @@ T = TypeVar("T")
 
 @asynccontextmanager
 async def open_sandboxes(
-    env_cls: type[Env], kind: SandboxKind, pool_size: int
+    env_cls: type[Env] | None, kind: SandboxKind, pool_size: int
 ) -> AsyncIterator[SandboxProvider | None]:
-    """The provider the env needs (None when its tools run no code)."""
-    if env_cls.sandbox_spec is None:
+    """The provider the env needs (None when its tools run no code, or there is no env:
+    an agent runs its own tools)."""
+    if env_cls is None or env_cls.sandbox_spec is None:
         yield None
         return
     if kind == "auto":
@@ -42,11 +43,11 @@ def _docker_reachable() -> bool:
     return True
 
 
-async def warm_up(provider: SandboxProvider | None, env_cls: type[Env], count: int) -> None:
+async def warm_up(provider: SandboxProvider | None, env_cls: type[Env] | None, count: int) -> None:
     """Start ``count`` of the env's containers ahead of its trajectories (Docker only: a
     bubblewrap jail starts in milliseconds). An optimisation: a sandbox that cannot start
     fails the trajectory that asks for it, with the reason, not this."""
-    if isinstance(provider, DockerSandboxProvider) and env_cls.sandbox_spec is not None:
+    if isinstance(provider, DockerSandboxProvider) and env_cls and env_cls.sandbox_spec:
         with suppress(SandboxError):
             await provider.prewarm(env_cls.sandbox_spec, count)
 

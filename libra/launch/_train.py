@@ -23,12 +23,10 @@ from libra.alloc import (
     TailLender,
     start_layout,
 )
-from libra.engine import RolloutSession
-from libra.envs import Env, load_env
-from libra.envs import env_name as registered_name
 from libra.fleet import FleetSpec
 from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
+from libra.launch._session import Player, load_player, open_session
 from libra.launch._train_config import TrainRunConfig
 from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
@@ -63,8 +61,8 @@ async def train(
     returns the metrics lines of the steps it ran (also in the run folder)."""
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
-    env_cls = load_env(config.rollout.env)
-    async with open_run(config, env_cls, run_dir) as run:
+    player = load_player(config.rollout)
+    async with open_run(config, player, run_dir) as run:
         return await run_steps(
             run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
         )
@@ -82,7 +80,7 @@ def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
 
 @asynccontextmanager
 async def open_run(
-    config: TrainRunConfig, env_cls: type[Env], run_dir: Path
+    config: TrainRunConfig, player: Player, run_dir: Path
 ) -> AsyncIterator[TrainRun]:
     """The trainer's processes, the fleet, the engine and one session, all started."""
     model_dir = config.model_dir
@@ -137,7 +135,7 @@ async def open_run(
         assembled = await stack.enter_async_context(
             open_engine(
                 rollout,
-                env_cls,
+                player.env_cls,
                 warm,
                 servers=own if cluster is None else cluster.servers,
                 weights=weights,
@@ -146,9 +144,8 @@ async def open_run(
             )
         )
         log = stack.enter_context(RolloutLog(run_dir))
-        session = await stack.enter_async_context(RolloutSession(assembled.engine))
+        session = await stack.enter_async_context(open_session(assembled.engine, rollout, player))
         await trainer.ready()
-        env_name = registered_name(rollout.env, env_cls)
         scheduler = assembled.scheduler  # the run's own, not the engine's timed wrapper
         endpoints = list(scheduler.router.endpoints().values())
         if gateway is not None:  # its scheduler sees each trajectory's turns as one
@@ -157,8 +154,8 @@ async def open_run(
         run = TrainRun(
             config,
             run_dir,
-            env_cls,
-            env_name,
+            player.env_cls,
+            player.name,
             trainer,
             session,
             endpoints,

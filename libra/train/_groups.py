@@ -21,7 +21,7 @@ class StepGroups:
     """The groups of the run's steps, as their records come in (one reader for the run)."""
 
     config: RunSettings
-    env_cls: type[Env]
+    env_cls: type[Env] | None  # None: an agent plays the episodes, and no env scores them
     env_name: str
     session: RolloutSession
     log: RolloutLog

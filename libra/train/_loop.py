@@ -149,7 +149,7 @@ class TrainRun:
 
     config: RunSettings
     run_dir: Path
-    env_cls: type[Env]
+    env_cls: type[Env] | None  # None: an agent plays the episodes, and no env scores them
     env_name: str
     trainer: TrainerWorld
     session: RolloutSession

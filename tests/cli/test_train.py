@@ -19,7 +19,7 @@ from libra.cli import main
 from libra.config import load_config
 from libra.launch import TrainRunConfig
 from libra.train import METRICS_FILE, StepRecord
-from tests._helpers import BREVITY, children_of, cmdline_of
+from tests._helpers import BREVITY, ROOT, children_of, cmdline_of
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same
 # weights. Measured here: 6.7e-6 (v0) and 5.6e-6 (v1, after a real reload), 4.9e-5 at
@@ -131,6 +131,39 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
     assert _distance(run_dir / "weights" / "v0", run_dir / "weights" / "v2") > 10 * GAP_BOUND
     assert "step 1" in out and str(run_dir / "plot.png") in out
     assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_the_example_agent_trains_three_steps_on_the_embedded_model(
+    embedded_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31's "done when": examples/agent.toml (an agent over the plain openai SDK,
+    its own tool loop and reward) trains three steps; its records are exact, and the
+    third step's were sampled by weights of version 1 or later."""
+    monkeypatch.chdir(ROOT)  # where examples.calculator_agent is found, as a user's is
+    run_dir = tmp_path / "run"
+    args = ["train", "--config", "examples/agent.toml", "--steps", "3", "--no-progress"]
+    args += ["--run-dir", str(run_dir), "--set", "vllm.startup_timeout_s=400"]
+    assert main(args) == 0
+
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    for step, line in enumerate(lines):
+        records = [
+            json.loads(r)
+            for r in (run_dir / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()
+        ]
+        assert len(records) == line["trajectories"] == 8 and {r["env"] for r in records} == {
+            "solve"
+        }
+        played = [r for r in records if r["status"] != "failed"]
+        assert played and {r["tokens"] for r in played} == {"exact"}, records
+        assert line["samples_trained"] + sum(line["dropped"].values()) == 8
+        assert "reward_mean" in line
+    third = (run_dir / "rollouts" / "step-2.jsonl").read_text().splitlines()
+    versions = [json.loads(r)["weight_version"] for r in third]
+    assert min(version for version in versions if version is not None) >= 1
+    assert sum(line["samples_trained"] for line in lines) > 0
 
 
 def _kill_vllm_once_a_step_is_done(run_dir: Path, killed: list[int]) -> None:

@@ -14,9 +14,10 @@ import pytest
 import uvicorn
 
 from libra._asgi import on_disconnect
-from libra.cli._http_protocol import ServeHttpToolsProtocol
+from libra.gateway._http_protocol import ServeHttpToolsProtocol
 
-pytestmark = pytest.mark.anyio
+# uvicorn runs on asyncio only.
+pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", ["asyncio"])]
 
 BODY = b'{"answer": 42}'
 

@@ -1,0 +1,242 @@
+"""One agent episode, top to bottom, as a trajectory record.
+
+``async with AgentRunner(engine, agent) as runner`` opens the gateway's core
+(:class:`libra.gateway.Sessions`) over ``engine`` and serves its OpenAI surface on a
+free loopback port, behind a key of its own (the port is the host's: no other local
+user may drive, or reload, the run's servers through it). Then, for each job:
+
+1. the agent gets the job's task and an ``openai.AsyncOpenAI`` client whose every call
+   names the session ``str(job.id)`` (``X-Libra-Session``): the gateway routes each call
+   through the run's scheduler, feeds it the tool results the agent sends back
+   (``role: "tool"`` messages), and keeps the session's exact token ids and logprobs;
+2. the agent returns its reward (or None), raises, or runs past ``timeout_s``;
+3. the session ends (``report(done=True)``) and its record comes back through
+   ``Sessions.on_end``; with no reward from the agent, the run's env scores the final
+   conversation (its ``reset`` on the task, then its ``reward`` on the last reply);
+4. the record takes the job's identity (id, task, group, step, sample; ``env`` is the
+   agent's name). A client that edited its history left several sessions under the
+   key (the gateway starts a new one rather than train on tokens it never sampled):
+   the episode keeps the last one, marked ``drift``, and does not train.
+
+An agent that raises or times out is ``failed`` (``agent_error``, ``agent_timeout``:
+never the policy's doing, never trained), its traceback shown once per exception type
+(``Engine.env_bugs``); a cancelled one is recorded as cancelled before the cancellation
+goes on, like an env's trajectory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from libra._clock import now
+from libra.agents._agent import Agent
+from libra.engine import (
+    Engine,
+    SamplingRecord,
+    Status,
+    Timings,
+    TrajectoryJob,
+    TrajectoryRecord,
+)
+from libra.envs import Env
+from libra.gateway import SESSION_HEADER, GatewayConfig, Keys, Sessions, create_gateway, serving
+
+#: What an agent's episode may take beyond its own limit: the session outlives it.
+_TTL_MARGIN_S = 60.0
+
+
+class AgentRunner:
+    """Plays :class:`TrajectoryJob` s with ``agent`` on ``engine`` (see the module); a
+    :class:`libra.engine.TrajectoryRunner`. ``scorer``: the env whose ``reward`` scores
+    an episode the agent returned no reward for."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        agent: Agent,
+        *,
+        scorer: type[Env] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.engine, self.agent, self.scorer, self.timeout_s = engine, agent, scorer, timeout_s
+        self.url = ""  # the loopback base URL, once open (``{url}/v1`` for clients)
+        self.key = secrets.token_urlsafe(24)
+        self._pieces: defaultdict[str, list[TrajectoryRecord]] = defaultdict(list)
+        self._stack = AsyncExitStack()
+        self._client: Any = None
+
+    async def __aenter__(self) -> AgentRunner:
+        openai = _openai_sdk()
+        config = GatewayConfig(
+            env=self.agent.name,
+            session_ttl_s=self.timeout_s + _TTL_MARGIN_S,
+            sampling=self.engine.config.sampling,
+            any_model=True,  # the agent may name any model: it trains the run's policy
+        )
+        async with AsyncExitStack() as stack:
+            self.sessions = await stack.enter_async_context(
+                Sessions(self.engine, config, on_end=self._ended)
+            )
+            app = create_gateway(self.sessions, Keys.of([self.key], []), any_model=True)
+            self.url = await stack.enter_async_context(serving(app))
+            http = await stack.enter_async_context(httpx.AsyncClient(timeout=None))
+            self._client = openai.AsyncOpenAI(
+                base_url=f"{self.url}/v1",
+                api_key=self.key,
+                http_client=http,
+                max_retries=0,  # the gateway retries elsewhere itself
+                timeout=self.timeout_s,
+            )
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        return await self._stack.__aexit__(exc_type, exc, traceback)
+
+    async def __call__(
+        self,
+        job: TrajectoryJob,
+        engine: Engine,
+        *,
+        on_cancelled: Callable[[TrajectoryRecord], None] | None = None,
+    ) -> TrajectoryRecord:
+        key, started = str(job.id), now()
+        client = self._client.with_options(default_headers={SESSION_HEADER: key})
+        try:
+            with anyio.move_on_after(self.timeout_s) as limit:
+                reward = await self.agent.play(job.task, client)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                record = await self._record(job, "failed", "cancelled", None, started)
+            if on_cancelled is not None:
+                on_cancelled(record)
+            raise
+        except Exception as exc:
+            engine.env_bugs.report(f"agent {self.agent.name}", exc)
+            error = f"{type(exc).__name__}: {exc}"
+            return await self._record(job, "failed", "agent_error", None, started, error)
+        if limit.cancelled_caught:
+            error = f"the agent ran past agent_timeout_s ({self.timeout_s:g} s)"
+            return await self._record(job, "failed", "agent_timeout", None, started, error)
+        return await self._record(job, None, None, reward, started)
+
+    # ------------------------------------------------------------------ internals
+
+    def _ended(self, client_key: str | None, record: TrajectoryRecord) -> None:
+        if client_key is not None:
+            self._pieces[client_key].append(record)
+
+    async def _record(
+        self,
+        job: TrajectoryJob,
+        status: Status | None,
+        stop_reason: str | None,
+        reward: float | None,
+        started: float,
+        error: str | None = None,
+    ) -> TrajectoryRecord:
+        """End the episode's session and make its record: ``status`` None keeps the
+        session's own ending (and ``reward``, else the scorer's)."""
+        key = str(job.id)
+        # No live session: the agent made no call, or its session ended already.
+        with contextlib.suppress(KeyError):
+            await self.sessions.report(key, done=True)
+        pieces = self._pieces.pop(key, [])
+        last = pieces[-1] if pieces else None
+        if status is None:
+            if last is None:
+                status, stop_reason = "failed", "no_call"
+                error = "the agent made no call to the model"
+            else:
+                status, stop_reason = last.status, last.stop_reason
+                error = last.error
+        if status != "failed" and reward is None:
+            reward, error = await self._score(job, last)
+            if reward is None:
+                status, stop_reason = "failed", "reward_error"
+        identity = {
+            "id": key,
+            "env": self.agent.name,
+            "task_id": str(job.task_id),
+            "group_id": str(job.group_id),
+            "step": job.step,
+            "sample": job.sample,
+            "status": status,
+            "stop_reason": stop_reason,
+            "reward": None if status == "failed" else reward,
+            "error": error,
+        }
+        timings = Timings(total_s=now() - started)
+        if last is None:
+            return self._empty(identity, timings)
+        if len(pieces) > 1:  # an edited history: each piece exact, the whole not a sample
+            identity["tokens"] = "drift"
+        timings.generation_s = sum(piece.timings.generation_s for piece in pieces)
+        return msgspec.structs.replace(last, timings=timings, **identity)
+
+    async def _score(
+        self, job: TrajectoryJob, last: TrajectoryRecord | None
+    ) -> tuple[float | None, str | None]:
+        """The scorer's reward for the episode's last reply; or None and why not."""
+        if self.scorer is None:
+            return None, "the agent returned no reward, and the run has no env to score it"
+        replies = [m for m in (last.messages if last else []) if m.role == "assistant"]
+        try:
+            env = self.scorer()
+            await _maybe_await(env.reset_with(job.task))
+            reward = await _maybe_await(env.reward(replies[-1].content or "" if replies else ""))
+            return float(reward), None
+        except Exception as exc:
+            self.engine.env_bugs.report(f"reward of env {self.scorer.__name__}", exc)
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _empty(self, identity: dict[str, Any], timings: Timings) -> TrajectoryRecord:
+        """The record of an episode that made no call to the model."""
+        sampling = self.engine.config.sampling
+        return TrajectoryRecord(
+            turns=0,
+            messages=[],
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            tokens="none",
+            weight_versions=[],
+            tool_returns=[],
+            endpoints=[],
+            sampling=SamplingRecord(
+                sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
+            ),
+            weight_version=None,
+            timings=timings,
+            **identity,
+        )
+
+
+async def _maybe_await(value: Any) -> Any:
+    """Env hooks may be plain or ``async``."""
+    return await value if hasattr(value, "__await__") else value
+
+
+def _openai_sdk() -> Any:
+    try:
+        import openai
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "agents talk to the model through the openai SDK: pip install 'libra[agents]'"
+        ) from None
+    return openai

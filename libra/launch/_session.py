@@ -1,0 +1,53 @@
+"""What plays a run's episodes: an env's trajectories, or an agent's (``rollout.agent``).
+Both front ends that roll out (``libra rollout``, ``libra train``) open their session
+here, so an agent runs wherever an env does."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+from libra.agents import Agent, AgentRunner, load_agent
+from libra.engine import Engine, RolloutSession, TrajectoryRunner, run_trajectory
+from libra.envs import Env, env_name, load_env
+from libra.launch._rollout import RolloutConfig
+
+
+@dataclass(frozen=True)
+class Player:
+    """The rollout's env class (None: an agent with no env to score it), its agent, and
+    the name its records carry."""
+
+    env_cls: type[Env] | None
+    agent: Agent | None
+    name: str
+
+
+def load_player(config: RolloutConfig) -> Player:
+    """The env and the agent ``config`` names, loaded (a bad name is one clear error)."""
+    env_cls = load_env(config.env) if config.env is not None else None
+    if config.agent is not None:
+        agent = load_agent(config.agent)
+        return Player(env_cls, agent, agent.name)
+    assert config.env is not None and env_cls is not None  # (RolloutConfig checks)
+    return Player(env_cls, None, env_name(config.env, env_cls))
+
+
+@asynccontextmanager
+async def open_session(
+    engine: Engine, config: RolloutConfig, player: Player
+) -> AsyncIterator[RolloutSession]:
+    """A rollout session over ``engine`` whose jobs ``player`` plays."""
+    async with AsyncExitStack() as stack:
+        runner: TrajectoryRunner = run_trajectory
+        if player.agent is not None:
+            runner = await stack.enter_async_context(
+                AgentRunner(
+                    engine,
+                    player.agent,
+                    scorer=player.env_cls,
+                    timeout_s=config.agent_timeout_s,
+                )
+            )
+        yield await stack.enter_async_context(RolloutSession(engine, runner=runner))
