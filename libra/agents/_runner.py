@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -71,7 +70,7 @@ class AgentRunner:
         self.engine, self.agent, self.scorer, self.timeout_s = engine, agent, scorer, timeout_s
         self.url = ""  # the loopback base URL, once open (``{url}/v1`` for clients)
         self.key = secrets.token_urlsafe(24)
-        self._pieces: defaultdict[str, list[TrajectoryRecord]] = defaultdict(list)
+        self._pieces: dict[str, list[TrajectoryRecord]] = {}  # by running episode
         self._stack = AsyncExitStack()
         self._client: Any = None
 
@@ -116,6 +115,7 @@ class AgentRunner:
         on_cancelled: Callable[[TrajectoryRecord], None] | None = None,
     ) -> TrajectoryRecord:
         key, started = str(job.id), now()
+        self._pieces[key] = []
         client = self._client.with_options(default_headers={SESSION_HEADER: key})
         try:
             with anyio.move_on_after(self.timeout_s) as limit:
@@ -138,7 +138,9 @@ class AgentRunner:
     # ------------------------------------------------------------------ internals
 
     def _ended(self, client_key: str | None, record: TrajectoryRecord) -> None:
-        if client_key is not None:
+        # A piece that ends after its episode's record was made (a call the agent left
+        # running past its end, cut by the disconnect) is not kept: the episode is over.
+        if client_key in self._pieces:
             self._pieces[client_key].append(record)
 
     async def _record(
@@ -183,11 +185,15 @@ class AgentRunner:
         }
         timings = Timings(total_s=now() - started)
         if last is None:
-            return self._empty(identity, timings)
-        if len(pieces) > 1:  # an edited history: each piece exact, the whole not a sample
-            identity["tokens"] = "drift"
-        timings.generation_s = sum(piece.timings.generation_s for piece in pieces)
-        return msgspec.structs.replace(last, timings=timings, **identity)
+            record = self._empty(identity, timings)
+        else:
+            if len(pieces) > 1:  # an edited history: each piece exact, the whole not a sample
+                identity["tokens"] = "drift"
+            timings.generation_s = sum(piece.timings.generation_s for piece in pieces)
+            record = msgspec.structs.replace(last, timings=timings, **identity)
+        if self.engine.on_record is not None:
+            self.engine.on_record(record)
+        return record
 
     async def _score(
         self, job: TrajectoryJob, last: TrajectoryRecord | None

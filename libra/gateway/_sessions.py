@@ -88,7 +88,8 @@ class Sessions:
         self.engine = engine
         self.config = config if config is not None else GatewayConfig()
         #: Called with the client's key (None: it gave none) and the record of each
-        #: session as it ends: how an agent's runner finds its episode's sessions.
+        #: session as it ends, instead of ``Engine.on_record``: how an agent's runner
+        #: finds its episode's sessions (and makes the episode's one record).
         self.on_end = on_end
         self.recorder = Recorder(
             self.config.record_path,
@@ -449,10 +450,10 @@ class Sessions:
             return
         record = session.record(status, reason, error)
         self.recorder.add(record)
-        if self.engine.on_record is not None:
-            self.engine.on_record(record)
-        if self.on_end is not None:
+        if self.on_end is not None:  # its owner makes the trajectory's record of it
             self.on_end(session.client_key, record)
+        elif self.engine.on_record is not None:
+            self.engine.on_record(record)
 
     async def _sweep(self) -> None:
         while True:

@@ -54,8 +54,13 @@ async def hi(client: Any) -> None:
 
 async def play(agent: Agent, replies: list[str], **runner: Any) -> TrajectoryRecord:
     job = TrajectoryJob(None, Task.from_seed(agent.name, 7), sample=1, step=2)
-    async with emulated_engine(replies) as (engine, _), AgentRunner(engine, agent, **runner) as run:
-        return await run(job, engine)
+    async with (
+        emulated_engine(replies) as (engine, recorded),
+        AgentRunner(engine, agent, **runner) as run,
+    ):
+        record = await run(job, engine)
+    assert recorded == [record]  # Engine.on_record: the episode's record, not its sessions
+    return record
 
 
 async def test_an_episode_is_one_exact_record_under_the_job_s_identity() -> None:
