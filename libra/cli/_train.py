@@ -54,6 +54,21 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help="go on from the run folder's newest checkpoint (same config, same --run-dir)",
     )
+    online = parser.add_argument_group(
+        "online", "serve the gateway to agents elsewhere and train on the sessions they end"
+    )
+    online.add_argument("--online", action="store_true", help="no task source of its own")
+    online.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    online.add_argument("--port", type=int, help="port (default 8080; 0: any free one)")
+    online.add_argument(
+        "--no-auth", action="store_true", help="no API key (only on a loopback address)"
+    )
+    online.add_argument(
+        "--api-key-file", type=Path, help="user keys, one a line (else $LIBRA_API_KEY)"
+    )
+    online.add_argument(
+        "--admin-key-file", type=Path, help="admin keys, one a line (else $LIBRA_ADMIN_KEY)"
+    )
     add_config_arguments(parser, "the run's settings", "trainer.lr=1e-5")
     parser.set_defaults(run=run)
     plot = commands.add_parser("plot", help="draw a training run's curves as RUN_DIR/plot.png")
@@ -68,7 +83,16 @@ def run(args: argparse.Namespace) -> int:
         "run_dir": args.run_dir,
         "rollout.agent": args.agent,
     }
-    config = load_config(TrainRunConfig, args.config, flags, args.set)
+    if args.online:
+        flags |= {
+            "online.host": args.host,
+            "online.port": args.port,
+            "online.no_auth": True if args.no_auth else None,
+            "online.api_key_file": args.api_key_file,
+            "online.admin_key_file": args.admin_key_file,
+        }
+    defaults: dict[str, object] | None = {"online": {}} if args.online else None
+    config = load_config(TrainRunConfig, args.config, flags, args.set, defaults=defaults)
     if args.dry_run:
         print(config.to_toml(), end="")
         return 0

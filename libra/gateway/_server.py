@@ -54,14 +54,16 @@ def uvicorn_config(app: Callable[..., object], host: str, port: int) -> uvicorn.
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Callable[..., object], host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Serve ``app`` on a free port of ``host`` while the block runs; its base URL."""
-    server = GatewayServer(uvicorn_config(app, host, 0))
+async def serving(
+    app: Callable[..., object], host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[str]:
+    """Serve ``app`` on ``host:port`` (0: a free port) while the block runs; its base URL."""
+    server = GatewayServer(uvicorn_config(app, host, port))
     async with anyio.create_task_group() as group:
         group.start_soon(server.serve)
         await server.listening.wait()
         if not server.started:
-            raise OSError(f"the gateway could not listen on {host} (uvicorn said why)")
+            raise OSError(f"the gateway could not listen on {host}:{port} (uvicorn said why)")
         try:
             yield f"http://{host}:{server.port}"
         finally:

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from libra.emulation import EmulatorConfig
 from libra.engine import EngineConfig, TransportName
@@ -108,12 +108,6 @@ class RolloutConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     emulator: EmulatorConfig = EmulatorConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
-
-    @model_validator(mode="after")
-    def _env_or_agent(self) -> RolloutConfig:
-        if self.env is None and self.agent is None:
-            raise ValueError("name an env (rollout.env) or an agent (rollout.agent)")
-        return self
 
 
 @asynccontextmanager

@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from libra.agents import Agent, AgentRunner, load_agent
+from libra.config import UsageError
 from libra.engine import Engine, RolloutSession, TrajectoryRunner, run_trajectory
 from libra.envs import Env, env_name, load_env
 from libra.launch._rollout import RolloutConfig
@@ -30,7 +31,8 @@ def load_player(config: RolloutConfig) -> Player:
     if config.agent is not None:
         agent = load_agent(config.agent)
         return Player(env_cls, agent, agent.name)
-    assert config.env is not None and env_cls is not None  # (RolloutConfig checks)
+    if config.env is None or env_cls is None:
+        raise UsageError("name an env (rollout.env, --env) or an agent (rollout.agent, --agent)")
     return Player(env_cls, None, env_name(config.env, env_cls))
 
 

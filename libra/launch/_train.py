@@ -23,7 +23,9 @@ from libra.alloc import (
     TailLender,
     start_layout,
 )
+from libra.engine import Engine
 from libra.fleet import FleetSpec
+from libra.gateway import GatewayConfig, Sessions, create_gateway, gateway_keys, serving
 from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
 from libra.launch._session import Player, load_player, open_session
@@ -34,6 +36,8 @@ from libra.train import (
     SESSION_HEADER,
     CheckpointHook,
     Gateway,
+    OnlineConfig,
+    OnlineGroups,
     Progress,
     RolloutLog,
     ServedWeights,
@@ -61,7 +65,7 @@ async def train(
     returns the metrics lines of the steps it ran (also in the run folder)."""
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
-    player = load_player(config.rollout)
+    player = load_player(config.rollout) if config.online is None else ONLINE
     async with open_run(config, player, run_dir) as run:
         return await run_steps(
             run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
@@ -145,6 +149,9 @@ async def open_run(
         )
         log = stack.enter_context(RolloutLog(run_dir))
         session = await stack.enter_async_context(open_session(assembled.engine, rollout, player))
+        source = None
+        if config.online is not None:
+            source = await _serve_online(stack, config, config.online, assembled.engine, log)
         await trainer.ready()
         scheduler = assembled.scheduler  # the run's own, not the engine's timed wrapper
         endpoints = list(scheduler.router.endpoints().values())
@@ -164,6 +171,7 @@ async def open_run(
             weights,
             gateway,
             forest=partial(scheduler_forest, scheduler),
+            source=source,
         )
         if cluster is not None:
             cluster.supervisor = assembled.supervisor  # watches the instances it starts
@@ -175,6 +183,40 @@ async def open_run(
             group.start_soon(run.read_records)
             yield run
             group.cancel_scope.cancel()
+
+
+#: What an online run plays: nothing of its own (agents elsewhere do), under this name.
+ONLINE = Player(None, None, "online")
+
+
+async def _serve_online(
+    stack: AsyncExitStack,
+    config: TrainRunConfig,
+    online: OnlineConfig,
+    engine: Engine,
+    log: RolloutLog,
+) -> OnlineGroups:
+    """The gateway over the run's engine, served where ``online`` says: the sessions its
+    clients end are the run's groups (``libra.train.OnlineGroups``)."""
+    keys = gateway_keys(
+        online.host,
+        no_auth=online.no_auth,
+        api_key_file=online.api_key_file,
+        admin_key_file=online.admin_key_file,
+    )
+    groups = OnlineGroups(config, online, log)
+    gateway = GatewayConfig(
+        env=ONLINE.name,
+        session_ttl_s=online.session_ttl_s,
+        sampling=engine.config.sampling,
+        any_model=True,  # one policy answers, whatever model a client names
+    )
+    sessions = await stack.enter_async_context(Sessions(engine, gateway, on_end=groups.add))
+    app = create_gateway(sessions, keys, any_model=True)
+    url = await stack.enter_async_context(serving(app, online.host, online.port))
+    auth = "API key required" if keys.enabled else "no auth (loopback)"
+    print(f"libra train --online: agents call {url}/v1 ({auth})", flush=True)
+    return groups
 
 
 class _CallTimings:

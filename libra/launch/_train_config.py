@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from libra.launch._rollout import RolloutConfig
 from libra.serving import VLLMServerConfig, WeightSyncConfig
-from libra.train import Mode
+from libra.train import Mode, OnlineConfig
 from libra.trainer import GRPOConfig, LogprobsMode, TrainConfig, TrainerConfig
 from libra.workers import AllocConfig
 
@@ -94,6 +94,11 @@ class TrainRunConfig(BaseModel):
     world_size: PositiveInt = Field(
         1, description="trainer ranks: processes on CPU (gloo), GPUs on CUDA (nccl)"
     )
+    online: OnlineConfig | None = Field(
+        None,
+        description="libra train --online: serve the gateway to agents elsewhere and train "
+        "on the sessions they end, with no task source of its own; None: off",
+    )
     alloc: AllocConfig | None = Field(
         None,
         description="local workers moved between serving and training by the allocation "
@@ -105,6 +110,11 @@ class TrainRunConfig(BaseModel):
         owned = sorted(set(_LOOP_OWNED) & self.rollout.model_fields_set)
         if owned:
             raise ValueError(f"rollout.{', rollout.'.join(owned)}: the loop sets these per step")
+        players = (self.rollout.env, self.rollout.agent)
+        if self.online is not None and self.rollout.agent is not None:
+            raise ValueError("online: agents elsewhere play; rollout.agent names one here")
+        if self.online is None and players == (None, None):
+            raise ValueError("name an env (rollout.env) or an agent (rollout.agent)")
         if self.grpo.kl_coef > 0:
             raise ValueError("grpo.kl_coef > 0 needs a reference model, which the loop lacks")
         if self.allocating and self.server != "embedded":

@@ -6,7 +6,7 @@ on are seen through ``libra.alloc``'s protocols only."""
 
 from libra.train._attach import AttachError, check_attached, problems_of
 from libra.train._gateway import SESSION_HEADER, Gateway, GatewaySyncError, find_gateway
-from libra.train._groups import StepGroups
+from libra.train._groups import GroupSource, StepGroups
 from libra.train._loop import (
     CheckpointHook,
     NothingToResume,
@@ -17,6 +17,7 @@ from libra.train._loop import (
     run_steps,
 )
 from libra.train._metrics import METRICS_FILE, StepRecord, iter_metrics, step_record
+from libra.train._online import OnlineConfig, OnlineGroups
 from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
 from libra.train._settings import Mode, RunSettings
@@ -28,8 +29,11 @@ __all__ = [
     "CheckpointHook",
     "Gateway",
     "GatewaySyncError",
+    "GroupSource",
     "Mode",
     "NothingToResume",
+    "OnlineConfig",
+    "OnlineGroups",
     "Progress",
     "Publisher",
     "RolloutLog",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 
@@ -14,6 +15,26 @@ from libra.engine import Group, RolloutSession, TrajectoryJob, TrajectoryRecord,
 from libra.envs import Env, GroupId
 from libra.train._rollout_log import RolloutLog
 from libra.train._settings import RunSettings
+
+
+class GroupSource(Protocol):
+    """Where a run's steps get their groups: :class:`StepGroups` (the run's own jobs),
+    or ``libra.train.OnlineGroups`` (sessions agents elsewhere played)."""
+
+    reused: dict[int, int]
+    retried: dict[int, int]
+    reusable: dict[int, list[TrajectoryRecord]]
+    #: Per step: what ended without joining a group, by reason (the step line's too).
+    dropped: defaultdict[int, Counter[str]]
+
+    @property
+    def jobs_left(self) -> int: ...
+
+    def submit(self, step: int) -> None: ...
+
+    async def of_step(self, step: int, tick: Callable[[], None]) -> list[Group]: ...
+
+    async def read_records(self) -> None: ...
 
 
 @dataclass
@@ -38,6 +59,7 @@ class StepGroups:
     # them, and how many it took.
     reusable: dict[int, list[TrajectoryRecord]] = field(default_factory=dict)
     reused: dict[int, int] = field(default_factory=dict)
+    dropped: defaultdict[int, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     _changed: anyio.Event = field(default_factory=anyio.Event)
     _stream_ended: bool = False
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -64,7 +65,7 @@ from libra.envs import Env
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
 from libra.train._gateway import Gateway
-from libra.train._groups import StepGroups
+from libra.train._groups import GroupSource, StepGroups
 from libra.train._metrics import METRICS_FILE, StepRecord, step_record
 from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
@@ -162,12 +163,16 @@ class TrainRun:
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None
     version: int = 0  # the weights the trainer holds: v0 before the first step
-    rollouts: StepGroups = field(init=False)
+    #: Where the steps' groups come from; None: the run's own jobs (:class:`StepGroups`).
+    source: GroupSource | None = None
+    rollouts: GroupSource = field(init=False)
     publisher: Publisher = field(init=False)
     _train_s_per_position: float | None = None  # the last step's: what the tail expects
 
     def __post_init__(self) -> None:
-        self.rollouts = StepGroups(self.config, self.env_cls, self.env_name, self.session, self.log)
+        self.rollouts = self.source or StepGroups(
+            self.config, self.env_cls, self.env_name, self.session, self.log
+        )
         self.publisher = Publisher(
             self.config,
             self.run_dir,
@@ -273,6 +278,8 @@ class TrainRun:
             reused=self.rollouts.reused.get(step, 0),
             retried=self.rollouts.retried.get(step, 0),
         )
+        if ended_apart := self.rollouts.dropped.pop(step, None):
+            record = replace(record, dropped=dict(Counter(record.dropped) + ended_apart))
         if self.allocation is not None:
             timing = (rollout_s, train_s + export_s + sync_s)  # all the rollout waits for
             decided = self.allocation.after_step(step, timing, batch.trained_tokens, step_records)

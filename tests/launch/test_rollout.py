@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from libra.config import load_config
+from libra.config import UsageError, load_config
 from libra.envs import load_env
-from libra.launch import RolloutConfig
-from tests._helpers import DEMO
+from libra.launch import RolloutConfig, TrainRunConfig, load_player
+from tests._helpers import BREVITY, DEMO, Brevity
 
 
 def test_the_demo_config_is_valid() -> None:
@@ -20,7 +20,14 @@ def test_the_demo_config_is_valid() -> None:
 
 
 def test_a_rollout_names_an_env_or_an_agent() -> None:
+    with pytest.raises(UsageError, match="name an env"):
+        load_player(RolloutConfig())
+    player = load_player(RolloutConfig(agent="tests.agents.test_runner:adder", env=BREVITY))
+    assert (player.name, player.env_cls) == ("adder", Brevity)
+    assert player.agent is not None and player.agent.name == "adder"
     with pytest.raises(ValidationError, match="name an env"):
-        RolloutConfig()
-    config = RolloutConfig(agent="tests.agents.test_runner:adder")
-    assert (config.env, config.agent_timeout_s) == (None, 600.0)
+        TrainRunConfig.model_validate({"rollout": {}})
+    online = TrainRunConfig.model_validate({"rollout": {}, "online": {}})
+    assert online.online is not None and online.online.port == 8080
+    with pytest.raises(ValidationError, match="agents elsewhere play"):
+        TrainRunConfig.model_validate({"rollout": {"agent": "m:f"}, "online": {}})
