@@ -15,7 +15,7 @@ import pytest
 
 from libra._net import free_port
 from libra.launch import TrainRunConfig, train
-from tests._helpers import tiny_llama
+from tests._helpers import ROOT, tiny_llama
 
 pytestmark = pytest.mark.anyio
 
@@ -111,3 +111,34 @@ async def test_an_external_openai_client_is_trained_on_through_the_gateway(
     assert dropped.get("history_edited") == 1 and dropped.get("idle_ttl") == 1, dropped
     third = (config.run_dir / "rollouts" / "step-2.jsonl").read_text().splitlines()
     assert max(json.loads(r)["weight_version"] or 0 for r in third) >= 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_agent_framework_s_own_client_trains_through_the_session_protocol(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """examples/online_pydantic_ai.py: pydantic-ai's agent loop, its OpenAI model class,
+    and nothing of Libra's but the documented protocol."""
+    port = free_port("127.0.0.1")
+    data: dict[str, Any] = {
+        "rollout": {"server": "emulated"},
+        "online": {"port": port, "no_auth": True, "group_wait_s": 30},
+        "model_dir": str(tiny_model),
+        "steps": 2,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 2,
+        "run_dir": str(tmp_path / "run"),
+        "trainer": {"lr": 1e-3, "cpu_threads": 1, "backend": "gloo"},
+    }
+    config = TrainRunConfig.model_validate(data)
+    agent = [sys.executable, str(ROOT / "examples" / "online_pydantic_ai.py")]
+    async with await anyio.open_process([*agent, f"http://127.0.0.1:{port}"]) as process:
+        with anyio.fail_after(600):
+            lines = await train(config)
+        with anyio.fail_after(60):
+            await process.wait()
+    assert [(line.step, line.groups, line.trajectories) for line in lines] == [(0, 2, 4), (1, 2, 4)]
+    records = (config.run_dir / "rollouts" / "step-1.jsonl").read_text().splitlines()
+    played = [json.loads(r) for r in records if '"done"' in r]
+    assert len(played) == 4 and {r["tokens"] for r in played} == {"exact"}
+    assert all(r["turns"] >= 1 for r in played)
