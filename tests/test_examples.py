@@ -14,6 +14,7 @@ from libra.launch import RolloutConfig, TrainRunConfig
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 COMMANDS: dict[str, type[BaseModel]] = {
+    "agent.toml": TrainRunConfig,
     "alloc.toml": TrainRunConfig,
     "arith-long.toml": TrainRunConfig,
     "demo.toml": TrainRunConfig,
