@@ -16,7 +16,8 @@ user may drive, or reload, the run's servers through it). Then, for each job:
 4. the record takes the job's identity (id, task, group, step, sample; ``env`` is the
    agent's name). A client that edited its history left several sessions under the
    key (the gateway starts a new one rather than train on tokens it never sampled):
-   the episode keeps the last one, marked ``drift``, and does not train.
+   they are the episode's pieces, joined (``libra.engine.join_pieces``) into one
+   sample of several sequences, each exact, all with the episode's reward.
 
 An agent that raises or times out is ``failed`` (``agent_error``, ``agent_timeout``:
 never the policy's doing, never trained), its traceback shown once per exception type
@@ -46,6 +47,7 @@ from libra.engine import (
     Timings,
     TrajectoryJob,
     TrajectoryRecord,
+    join_pieces,
 )
 from libra.envs import Env
 from libra.gateway import SESSION_HEADER, GatewayConfig, Keys, Sessions, create_gateway, serving
@@ -187,10 +189,9 @@ class AgentRunner:
         if last is None:
             record = self._empty(identity, timings)
         else:
-            if len(pieces) > 1:  # an edited history: each piece exact, the whole not a sample
-                identity["tokens"] = "drift"
-            timings.generation_s = sum(piece.timings.generation_s for piece in pieces)
-            record = msgspec.structs.replace(last, timings=timings, **identity)
+            episode = join_pieces(pieces)
+            timings.generation_s = episode.timings.generation_s
+            record = msgspec.structs.replace(episode, timings=timings, **identity)
         if self.engine.on_record is not None:
             self.engine.on_record(record)
         return record

@@ -32,6 +32,7 @@ from libra.engine._records import (
     ToolReturnRecord,
     TrajectoryRecord,
     WeightSpan,
+    join_pieces,
 )
 from libra.engine._rollout import jobs_for, jobs_of, rollout
 from libra.engine._session import Group, RolloutSession, TrajectoryRunner
@@ -97,6 +98,7 @@ __all__ = [
     "http_transport",
     "jobs_for",
     "jobs_of",
+    "join_pieces",
     "record_of",
     "rollout",
     "run_trajectory",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -91,3 +92,61 @@ class TrajectoryRecord(msgspec.Struct, omit_defaults=False):
     timings: Timings
     error: str | None = None
     weights_changed_turns: int = 0
+    piece_starts: list[int] = msgspec.field(default_factory=list)
+
+
+def join_pieces(pieces: Sequence[TrajectoryRecord]) -> TrajectoryRecord:
+    """One episode of several contexts as one record: a client that edited its history
+    went on in a new gateway session, each such piece with the exact ids its model saw
+    and sampled. The ids, masks, logprobs and weight spans are laid end to end, and
+    ``piece_starts`` marks where each piece after the first starts: the trainer takes
+    each piece as a sequence of its own (attention never crosses a start) and all of
+    them as one sample, with the episode's reward. The episode is ``exact`` only if every
+    piece is (else the first other source: it does not train). Its id, messages and
+    ending are the last piece's; its task (what it started as) and first call's weights,
+    the first piece's."""
+    if not pieces:
+        raise ValueError("an episode of no pieces")
+    last = pieces[-1]
+    if len(pieces) == 1:
+        return last
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float | None] = []
+    spans: list[WeightSpan] = []
+    starts: list[int] = []
+    for piece in pieces:
+        offset = len(token_ids)
+        starts += [offset, *(offset + start for start in piece.piece_starts)]
+        token_ids += piece.token_ids
+        loss_mask += piece.loss_mask
+        logprobs += piece.logprobs
+        spans += [
+            WeightSpan(s.start + offset, s.end + offset, s.version) for s in piece.weight_versions
+        ]
+    sources = [piece.tokens for piece in pieces if piece.tokens != "exact"]
+    first = pieces[0]
+    return msgspec.structs.replace(
+        last,
+        task_id=first.task_id,
+        group_id=first.group_id,
+        turns=sum(piece.turns for piece in pieces),
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        tokens=sources[0] if sources else "exact",
+        weight_versions=spans,
+        tool_returns=[tool for piece in pieces for tool in piece.tool_returns],
+        endpoints=[endpoint for piece in pieces for endpoint in piece.endpoints],
+        weight_version=next(
+            (p.weight_version for p in pieces if p.weight_version is not None), None
+        ),
+        timings=Timings(
+            total_s=sum(piece.timings.total_s for piece in pieces),
+            generation_s=sum(piece.timings.generation_s for piece in pieces),
+            tool_s=sum(piece.timings.tool_s for piece in pieces),
+            reward_s=sum(piece.timings.reward_s for piece in pieces),
+        ),
+        weights_changed_turns=sum(piece.weights_changed_turns for piece in pieces),
+        piece_starts=sorted({start for start in starts if start > 0}),
+    )

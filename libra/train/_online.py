@@ -8,11 +8,15 @@ here (:meth:`OnlineGroups.add`):
 
 - ended by its client (``done``) with a reward: it joins the group of its prompt (the
   messages before its first reply: sessions that start alike are samples of one task);
+- ended because its client rewrote an earlier message (``history_edited``: the gateway
+  went on in a new session under the same key, and never trains on tokens the model
+  did not sample): it waits for the key's next session to end, and the two are one
+  episode's pieces (``libra.engine.join_pieces``), one sample of several exact
+  sequences, in the group of the prompt it started from;
 - anything else is logged with its reason and not trained, counted in the step's
-  ``dropped``: ``idle_ttl`` (it never reported an end: it has no reward),
-  ``history_edited`` (its client rewrote an earlier message: the gateway went on in a
-  new session, and never trains on tokens the model did not sample), ``unscored`` (done
-  without a reward), and the gateway's own ends (``evicted``, ``shutdown``, a failure).
+  ``dropped``: ``idle_ttl`` (it never reported an end: it has no reward), ``unscored``
+  (done without a reward), and the gateway's own ends (``evicted``, ``shutdown``, a
+  failure); an unkeyed session's ``history_edited`` too (nothing names its next one).
 
 A group is complete at ``samples_per_prompt`` sessions; later ones of the same prompt
 start its next group. One that has waited ``group_wait_s`` since its first session
@@ -38,7 +42,7 @@ from pydantic import Field, PositiveFloat
 
 from libra._clock import now
 from libra.config import Section
-from libra.engine import Group, TrajectoryRecord
+from libra.engine import Group, TrajectoryRecord, join_pieces
 from libra.envs import GroupId, TaskId
 from libra.train._rollout_log import RolloutLog
 from libra.train._settings import RunSettings
@@ -82,6 +86,7 @@ class OnlineGroups:
     retried: dict[int, int] = field(default_factory=dict)
     reusable: dict[int, list[TrajectoryRecord]] = field(default_factory=dict)
     _gathering: dict[str, list[TrajectoryRecord]] = field(default_factory=dict)  # by task
+    _pieces: dict[str, list[TrajectoryRecord]] = field(default_factory=dict)  # by client key
     _first_at: dict[str, float] = field(default_factory=dict)
     _made: Counter[str] = field(default_factory=Counter)  # groups made of each task
     _ready: list[list[TrajectoryRecord]] = field(default_factory=list)
@@ -97,6 +102,12 @@ class OnlineGroups:
 
     def add(self, client_key: str | None, record: TrajectoryRecord) -> None:
         """A session the gateway ended (``Sessions.on_end``)."""
+        if client_key is not None:
+            if record.stop_reason == "history_edited":  # its episode goes on: keep the piece
+                self._pieces.setdefault(client_key, []).append(record)
+                return
+            if earlier := self._pieces.pop(client_key, None):
+                record = join_pieces([*earlier, record])
         reason = _untrainable(record)
         if reason is not None:
             self.dropped[self._window][reason] += 1

@@ -23,14 +23,17 @@ re-tokenized. Which records train, and how:
 
 Each dropped sample is counted under its reason in ``Batch.dropped``.
 
-**Layout.** A sample of ``n`` ids gives ``n - 1`` positions: inputs ``ids[:-1]``, targets
-``ids[1:]``, and the mask and rollout logprobs of the targets. Micro-batches are filled
-first-fit in decreasing length under ``micro_batch_tokens`` (padding counted); a sample
-longer than the budget gets a micro-batch of its own. ``packed``: one row, samples end to
-end, ``position_ids`` restarting at 0 for each sample and no attention mask, which
-transformers (5.x) reads as block-diagonal causal attention (tested against padding;
-``cu_seqlens`` is there for varlen kernels). ``padded``: one row per sample,
-right-padded, with an ``attention_mask``. For data parallelism the micro-batch count is a
+**Layout.** A sample is one sequence of ids, or several: an episode in pieces (its
+record's ``piece_starts``: a client that edited its history) gives one sequence per
+piece, each with the sample's advantage and loss weight. A sequence of ``n`` ids gives
+``n - 1`` positions: inputs ``ids[:-1]``, targets ``ids[1:]``, and the mask and rollout
+logprobs of the targets. Micro-batches are filled first-fit in decreasing length under
+``micro_batch_tokens`` (padding counted); a sequence longer than the budget gets a
+micro-batch of its own. ``packed``: one row, sequences end to end, ``position_ids``
+restarting at 0 for each and no attention mask, which transformers (5.x) reads as
+block-diagonal causal attention (tested against padding; ``cu_seqlens`` is there for
+varlen kernels). ``padded``: one row per sequence, right-padded, with an
+``attention_mask``. For data parallelism the micro-batch count is a
 multiple of the ranks, each rank taking an equal count (``Batch.for_rank``); the loss
 weights stay those of the whole batch.
 """
@@ -64,6 +67,7 @@ class Sample:
     logprobs: tuple[float, ...]  # 0.0 where the mask is 0
     weight_version: int | None  # the oldest that sampled one of its tokens; None: none did
     spans: tuple[tuple[int, int, int], ...] = ()  # (start, end, version): who sampled what
+    starts: tuple[int, ...] = (0,)  # where each of its sequences starts: its pieces
 
     @classmethod
     def from_record(cls, record: TrajectoryRecord, *, group: str | None = None) -> Sample:
@@ -80,21 +84,27 @@ class Sample:
             logprobs=tuple(0.0 if p is None else p for p in record.logprobs),
             weight_version=min(versions, default=None),
             spans=tuple((span.start, span.end, span.version) for span in record.weight_versions),
+            starts=(0, *record.piece_starts),
         )
 
     @property
     def scored(self) -> bool:
         return self.status != "failed" and self.reward is not None
 
+    def sequences(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each of its sequences that has a position."""
+        bounds = zip(self.starts, (*self.starts[1:], len(self.token_ids)), strict=True)
+        return [(start, end) for start, end in bounds if end - start > 1]
+
     @property
     def positions(self) -> int:
-        """Input positions: every id but the last is an input, every id but the first a
-        target."""
-        return max(len(self.token_ids) - 1, 0)
+        """Input positions: in each sequence, every id but the last is an input, every id
+        but the first a target."""
+        return sum(end - start - 1 for start, end in self.sequences())
 
     @property
     def trained_tokens(self) -> int:
-        return sum(self.loss_mask[1:])
+        return sum(sum(self.loss_mask[start + 1 : end]) for start, end in self.sequences())
 
     def sampled_by(self, version: int) -> list[float]:
         """Per id: 1.0 where weights of ``version`` sampled it, else 0.0."""
@@ -138,10 +148,10 @@ class MicroBatch:
     advantages: torch.Tensor  # float: the sample's advantage on each of its positions
     loss_weights: torch.Tensor  # float: aggregation weight x staleness weight, 0 off mask
     current: torch.Tensor  # float: 1 where the weights being trained sampled the target
-    sample_index: torch.Tensor  # long: the position's sample in ``sample_ids``; -1: pad
-    cu_seqlens: torch.Tensor  # int32: packed: sample boundaries in the row; padded: rows
-    sample_ids: tuple[str, ...]
-    weight_versions: torch.Tensor  # long, per sample
+    sample_index: torch.Tensor  # long: the position's sequence in ``sample_ids``; -1: pad
+    cu_seqlens: torch.Tensor  # int32: packed: sequence boundaries in the row; padded: rows
+    sample_ids: tuple[str, ...]  # each sequence's sample (a sample in pieces: repeated)
+    weight_versions: torch.Tensor  # long, per sequence: its sample's
 
     @property
     def positions(self) -> int:
@@ -236,16 +246,14 @@ def build_batch(
         else:
             kept.append((sample, weight))
     weights = _token_weights(kept, grpo)
-    plan = plan_micro_batches([sample.positions for sample, _ in kept], train, ranks=ranks)
+    sequences = [
+        _Sequence(sample, weight, advantages[sample.id], start, end)
+        for (sample, _), weight in zip(kept, weights, strict=True)
+        for start, end in sample.sequences()
+    ]
+    plan = plan_micro_batches([seq.positions for seq in sequences], train, ranks=ranks)
     micro_batches = [
-        _micro_batch(
-            [kept[i][0] for i in rows],
-            [weights[i] for i in rows],
-            advantages,
-            train,
-            current_version,
-        )
-        for rows in plan
+        _micro_batch([sequences[i] for i in rows], train, current_version) for rows in plan
     ]
     return Batch(micro_batches, [sample for sample, _ in kept], advantages, dropped, ranks)
 
@@ -354,18 +362,26 @@ def _cost(rows: list[int], lengths: Sequence[int], layout: Layout) -> int:
     return max(lengths[i] for i in rows) * len(rows)
 
 
+@dataclass(frozen=True, slots=True)
+class _Sequence:
+    """One sequence of a kept sample: ids ``[start, end)``, a row of the layout."""
+
+    sample: Sample
+    weight: float  # the sample's per-token loss weight
+    advantage: float
+    start: int
+    end: int
+
+    @property
+    def positions(self) -> int:
+        return self.end - self.start - 1
+
+
 def _micro_batch(
-    samples: list[Sample],
-    weights: list[float],
-    advantages: dict[str, float],
-    train: TrainConfig,
-    current_version: int,
+    sequences: list[_Sequence], train: TrainConfig, current_version: int
 ) -> MicroBatch:
-    columns = [
-        _columns(s, w, advantages[s.id], i, current_version)
-        for i, (s, w) in enumerate(zip(samples, weights, strict=True))
-    ]
-    lengths = [sample.positions for sample in samples]
+    columns = [_columns(seq, i, current_version) for i, seq in enumerate(sequences)]
+    lengths = [seq.positions for seq in sequences]
     if train.layout == "packed":
         stacked = {name: torch.cat([c[name] for c in columns]).unsqueeze(0) for name in columns[0]}
         attention_mask = None
@@ -387,27 +403,28 @@ def _micro_batch(
         current=stacked["current"],
         sample_index=stacked["sample_index"],
         cu_seqlens=torch.tensor([0, *_running_sum(lengths)], dtype=torch.int32),
-        sample_ids=tuple(sample.id for sample in samples),
-        weight_versions=torch.tensor([s.weight_version or 0 for s in samples], dtype=torch.long),
+        sample_ids=tuple(seq.sample.id for seq in sequences),
+        weight_versions=torch.tensor(
+            [seq.sample.weight_version or 0 for seq in sequences], dtype=torch.long
+        ),
     )
 
 
-def _columns(
-    sample: Sample, weight: float, advantage: float, index: int, current_version: int
-) -> dict[str, torch.Tensor]:
-    """A sample's positions: inputs, next-id targets, and what is known of each target."""
-    ids = torch.tensor(sample.token_ids, dtype=torch.long)
-    mask = torch.tensor(sample.loss_mask[1:], dtype=torch.float32)
-    n = sample.positions
+def _columns(seq: _Sequence, index: int, current_version: int) -> dict[str, torch.Tensor]:
+    """A sequence's positions: inputs, next-id targets, and what is known of each target."""
+    sample, start, end = seq.sample, seq.start, seq.end
+    ids = torch.tensor(sample.token_ids[start:end], dtype=torch.long)
+    mask = torch.tensor(sample.loss_mask[start + 1 : end], dtype=torch.float32)
+    n = seq.positions
     return {
         "input_ids": ids[:-1],
         "targets": ids[1:],
         "position_ids": torch.arange(n, dtype=torch.long),
         "loss_mask": mask,
-        "old_logprobs": torch.tensor(sample.logprobs[1:], dtype=torch.float32) * mask,
-        "advantages": torch.full((n,), advantage, dtype=torch.float32),
-        "loss_weights": mask * weight,
-        "current": torch.tensor(sample.sampled_by(current_version)[1:]) * mask,
+        "old_logprobs": torch.tensor(sample.logprobs[start + 1 : end], dtype=torch.float32) * mask,
+        "advantages": torch.full((n,), seq.advantage, dtype=torch.float32),
+        "loss_weights": mask * seq.weight,
+        "current": torch.tensor(sample.sampled_by(current_version)[start + 1 : end]) * mask,
         "sample_index": torch.full((n,), index, dtype=torch.long),
     }
 

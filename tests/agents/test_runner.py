@@ -73,6 +73,29 @@ async def test_an_episode_is_one_exact_record_under_the_job_s_identity() -> None
     assert sum(record.loss_mask) > 0 and len(record.token_ids) == len(record.logprobs)
 
 
+async def test_an_agent_that_edits_its_history_trains_its_pieces_as_one_sample() -> None:
+    async def compacting(task: Task, client: Any) -> float:
+        """Asks, then starts over from a summary of the first answer (a history edit)."""
+        ask = [{"role": "user", "content": "Think about 2 + 3."}]
+        first = await client.chat.completions.create(model="m", messages=ask)
+        summary = f"Earlier you said: {first.choices[0].message.content}. Answer now."
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": summary}]
+        )
+        return 1.0
+
+    record = await play(Agent("compacting", compacting), ["Hmm, five.", "5"])
+    assert (record.status, record.reward, record.tokens, record.turns) == (
+        "completed",
+        1.0,
+        "exact",
+        2,
+    )
+    [start] = record.piece_starts  # two contexts, each the exact ids its model saw
+    assert record.loss_mask[start] == 0 and sum(record.loss_mask[:start]) > 0
+    assert sum(record.loss_mask[start:]) > 0
+
+
 async def test_an_agent_that_returns_no_reward_is_scored_by_the_run_s_env() -> None:
     async def quiet(task: Task, client: Any) -> None:
         await hi(client)

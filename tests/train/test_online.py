@@ -1,7 +1,8 @@
 """``libra train --online``: a separate process, written against the plain ``openai``
 SDK and the documented session protocol, is the agent; the run trains three steps on the
-sessions it ends. A client that rewrites its history and one that never reports an end
-are counted, not trained. (The trainer is real, FSDP2 on gloo; the fleet is emulated.)"""
+sessions it ends. One that never reports an end is counted, not trained; one that
+rewrites its history trains as one sample of two exact pieces. (The trainer is real,
+FSDP2 on gloo; the fleet is emulated.)"""
 
 from __future__ import annotations
 
@@ -48,9 +49,8 @@ while True:  # until the run stops serving
         time.sleep(0.2)
 # One that never reports an end (the TTL ends it), one that rewrites its history.
 call("silent", [{"role": "user", "content": "Nobody will hear back from me."}])
-first = [{"role": "user", "content": "Say a word."}]
-call("editor", first + [])
-call("editor", [{"role": "user", "content": "Say another word."}])
+said = call("editor", [{"role": "user", "content": "Count to three."}])
+call("editor", [{"role": "user", "content": f"You said {said!r}. Count to three, then stop."}])
 end("editor", 1.0)
 n = 0
 try:
@@ -107,8 +107,13 @@ async def test_an_external_openai_client_is_trained_on_through_the_gateway(
             line.step
         }
     assert sum(line.samples_trained for line in lines) > 0
-    # The history the editor rewrote and the session that never ended: counted, untrained.
-    assert dropped.get("history_edited") == 1 and dropped.get("idle_ttl") == 1, dropped
+    # The session that never ended: counted, untrained.
+    assert dropped.get("idle_ttl") == 1 and "history_edited" not in dropped, dropped
+    # The editor's two contexts: one sample of two exact pieces, in its first prompt's group.
+    first = (config.run_dir / "rollouts" / "step-0.jsonl").read_text().splitlines()
+    [edited] = [r for r in map(json.loads, first) if r["piece_starts"]]
+    assert (edited["tokens"], edited["reward"], len(edited["piece_starts"])) == ("exact", 1.0, 1)
+    assert not lines[0].dropped.get("tokens drift")
     third = (config.run_dir / "rollouts" / "step-2.jsonl").read_text().splitlines()
     assert max(json.loads(r)["weight_version"] or 0 for r in third) >= 1
 

@@ -20,6 +20,7 @@ from libra.engine import (
     TrajectoryRecord,
     WeightSpan,
     jobs_for,
+    join_pieces,
     rollout,
 )
 from libra.engine._records import Status, TokenSource
@@ -136,6 +137,40 @@ def test_current_marks_the_targets_the_trained_weights_sampled() -> None:
     row = micro.sample_ids.index("a")
     assert micro.current[row].tolist() == [0, 0, 0, 1, 1]  # targets: ids 1..5
     assert micro.current[1 - row].tolist() == [0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_an_episode_in_pieces_is_one_sample_of_several_sequences(layout: Layout) -> None:
+    """A client edited its history: two contexts, each exact, one reward for both."""
+    first = record("a", None, [0, 1, 1], ids=[5, 6, 7])
+    second = record("a", 1.0, [0, 0, 1, 1, 1], ids=[5, 8, 9, 10, 11])
+    episode = join_pieces([first, second])
+    other = record("b", 0.0, [0, 1, 1])
+    batch = batch_of([episode, other], layout=layout)
+    assert [s.id for s in batch.samples] == ["a", "b"] and not batch.dropped
+    assert batch.samples[0].positions == 2 + 4 and batch.samples[0].trained_tokens == 5
+    [micro] = batch.micro_batches
+    assert micro.sample_ids.count("a") == 2
+    rows = [i for i, sample_id in enumerate(micro.sample_ids) if sample_id == "a"]
+    bounds = micro.cu_seqlens.tolist()
+    pieces = []
+    for row in rows:  # each piece its own sequence: no target crosses from one to the next
+        if layout == "packed":
+            at: Any = (0, slice(bounds[row], bounds[row + 1]))
+        else:
+            assert micro.attention_mask is not None
+            at = (row, micro.attention_mask[row].bool())
+        ids, targets = micro.input_ids[at].tolist(), micro.targets[at].tolist()
+        pieces.append((ids, targets, micro.position_ids[at].tolist()))
+        advantages = micro.advantages[at].tolist()
+        assert advantages == pytest.approx([batch.advantages["a"]] * len(advantages))
+        # token-mean over the batch's 5 + 2 trained tokens, piece by piece
+        weights = micro.loss_weights[at]
+        assert weights[weights > 0].tolist() == pytest.approx([1 / 7] * int((weights > 0).sum()))
+    assert sorted(pieces) == [
+        ([5, 6], [6, 7], [0, 1]),
+        ([5, 8, 9, 10], [8, 9, 10, 11], [0, 1, 2, 3]),
+    ]
 
 
 def test_failed_lone_equal_and_inexact_records_leave_the_batch() -> None:
@@ -352,10 +387,19 @@ def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
     torch.testing.assert_close(step_loss(tiny_model, padded, grpo), reference)
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 def test_packed_and_padded_give_the_same_gradients(
-    tiny_model: torch.nn.Module, model_samples: list[Sample]
+    tiny_model: torch.nn.Module, model_samples: list[Sample], pieces: bool
 ) -> None:
+    """With ``pieces``, two records are one episode's two contexts: packed end to end in
+    a row, neither may attend to the other."""
     samples, grpo = model_samples, GRPOConfig()
+    if pieces:
+        records = model_records(tiny_model)
+        episode = join_pieces(records[6:8])
+        samples = [Sample.from_record(r) for r in [*records[:6], episode, *records[8:]]]
+        rows = build_batch(samples, current_version=0, train=TrainConfig(micro_batch_tokens=40))
+        assert any(micro.sample_ids.count(episode.id) == 2 for micro in rows.micro_batches)
 
     def gradients(layout: str) -> list[torch.Tensor]:
         train = TrainConfig(layout=layout, micro_batch_tokens=40)
