@@ -40,8 +40,11 @@ from libra.engine import (
     Engine,
     EngineConfig,
     SamplingRecord,
+    Status,
     Timings,
+    TokenSource,
     TrajectoryRecord,
+    WeightSpan,
     http_transport,
 )
 from libra.envs import Env, Sandbox
@@ -607,3 +610,57 @@ def libra_serve(
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+def scripted_record(
+    id: str,
+    reward: float | None,
+    mask: Sequence[int],
+    *,
+    group: str = "g",
+    ids: Sequence[int] | None = None,
+    logprobs: Sequence[float] | None = None,
+    status: Status = "completed",
+    tokens: TokenSource = "exact",
+    version: int = 0,
+) -> TrajectoryRecord:
+    """A record as the engine writes one, of ``mask``'s tokens (ids 3, 4, ... unless
+    given); its sampled runs become weight spans of ``version``."""
+    ids = list(ids) if ids is not None else [3 + i for i in range(len(mask))]
+    logprobs = list(logprobs) if logprobs is not None else [-0.5] * len(mask)
+    spans = [
+        WeightSpan(start, start + run, version) for start, run in _runs(mask) if mask[start] == 1
+    ]
+    return TrajectoryRecord(
+        id=id,
+        env="test",
+        task_id=group,
+        group_id=group,
+        step=0,
+        sample=0,
+        status=status,
+        stop_reason="model_stop" if status != "failed" else "server_error",
+        reward=reward,
+        turns=1,
+        messages=[],
+        token_ids=ids,
+        loss_mask=list(mask),
+        logprobs=[p if m else None for p, m in zip(logprobs, mask, strict=True)],
+        tokens=tokens,
+        weight_versions=spans,
+        tool_returns=[],
+        endpoints=[],
+        sampling=SamplingRecord(temperature=1.0, top_p=1.0, max_tokens_per_turn=1024, seed=None),
+        weight_version=version,
+        timings=Timings(),
+    )
+
+
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i, value in enumerate(mask):
+        if i and value == mask[i - 1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -40,6 +40,11 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--agent", help="rollout.agent: an async def (task, client) plays the episodes"
     )
     parser.add_argument(
+        "--tasks",
+        type=Path,
+        help="rollout.tasks: JSONL file of tasks, played in epochs (default: seeded tasks)",
+    )
+    parser.add_argument(
         "--serve",
         help="attach to running vLLM server URL(s) in dev mode, or to a libra serve gateway "
         "($LIBRA_ADMIN_KEY), instead of starting one",
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         "serve": args.serve,
         "run_dir": args.run_dir,
         "rollout.agent": args.agent,
+        "rollout.tasks": args.tasks,
     }
     if args.online:
         flags |= {

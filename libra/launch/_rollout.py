@@ -63,7 +63,9 @@ class RolloutConfig(BaseModel):
         None, description="trajectories: default 64 of seeded tasks; with tasks, all of them"
     )
     tasks: Path | None = Field(
-        None, description="JSONL file of tasks (key, seed, payload), each sampled in turn"
+        None,
+        description="JSONL file of tasks (key, seed, payload), each sampled in turn; libra "
+        "train plays them in epochs, prompts_per_step a step, each epoch shuffled anew",
     )
     samples_per_prompt: PositiveInt = Field(
         1, description="trajectories per task (libra train sets it each step)"

@@ -23,12 +23,14 @@ from libra.alloc import (
     TailLender,
     start_layout,
 )
+from libra.config import ConfigError
 from libra.engine import Engine
 from libra.fleet import FleetSpec
 from libra.gateway import GatewayConfig, Sessions, create_gateway, gateway_keys, serving
 from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
 from libra.launch._session import Player, load_player, open_session
+from libra.launch._tasks import read_tasks
 from libra.launch._train_config import TrainRunConfig
 from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
@@ -42,6 +44,7 @@ from libra.train import (
     RolloutLog,
     ServedWeights,
     StepRecord,
+    StepTasks,
     TrainRun,
     check_attached,
     find_gateway,
@@ -63,13 +66,25 @@ async def train(
 ) -> list[StepRecord]:
     """Run ``config.steps`` steps (from the newest checkpoint's step with ``resume``);
     returns the metrics lines of the steps it ran (also in the run folder)."""
+    player = load_player(config.rollout) if config.online is None else ONLINE
+    tasks = _step_tasks(config, player)
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
-    player = load_player(config.rollout) if config.online is None else ONLINE
-    async with open_run(config, player, run_dir) as run:
+    async with open_run(config, player, run_dir, tasks) as run:
         return await run_steps(
             run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
         )
+
+
+def _step_tasks(config: TrainRunConfig, player: Player) -> StepTasks | None:
+    """``rollout.tasks``, read and checked (None: seeded tasks)."""
+    if config.rollout.tasks is None:
+        return None
+    listed = read_tasks(config.rollout.tasks, player.name)
+    try:
+        return StepTasks(player.name, config.prompts_per_step, config.seed, listed)
+    except ValueError as exc:
+        raise ConfigError(f"tasks {config.rollout.tasks}: {exc}") from None
 
 
 def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
@@ -84,9 +99,10 @@ def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
 
 @asynccontextmanager
 async def open_run(
-    config: TrainRunConfig, player: Player, run_dir: Path
+    config: TrainRunConfig, player: Player, run_dir: Path, tasks: StepTasks | None = None
 ) -> AsyncIterator[TrainRun]:
-    """The trainer's processes, the fleet, the engine and one session, all started."""
+    """The trainer's processes, the fleet, the engine and one session, all started;
+    the run's jobs play ``tasks`` in epochs (None: seeded tasks)."""
     model_dir = config.model_dir
     if model_dir is None:
         model_dir = await anyio.to_thread.run_sync(prepare_model)
@@ -172,6 +188,7 @@ async def open_run(
             gateway,
             forest=partial(scheduler_forest, scheduler),
             source=source,
+            tasks=tasks,
         )
         if cluster is not None:
             cluster.supervisor = assembled.supervisor  # watches the instances it starts

@@ -25,7 +25,7 @@ from libra.trainer import GRPOConfig, LogprobsMode, TrainConfig, TrainerConfig
 from libra.workers import AllocConfig
 
 # What the loop itself sets in each step's rollout: naming them in [rollout] is an error.
-_LOOP_OWNED = ("n", "out", "plot", "samples_per_prompt", "tasks")
+_LOOP_OWNED = ("n", "out", "plot", "samples_per_prompt")
 
 
 class TrainRunConfig(BaseModel):
@@ -113,6 +113,8 @@ class TrainRunConfig(BaseModel):
         players = (self.rollout.env, self.rollout.agent)
         if self.online is not None and self.rollout.agent is not None:
             raise ValueError("online: agents elsewhere play; rollout.agent names one here")
+        if self.online is not None and self.rollout.tasks is not None:
+            raise ValueError("online: agents elsewhere choose their tasks; drop rollout.tasks")
         if self.online is None and players == (None, None):
             raise ValueError("name an env (rollout.env) or an agent (rollout.agent)")
         if self.grpo.kl_coef > 0:

@@ -21,6 +21,7 @@ from libra.train._online import OnlineConfig, OnlineGroups
 from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
 from libra.train._settings import Mode, RunSettings
+from libra.train._tasks import StepTasks
 
 __all__ = [
     "METRICS_FILE",
@@ -41,6 +42,7 @@ __all__ = [
     "ServedWeights",
     "StepGroups",
     "StepRecord",
+    "StepTasks",
     "TrainRun",
     "check_attached",
     "find_gateway",

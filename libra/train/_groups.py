@@ -11,10 +11,11 @@ from typing import Protocol
 
 import anyio
 
-from libra.engine import Group, RolloutSession, TrajectoryJob, TrajectoryRecord, jobs_for
+from libra.engine import Group, RolloutSession, TrajectoryJob, TrajectoryRecord, jobs_of
 from libra.envs import Env, GroupId
 from libra.train._rollout_log import RolloutLog
 from libra.train._settings import RunSettings
+from libra.train._tasks import StepTasks
 
 
 class GroupSource(Protocol):
@@ -43,7 +44,7 @@ class StepGroups:
 
     config: RunSettings
     env_cls: type[Env] | None  # None: an agent plays the episodes, and no env scores them
-    env_name: str
+    tasks: StepTasks
     session: RolloutSession
     log: RolloutLog
     groups: dict[int, list[Group]] = field(default_factory=lambda: defaultdict(list))
@@ -70,12 +71,10 @@ class StepGroups:
 
     def submit(self, step: int) -> None:
         """Submit step ``step``'s jobs, but for those whose record the log gave back."""
-        jobs = jobs_for(
+        jobs = jobs_of(
             self.env_cls,
-            self.env_name,
-            self.config.prompts_per_step * self.config.samples_per_prompt,
+            self.tasks.of_step(step),
             samples_per_prompt=self.config.samples_per_prompt,
-            seed=self.config.seed + step,
             step=step,
         )
         for job in jobs:

@@ -36,11 +36,11 @@ run. Then, per step ``k``:
 ``resume=True`` starts from the run folder's newest checkpoint instead of step 0: the
 trainer's state is restored (and ``metrics.jsonl`` cut back to what it held then), the
 servers serve the checkpoint's weight version again, and the loop goes on from its step
-(each step's tasks are seeded by ``seed + step``: the step is the data position). The
-records the log holds for that step and later, sampled by the checkpoint's weights or
-older ones, are taken back instead of sampled again (their count is the step's
-``reused``); the steps the killed run took after its checkpoint are re-run, and what
-their later weights sampled is sampled again.
+(each step's tasks follow from the seed and the step, ``_tasks.py``: the step is the
+data position). The records the log holds for that step and later, sampled by the
+checkpoint's weights or older ones, are taken back instead of sampled again (their
+count is the step's ``reused``); the steps the killed run took after its checkpoint are
+re-run, and what their later weights sampled is sampled again.
 
 A trainer rank that dies stops the run at once (``TrainerProcess.watch``), whether it
 was training or waiting for the next batch: the servers, sandboxes and session close on
@@ -70,6 +70,7 @@ from libra.train._metrics import METRICS_FILE, StepRecord, step_record
 from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._settings import RunSettings
+from libra.train._tasks import StepTasks
 from libra.trainer import (
     Batch,
     LogprobGap,
@@ -165,13 +166,18 @@ class TrainRun:
     version: int = 0  # the weights the trainer holds: v0 before the first step
     #: Where the steps' groups come from; None: the run's own jobs (:class:`StepGroups`).
     source: GroupSource | None = None
+    #: The tasks its own jobs play (``rollout.tasks``, in epochs); None: seeded ones.
+    tasks: StepTasks | None = None
     rollouts: GroupSource = field(init=False)
     publisher: Publisher = field(init=False)
     _train_s_per_position: float | None = None  # the last step's: what the tail expects
 
     def __post_init__(self) -> None:
+        tasks = self.tasks or StepTasks(
+            self.env_name, self.config.prompts_per_step, self.config.seed
+        )
         self.rollouts = self.source or StepGroups(
-            self.config, self.env_cls, self.env_name, self.session, self.log
+            self.config, self.env_cls, tasks, self.session, self.log
         )
         self.publisher = Publisher(
             self.config,
@@ -205,7 +211,7 @@ class TrainRun:
         metrics = self.run_dir / METRICS_FILE
         state = RunState(
             step=steps_done,
-            next_task=steps_done,  # step k's tasks are seeded by seed + k
+            next_task=steps_done,  # step k's tasks follow from the seed and k
             weight_version=self.version,
             metrics_bytes=metrics.stat().st_size if metrics.exists() else 0,
         )

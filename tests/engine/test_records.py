@@ -7,7 +7,7 @@ import pytest
 
 from libra.engine import join_pieces
 from libra.engine._records import TrajectoryRecord, WeightSpan
-from tests.trainer.test_batch import record
+from tests._helpers import scripted_record as record
 
 
 def test_pieces_are_laid_end_to_end_with_where_each_starts() -> None:

@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from libra.config import load_config
+from libra.config import ConfigError, load_config
 from libra.launch import TrainRunConfig, train
 from libra.train import iter_metrics, read_step, step_file
 from libra.trainer import (
@@ -145,6 +145,23 @@ async def test_one_step_off_samples_the_next_step_on_the_old_weights(
     assert [line.weight_version for line in lines] == [1, 2, 3]
     weights = sorted(p.name for p in (config.run_dir / "weights").iterdir())
     assert weights == ["v2", "v3"]
+
+
+async def test_a_task_file_is_played_in_epochs(tiny_model: Path, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"key": f"q{i}", "seed": i}) + "\n" for i in range(3)))
+    config = run_config(tmp_path / "run", tiny_model)
+    config.rollout.tasks = tasks
+    await train(config)
+    # 2 of the 3 tasks a step (one left over each epoch), each epoch shuffled anew.
+    for step in (0, 1):
+        played = {r["task_id"] for r in read_records(config.run_dir, step)}
+        assert len(played) == 2 and played <= {f"brevity/q{i}" for i in range(3)}
+    short = run_config(tmp_path / "short", tiny_model, prompts_per_step=4)
+    short.rollout.tasks = tasks
+    with pytest.raises(ConfigError, match="lists 3 tasks, fewer than the 4 a step plays"):
+        await train(short)
+    assert not short.run_dir.exists()  # refused before anything started
 
 
 async def test_a_run_folder_is_never_reused(tiny_model: Path, tmp_path: Path) -> None:

@@ -15,15 +15,12 @@ from envs_contrib.calc import Calc
 from libra.engine import (
     EngineConfig,
     SamplingConfig,
-    SamplingRecord,
-    Timings,
     TrajectoryRecord,
     WeightSpan,
     jobs_for,
     join_pieces,
     rollout,
 )
-from libra.engine._records import Status, TokenSource
 from libra.trainer import (
     Aggregation,
     Batch,
@@ -38,59 +35,7 @@ from libra.trainer import (
     token_logprobs,
 )
 from tests._helpers import emulated_engine
-
-
-def record(
-    id: str,
-    reward: float | None,
-    mask: Sequence[int],
-    *,
-    group: str = "g",
-    ids: Sequence[int] | None = None,
-    logprobs: Sequence[float] | None = None,
-    status: Status = "completed",
-    tokens: TokenSource = "exact",
-    version: int = 0,
-) -> TrajectoryRecord:
-    """A record as the engine writes one; sampled runs of ``mask`` become weight spans."""
-    ids = list(ids) if ids is not None else [3 + i for i in range(len(mask))]
-    logprobs = list(logprobs) if logprobs is not None else [-0.5] * len(mask)
-    spans = [
-        WeightSpan(start, start + run, version) for start, run in _runs(mask) if mask[start] == 1
-    ]
-    return TrajectoryRecord(
-        id=id,
-        env="test",
-        task_id=group,
-        group_id=group,
-        step=0,
-        sample=0,
-        status=status,
-        stop_reason="model_stop" if status != "failed" else "server_error",
-        reward=reward,
-        turns=1,
-        messages=[],
-        token_ids=ids,
-        loss_mask=list(mask),
-        logprobs=[p if m else None for p, m in zip(logprobs, mask, strict=True)],
-        tokens=tokens,
-        weight_versions=spans,
-        tool_returns=[],
-        endpoints=[],
-        sampling=SamplingRecord(temperature=1.0, top_p=1.0, max_tokens_per_turn=1024, seed=None),
-        weight_version=version,
-        timings=Timings(),
-    )
-
-
-def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i, value in enumerate(mask):
-        if i and value == mask[i - 1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
+from tests._helpers import scripted_record as record
 
 
 def batch_of(records: Sequence[TrajectoryRecord], *, current: int = 0, **options: Any) -> Batch:
