@@ -222,6 +222,7 @@ async def _serve_online(
         admin_key_file=online.admin_key_file,
     )
     groups = OnlineGroups(config, online, log)
+    stack.callback(groups.close)  # after the sessions' shutdown: what no step took
     gateway = GatewayConfig(
         env=ONLINE.name,
         session_ttl_s=online.session_ttl_s,

@@ -23,14 +23,16 @@ start its next group. One that has waited ``group_wait_s`` since its first sessi
 ended goes into a step as it is if it has two sessions or more, and is dropped
 (``lone sample``) otherwise. A step takes the first ``prompts_per_step`` complete
 groups; its records are then written to ``rollouts/step-K.jsonl`` under the step's
-group ids. Clients keep playing while a step trains, so groups may wait: with
-``grpo.stale = "drop"``, one sampled on weights older than ``grpo.max_staleness``
-allows leaves before the step takes it (counted ``stale``); with ``reweight`` the batch
-builder weighs it, as in every run.
+group ids (those no step took when the run ends, under the next step's number).
+Clients keep playing while a step trains, so groups may wait: with ``grpo.stale =
+"drop"``, one sampled on weights older than ``grpo.max_staleness`` allows leaves before
+the step takes it (counted ``stale``); with ``reweight`` the batch builder weighs it, as
+in every run.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from libra._clock import now
 from libra.config import Section
 from libra.engine import Group, TrajectoryRecord, join_pieces
 from libra.envs import GroupId, TaskId
-from libra.train._rollout_log import RolloutLog
+from libra.train._rollout_log import RolloutLog, step_file
 from libra.train._settings import RunSettings
 
 _POLL_S = 0.5  # how often a waiting step looks for groups past their wait
@@ -135,6 +137,20 @@ class OnlineGroups:
         del self._ready[: self.config.prompts_per_step]
         self._window = step + 1
         return [self._as_group(step, members) for members in taken]
+
+    def close(self) -> None:
+        """The run is over: the sessions that ended and no step took are written to the
+        log under the next step (never trained), said in one line on stderr."""
+        left = [r for members in (*self._ready, *self._gathering.values()) for r in members]
+        left += [r for pieces in self._pieces.values() for r in pieces]
+        for record in left:
+            self.log.append(msgspec.structs.replace(record, step=self._window))
+        if left:
+            print(
+                f"libra train --online: {len(left)} sessions ended that no step took: "
+                f"written to {step_file(self.log.run_dir, self._window)}, not trained",
+                file=sys.stderr,
+            )
 
     async def read_records(self) -> None:
         """The gateway hands the sessions over (:meth:`add`): nothing to read."""

@@ -60,7 +60,7 @@ try:
             text = call(f"s{n}", [{"role": "user", "content": prompt}])
             end(f"s{n}", len(text) % 7 / 7)
 except (openai.APIConnectionError, httpx.HTTPError):
-    pass  # the run is over
+    print(n)  # the run is over: the sessions it began (the last may never have reached it)
 """
 
 
@@ -94,6 +94,8 @@ async def test_an_external_openai_client_is_trained_on_through_the_gateway(
             lines = await train(config)
         with anyio.fail_after(30):
             await process.wait()
+            assert process.stdout is not None
+            began = int((await process.stdout.receive()).decode())
 
     assert [line.step for line in lines] == [0, 1, 2]
     dropped: dict[str, int] = {}
@@ -114,6 +116,14 @@ async def test_an_external_openai_client_is_trained_on_through_the_gateway(
     [edited] = [r for r in map(json.loads, first) if r["piece_starts"]]
     assert (edited["tokens"], edited["reward"], len(edited["piece_starts"])) == ("exact", 1.0, 1)
     assert not lines[0].dropped.get("tokens drift")
+    # Every session that ended is on disk once: those no step took under step 3.
+    logged = [
+        json.loads(line)
+        for path in (config.run_dir / "rollouts").glob("step-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert len({r["id"] for r in logged}) == len(logged)
+    assert began - 1 <= len(logged) - 2 <= began  # besides the editor's and the silent one
     third = (config.run_dir / "rollouts" / "step-2.jsonl").read_text().splitlines()
     assert max(json.loads(r)["weight_version"] or 0 for r in third) >= 1
 
