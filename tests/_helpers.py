@@ -47,7 +47,7 @@ from libra.engine import (
     WeightSpan,
     http_transport,
 )
-from libra.envs import Env, Sandbox
+from libra.envs import Env, Sandbox, Task
 from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec, Model
 from libra.openai import ChatCompletion, Completion, FunctionCall, Message, ToolCall, tool_schema
 from libra.sched import Route, Router, RouteRequest, Scheduler
@@ -521,6 +521,19 @@ class Brevity(Env):
 
 
 BREVITY = "tests._helpers:Brevity"
+
+
+class Quiz(Env):
+    """Asks a task file's question (its payload); rewards short answers, as Brevity."""
+
+    def reset(self, task: Task) -> str:
+        return f"In a few words: {(task.payload or {})['question']}"
+
+    def reward(self, answer: str) -> float:
+        return 1.0 / (1.0 + len(answer) / 50.0)
+
+
+QUIZ = "tests._helpers:Quiz"
 
 
 def tiny_llama(folder: Path, vocab_size: int = 320) -> Path:

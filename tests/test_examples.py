@@ -18,6 +18,7 @@ COMMANDS: dict[str, type[BaseModel]] = {
     "alloc.toml": TrainRunConfig,
     "arith-long.toml": TrainRunConfig,
     "demo.toml": TrainRunConfig,
+    "mixture.toml": TrainRunConfig,
     "rollout.toml": RolloutConfig,
     "serve.toml": ServeConfig,
 }

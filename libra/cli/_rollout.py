@@ -145,7 +145,7 @@ async def run_rollout(config: RolloutConfig, *, failures: Failures | None = None
     warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
     timeline = Timeline()
     async with (
-        open_engine(config, env_cls, warm) as run,
+        open_engine(config, [env_cls] if env_cls else [], warm) as run,
         open_session(run.engine, config, player) as session,
     ):
         scheduler, stats = run.engine.scheduler, session.stats

@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(
         f"libra train: {config.steps} steps of {config.prompts_per_step} prompts x "
-        f"{config.samples_per_prompt} samples ({config.rollout.agent or config.rollout.env}, "
-        f"{config.mode}) "
+        f"{config.samples_per_prompt} samples ({_players(config)}, {config.mode}) "
         f"into {config.run_dir}"
     )
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)
@@ -225,6 +224,14 @@ _PANELS = (
         ),
     ),
 )
+
+
+def _players(config: TrainRunConfig) -> str:
+    """Who plays the run's episodes, in a few words."""
+    rollout = config.rollout
+    if rollout.envs is not None:
+        return " + ".join(f"{share.env} x{share.weight:g}" for share in rollout.envs)
+    return rollout.agent or rollout.env or "online: agents elsewhere"
 
 
 def run_plot(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ Runtime packages never import this, nor the policies or the emulator it wires in
 
 from libra.launch._engine import Assembled, EngineSettings, assemble_engine
 from libra.launch._fleet import Fleet, FleetError, local_templates, open_fleet
-from libra.launch._rollout import RolloutConfig, open_engine
+from libra.launch._rollout import EnvShare, RolloutConfig, open_engine
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import (
     SCHEDULERS,
@@ -18,7 +18,7 @@ from libra.launch._scheduler import (
     save_scheduler_state,
     scheduler_forest,
 )
-from libra.launch._session import Player, load_player, open_session
+from libra.launch._session import Player, Share, load_mixture, load_player, open_session
 from libra.launch._tasks import read_tasks
 from libra.launch._train import open_run, train
 from libra.launch._train_config import TrainRunConfig
@@ -27,16 +27,19 @@ __all__ = [
     "SCHEDULERS",
     "Assembled",
     "EngineSettings",
+    "EnvShare",
     "Fleet",
     "FleetError",
     "Player",
     "RolloutConfig",
     "SandboxKind",
     "SchedulerName",
+    "Share",
     "TrainRunConfig",
     "assemble_engine",
     "beside",
     "build_scheduler",
+    "load_mixture",
     "load_player",
     "local_templates",
     "open_engine",

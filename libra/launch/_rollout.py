@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from libra.emulation import EmulatorConfig
 from libra.engine import EngineConfig, TransportName
@@ -21,6 +21,16 @@ from libra.sched.policies import CMLFQConfig
 from libra.serving import CurrentWeights, ServerProcess, SupervisorConfig
 
 
+class EnvShare(BaseModel):
+    """One env of a ``libra train`` mixture (``rollout.envs``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str = Field(description="a registered name (see libra envs) or module:Class")
+    weight: PositiveFloat = Field(1.0, description="how often a step's prompt is this env's")
+    tasks: Path | None = Field(None, description="its JSONL task file (default: seeded tasks)")
+
+
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -28,6 +38,12 @@ class RolloutConfig(BaseModel):
         None,
         description="the env: a registered name (see libra envs) or module:Class; with an "
         "agent, the env whose reward scores the episodes the agent returns no reward for",
+    )
+    envs: list[EnvShare] | None = Field(
+        None,
+        min_length=1,
+        description="libra train: a mixture of envs instead of env, each step's prompts "
+        "drawn from it by weight (seeded), each env with its own tasks",
     )
     agent: str | None = Field(
         None,
@@ -111,11 +127,24 @@ class RolloutConfig(BaseModel):
     emulator: EmulatorConfig = EmulatorConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
 
+    @model_validator(mode="after")
+    def _one_way_to_name_the_envs(self) -> RolloutConfig:
+        if self.envs is not None:
+            given = [key for key in ("env", "agent", "tasks") if getattr(self, key) is not None]
+            if given:
+                raise ValueError(
+                    f"rollout.envs names the envs and their tasks: drop rollout.{given[0]}"
+                )
+            names = [share.env for share in self.envs]
+            if len(set(names)) < len(names):
+                raise ValueError("rollout.envs names an env twice")
+        return self
+
 
 @asynccontextmanager
 async def open_engine(
     config: RolloutConfig,
-    env_cls: type[Env] | None,
+    envs: Sequence[type[Env]],
     warm: int,
     *,
     servers: Mapping[str, ServerProcess] | None = None,
@@ -123,22 +152,23 @@ async def open_engine(
     headers: Mapping[str, str] | None = None,
     wrap_scheduler: Callable[[Scheduler], Scheduler] | None = None,
 ) -> AsyncIterator[Assembled]:
-    """Open sandboxes and fleet (``warm`` containers start while the servers do), build
-    the scheduler (from its saved state) and the engine; poll the servers' metrics if
-    asked. The servers started for this run (the fleet's own, and ``servers`` the caller
-    started, by instance name) are supervised: restarted when they die or hang, with
-    ``weights`` (default: the weights they start on). ``headers`` go with every request
-    to the servers (a gateway's ``Authorization``). The engine routes through
-    ``wrap_scheduler(scheduler)`` if given (one that also times every call, say). On exit
-    the scheduler's state is saved and everything is closed."""
+    """Open sandboxes for ``envs`` and the fleet (``warm`` containers start while the
+    servers do), build the scheduler (from its saved state) and the engine; poll the
+    servers' metrics if asked. The servers started for this run (the fleet's own, and
+    ``servers`` the caller started, by instance name) are supervised: restarted when
+    they die or hang, with ``weights`` (default: the weights they start on).
+    ``headers`` go with every request to the servers (a gateway's ``Authorization``).
+    The engine routes through ``wrap_scheduler(scheduler)`` if given (one that also
+    times every call, say). On exit the scheduler's state is saved and everything is
+    closed."""
     async with (
-        open_sandboxes(env_cls, config.sandbox, config.sandbox_pool) as sandboxes,
+        open_sandboxes(envs, config.sandbox, config.sandbox_pool) as sandboxes,
         assemble_engine(
             config,
             config.scheduler,
             sandboxes=sandboxes,
             # Containers start (seconds each, cold) while vLLM does, not after it.
-            while_starting=partial(warm_up, sandboxes, env_cls, warm),
+            while_starting=partial(warm_up, sandboxes, envs, warm),
             servers=servers,
             weights=weights,
             headers=headers,

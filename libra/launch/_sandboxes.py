@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any, Literal, TypeVar
 
@@ -17,11 +17,11 @@ T = TypeVar("T")
 
 @asynccontextmanager
 async def open_sandboxes(
-    env_cls: type[Env] | None, kind: SandboxKind, pool_size: int
+    envs: Sequence[type[Env]], kind: SandboxKind, pool_size: int
 ) -> AsyncIterator[SandboxProvider | None]:
-    """The provider the env needs (None when its tools run no code, or there is no env:
-    an agent runs its own tools)."""
-    if env_cls is None or env_cls.sandbox_spec is None:
+    """The provider the envs need (None when none of their tools runs code, or there is
+    no env: an agent runs its own tools)."""
+    if not any(env_cls.sandbox_spec for env_cls in envs):
         yield None
         return
     if kind == "auto":
@@ -43,13 +43,18 @@ def _docker_reachable() -> bool:
     return True
 
 
-async def warm_up(provider: SandboxProvider | None, env_cls: type[Env] | None, count: int) -> None:
-    """Start ``count`` of the env's containers ahead of its trajectories (Docker only: a
-    bubblewrap jail starts in milliseconds). An optimisation: a sandbox that cannot start
-    fails the trajectory that asks for it, with the reason, not this."""
-    if isinstance(provider, DockerSandboxProvider) and env_cls and env_cls.sandbox_spec:
+async def warm_up(provider: SandboxProvider | None, envs: Sequence[type[Env]], count: int) -> None:
+    """Start ``count`` containers ahead of the trajectories, shared among the envs whose
+    tools run code (Docker only: a bubblewrap jail starts in milliseconds). An
+    optimisation: a sandbox that cannot start fails the trajectory that asks for it, with
+    the reason, not this."""
+    specs = [env_cls.sandbox_spec for env_cls in envs if env_cls.sandbox_spec]
+    if not isinstance(provider, DockerSandboxProvider) or not specs:
+        return
+    for index, spec in enumerate(specs):
+        share = count // len(specs) + (index < count % len(specs))
         with suppress(SandboxError):
-            await provider.prewarm(env_cls.sandbox_spec, count)
+            await provider.prewarm(spec, share)
 
 
 async def beside(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from libra.agents import Agent, AgentRunner, load_agent
 from libra.config import UsageError
@@ -25,8 +26,35 @@ class Player:
     name: str
 
 
+@dataclass(frozen=True)
+class Share:
+    """One player of a run's mixture: how often a step's prompt is its, and its task
+    file (None: seeded tasks)."""
+
+    player: Player
+    weight: float = 1.0
+    tasks: Path | None = None
+
+
+def load_mixture(config: RolloutConfig) -> list[Share]:
+    """``rollout.envs``, loaded; else the one env or agent ``config`` names."""
+    if config.envs is None:
+        return [Share(load_player(config), 1.0, config.tasks)]
+    shares = []
+    for entry in config.envs:
+        env_cls = load_env(entry.env)
+        player = Player(env_cls, None, env_name(entry.env, env_cls))
+        shares.append(Share(player, entry.weight, entry.tasks))
+    names = [share.player.name for share in shares]
+    if len(set(names)) < len(names):
+        raise UsageError(f"rollout.envs: two envs go by one name ({', '.join(names)})")
+    return shares
+
+
 def load_player(config: RolloutConfig) -> Player:
     """The env and the agent ``config`` names, loaded (a bad name is one clear error)."""
+    if config.envs is not None:
+        raise UsageError("rollout.envs is libra train's mixture: name one env (rollout.env)")
     env_cls = load_env(config.env) if config.env is not None else None
     if config.agent is not None:
         agent = load_agent(config.agent)

@@ -29,7 +29,7 @@ from libra.fleet import FleetSpec
 from libra.gateway import GatewayConfig, Sessions, create_gateway, gateway_keys, serving
 from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
-from libra.launch._session import Player, load_player, open_session
+from libra.launch._session import Player, Share, load_mixture, open_session
 from libra.launch._tasks import read_tasks
 from libra.launch._train_config import TrainRunConfig
 from libra.sched import Scheduler
@@ -38,13 +38,16 @@ from libra.train import (
     SESSION_HEADER,
     CheckpointHook,
     Gateway,
+    GroupSource,
     OnlineConfig,
     OnlineGroups,
     Progress,
     RolloutLog,
     ServedWeights,
+    StepGroups,
     StepRecord,
     StepTasks,
+    TaskShare,
     TrainRun,
     check_attached,
     find_gateway,
@@ -66,25 +69,31 @@ async def train(
 ) -> list[StepRecord]:
     """Run ``config.steps`` steps (from the newest checkpoint's step with ``resume``);
     returns the metrics lines of the steps it ran (also in the run folder)."""
-    player = load_player(config.rollout) if config.online is None else ONLINE
-    tasks = _step_tasks(config, player)
+    shares = load_mixture(config.rollout) if config.online is None else [Share(ONLINE)]
+    tasks = None if config.online is not None else _step_tasks(config, shares)
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
-    async with open_run(config, player, run_dir, tasks) as run:
+    async with open_run(config, shares, run_dir, tasks) as run:
         return await run_steps(
             run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
         )
 
 
-def _step_tasks(config: TrainRunConfig, player: Player) -> StepTasks | None:
-    """``rollout.tasks``, read and checked (None: seeded tasks)."""
-    if config.rollout.tasks is None:
-        return None
-    listed = read_tasks(config.rollout.tasks, player.name)
+def _step_tasks(config: TrainRunConfig, shares: list[Share]) -> StepTasks:
+    """Each step's tasks, drawn from the mixture of ``shares`` (their task files read
+    and checked now, before anything starts)."""
+    task_shares = [
+        TaskShare(
+            share.player.name,
+            share.weight,
+            read_tasks(share.tasks, share.player.name) if share.tasks is not None else None,
+        )
+        for share in shares
+    ]
     try:
-        return StepTasks(player.name, config.prompts_per_step, config.seed, listed)
+        return StepTasks(task_shares, config.prompts_per_step, config.seed)
     except ValueError as exc:
-        raise ConfigError(f"tasks {config.rollout.tasks}: {exc}") from None
+        raise ConfigError(str(exc)) from None
 
 
 def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
@@ -99,10 +108,11 @@ def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
 
 @asynccontextmanager
 async def open_run(
-    config: TrainRunConfig, player: Player, run_dir: Path, tasks: StepTasks | None = None
+    config: TrainRunConfig, shares: list[Share], run_dir: Path, tasks: StepTasks | None
 ) -> AsyncIterator[TrainRun]:
     """The trainer's processes, the fleet, the engine and one session, all started;
-    the run's jobs play ``tasks`` in epochs (None: seeded tasks)."""
+    the run's jobs play ``tasks``, drawn from the mixture of ``shares`` (None: online,
+    agents elsewhere play)."""
     model_dir = config.model_dir
     if model_dir is None:
         model_dir = await anyio.to_thread.run_sync(prepare_model)
@@ -155,7 +165,7 @@ async def open_run(
         assembled = await stack.enter_async_context(
             open_engine(
                 rollout,
-                player.env_cls,
+                [share.player.env_cls for share in shares if share.player.env_cls],
                 warm,
                 servers=own if cluster is None else cluster.servers,
                 weights=weights,
@@ -164,10 +174,16 @@ async def open_run(
             )
         )
         log = stack.enter_context(RolloutLog(run_dir))
+        # (an agent plays alone; a mixture's envs each play their own trajectories)
+        player = shares[0].player
         session = await stack.enter_async_context(open_session(assembled.engine, rollout, player))
-        source = None
-        if config.online is not None:
-            source = await _serve_online(stack, config, config.online, assembled.engine, log)
+        rollouts: GroupSource
+        if tasks is None:
+            assert config.online is not None
+            rollouts = await _serve_online(stack, config, config.online, assembled.engine, log)
+        else:
+            players = {share.player.name: share.player.env_cls for share in shares}
+            rollouts = StepGroups(config, players, tasks, session, log)
         await trainer.ready()
         scheduler = assembled.scheduler  # the run's own, not the engine's timed wrapper
         endpoints = list(scheduler.router.endpoints().values())
@@ -177,8 +193,7 @@ async def open_run(
         run = TrainRun(
             config,
             run_dir,
-            player.env_cls,
-            player.name,
+            rollouts,
             trainer,
             session,
             endpoints,
@@ -187,8 +202,6 @@ async def open_run(
             weights,
             gateway,
             forest=partial(scheduler_forest, scheduler),
-            source=source,
-            tasks=tasks,
         )
         if cluster is not None:
             cluster.supervisor = assembled.supervisor  # watches the instances it starts

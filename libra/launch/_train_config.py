@@ -110,13 +110,15 @@ class TrainRunConfig(BaseModel):
         owned = sorted(set(_LOOP_OWNED) & self.rollout.model_fields_set)
         if owned:
             raise ValueError(f"rollout.{', rollout.'.join(owned)}: the loop sets these per step")
-        players = (self.rollout.env, self.rollout.agent)
-        if self.online is not None and self.rollout.agent is not None:
-            raise ValueError("online: agents elsewhere play; rollout.agent names one here")
-        if self.online is not None and self.rollout.tasks is not None:
-            raise ValueError("online: agents elsewhere choose their tasks; drop rollout.tasks")
-        if self.online is None and players == (None, None):
-            raise ValueError("name an env (rollout.env) or an agent (rollout.agent)")
+        players = (self.rollout.env, self.rollout.envs, self.rollout.agent)
+        if self.online is not None:
+            for key in ("agent", "envs", "tasks"):
+                if getattr(self.rollout, key) is not None:
+                    raise ValueError(f"online: agents elsewhere play; drop rollout.{key}")
+        elif players == (None, None, None):
+            raise ValueError(
+                "name an env (rollout.env), a mixture (rollout.envs) or an agent (rollout.agent)"
+            )
         if self.grpo.kl_coef > 0:
             raise ValueError("grpo.kl_coef > 0 needs a reference model, which the loop lacks")
         if self.allocating and self.server != "embedded":
@@ -126,6 +128,10 @@ class TrainRunConfig(BaseModel):
     @property
     def allocating(self) -> bool:
         return self.alloc is not None and self.alloc.enabled
+
+    @property
+    def mixed(self) -> bool:
+        return self.rollout.envs is not None and len(self.rollout.envs) > 1
 
     @property
     def server(self) -> str | None:

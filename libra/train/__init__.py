@@ -21,7 +21,7 @@ from libra.train._online import OnlineConfig, OnlineGroups
 from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import RolloutLog, keep_reusable, read_step, step_file
 from libra.train._settings import Mode, RunSettings
-from libra.train._tasks import StepTasks
+from libra.train._tasks import StepTasks, TaskShare
 
 __all__ = [
     "METRICS_FILE",
@@ -43,6 +43,7 @@ __all__ = [
     "StepGroups",
     "StepRecord",
     "StepTasks",
+    "TaskShare",
     "TrainRun",
     "check_attached",
     "find_gateway",

@@ -5,13 +5,13 @@ group, and a complete group sorted to its step."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
 
-from libra.engine import Group, RolloutSession, TrajectoryJob, TrajectoryRecord, jobs_of
+from libra.engine import Group, RolloutSession, TrajectoryJob, TrajectoryRecord
 from libra.envs import Env, GroupId
 from libra.train._rollout_log import RolloutLog
 from libra.train._settings import RunSettings
@@ -43,7 +43,9 @@ class StepGroups:
     """The groups of the run's steps, as their records come in (one reader for the run)."""
 
     config: RunSettings
-    env_cls: type[Env] | None  # None: an agent plays the episodes, and no env scores them
+    #: Each env of the mixture's class, by name (None: an agent plays the episodes, and
+    #: no env scores them).
+    env_classes: Mapping[str, type[Env] | None]
     tasks: StepTasks
     session: RolloutSession
     log: RolloutLog
@@ -71,12 +73,11 @@ class StepGroups:
 
     def submit(self, step: int) -> None:
         """Submit step ``step``'s jobs, but for those whose record the log gave back."""
-        jobs = jobs_of(
-            self.env_cls,
-            self.tasks.of_step(step),
-            samples_per_prompt=self.config.samples_per_prompt,
-            step=step,
-        )
+        jobs = [
+            TrajectoryJob(self.env_classes[task.id.env], task, sample, step)
+            for task in self.tasks.of_step(step)
+            for sample in range(self.config.samples_per_prompt)
+        ]
         for job in jobs:
             self._group_ids[str(job.group_id)] = job.group_id
         logged = {r.id: r for r in self.reusable.pop(step, []) if not self._retries(r)}

@@ -61,16 +61,14 @@ from typing import Protocol
 
 from libra.alloc import StepAllocation
 from libra.engine import RolloutSession, RolloutStats
-from libra.envs import Env
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
 from libra.train._gateway import Gateway
-from libra.train._groups import GroupSource, StepGroups
+from libra.train._groups import GroupSource
 from libra.train._metrics import METRICS_FILE, StepRecord, step_record
 from libra.train._publish import Publisher, ServedWeights
 from libra.train._rollout_log import ROLLOUTS, RolloutLog, keep_reusable
 from libra.train._settings import RunSettings
-from libra.train._tasks import StepTasks
 from libra.trainer import (
     Batch,
     LogprobGap,
@@ -146,13 +144,13 @@ def prepare_run_dir(run_dir: Path, config_toml: str, *, resume: bool) -> Path:
 @dataclass
 class TrainRun:
     """A running loop's parts: what a checkpoint hook may read (and, for a resume, set).
-    Its step's groups come from :class:`StepGroups` (``rollouts``), and its weights go to
-    the servers through :class:`Publisher` (``publisher``)."""
+    Its steps' groups come from ``rollouts``: :class:`StepGroups` (the run's own jobs)
+    or ``OnlineGroups`` (sessions agents elsewhere played); its weights go to the
+    servers through :class:`Publisher` (``publisher``)."""
 
     config: RunSettings
     run_dir: Path
-    env_cls: type[Env] | None  # None: an agent plays the episodes, and no env scores them
-    env_name: str
+    rollouts: GroupSource
     trainer: TrainerWorld
     session: RolloutSession
     endpoints: list[Endpoint]
@@ -164,21 +162,10 @@ class TrainRun:
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None
     version: int = 0  # the weights the trainer holds: v0 before the first step
-    #: Where the steps' groups come from; None: the run's own jobs (:class:`StepGroups`).
-    source: GroupSource | None = None
-    #: The tasks its own jobs play (``rollout.tasks``, in epochs); None: seeded ones.
-    tasks: StepTasks | None = None
-    rollouts: GroupSource = field(init=False)
     publisher: Publisher = field(init=False)
     _train_s_per_position: float | None = None  # the last step's: what the tail expects
 
     def __post_init__(self) -> None:
-        tasks = self.tasks or StepTasks(
-            self.env_name, self.config.prompts_per_step, self.config.seed
-        )
-        self.rollouts = self.source or StepGroups(
-            self.config, self.env_cls, tasks, self.session, self.log
-        )
         self.publisher = Publisher(
             self.config,
             self.run_dir,
@@ -283,6 +270,7 @@ class TrainRun:
             seconds,
             reused=self.rollouts.reused.get(step, 0),
             retried=self.rollouts.retried.get(step, 0),
+            by_env=self.config.mixed,
         )
         if ended_apart := self.rollouts.dropped.pop(step, None):
             record = replace(record, dropped=dict(Counter(record.dropped) + ended_apart))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from libra.engine import Group
+from libra.engine import Group, TrajectoryRecord
 from libra.trainer import Batch, LogprobGap, TrainResult
 
 METRICS_FILE = "metrics.jsonl"
@@ -53,11 +54,15 @@ class StepRecord:
     #: With ``[alloc]``: the allocation loop's decision after the step and where the
     #: workers are (absent from the line otherwise).
     alloc: dict[str, object] | None = None
+    #: In a mixture of envs: per env of the step, its trajectories, statuses, reward
+    #: mean and std and response tokens, as the step's own (absent otherwise).
+    envs: dict[str, dict[str, object]] | None = None
 
     def to_json(self) -> str:
         line = asdict(self)
-        if line["alloc"] is None:
-            del line["alloc"]
+        for optional in ("alloc", "envs"):
+            if line[optional] is None:
+                del line[optional]
         return json.dumps(line, sort_keys=False)
 
 
@@ -72,27 +77,22 @@ def step_record(
     *,
     reused: int = 0,
     retried: int = 0,
+    by_env: bool = False,
 ) -> StepRecord:
     """Step ``step``'s line: it trained ``batch`` from ``groups`` and now holds weights
-    ``version``; ``seconds``: its rollout, training, export and sync."""
+    ``version``; ``seconds``: its rollout, training, export and sync; ``by_env``: the
+    run mixes envs (the line has each one's figures too)."""
     rollout_s, train_s, export_s, sync_s = seconds
     loss = result.loss if result else {}
     records = [r for group in groups for r in group.records]
-    rewards = [r.reward for r in records if r.status != "failed" and r.reward is not None]
     trained_groups = {sample.group for sample in batch.samples}
-    statuses: dict[str, int] = defaultdict(int)
+    envs: dict[str, list[TrajectoryRecord]] = defaultdict(list)
     for r in records:
-        statuses[r.status] += 1
+        envs[r.env].append(r)
     return StepRecord(
         step=step,
         version=version - 1,
-        trajectories=len(records),
-        statuses=dict(statuses),
-        reward_mean=statistics.fmean(rewards) if rewards else None,
-        reward_std=statistics.pstdev(rewards) if rewards else None,
-        response_tokens_mean=statistics.fmean(sum(r.loss_mask) for r in records)
-        if records
-        else 0.0,
+        **_outcomes(records),
         groups=len(groups),
         groups_used=len(trained_groups),
         samples_trained=len(batch.samples),
@@ -111,7 +111,22 @@ def step_record(
         lr=result.step.lr if result else None,
         reused=reused,
         retried=retried,
+        envs={env: _outcomes(of_env) for env, of_env in sorted(envs.items())} if by_env else None,
     )
+
+
+def _outcomes(records: list[TrajectoryRecord]) -> dict[str, Any]:
+    """What ``records`` came to: their count, statuses, rewards and lengths."""
+    rewards = [r.reward for r in records if r.status != "failed" and r.reward is not None]
+    return {
+        "trajectories": len(records),
+        "statuses": dict(Counter(r.status for r in records)),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if rewards else None,
+        "response_tokens_mean": statistics.fmean(sum(r.loss_mask) for r in records)
+        if records
+        else 0.0,
+    }
 
 
 def iter_metrics(run_dir: Path) -> Iterator[dict[str, object]]:

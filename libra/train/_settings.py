@@ -31,6 +31,11 @@ class RunSettings(Protocol):
     def seed(self) -> int: ...
 
     @property
+    def mixed(self) -> bool:
+        """Whether the steps draw their prompts from more than one env."""
+        ...
+
+    @property
     def checkpoint_every(self) -> int: ...
 
     @property

@@ -19,7 +19,7 @@ from libra.cli import main
 from libra.config import load_config
 from libra.launch import TrainRunConfig
 from libra.train import METRICS_FILE, StepRecord
-from tests._helpers import BREVITY, ROOT, children_of, cmdline_of
+from tests._helpers import BREVITY, QUIZ, ROOT, children_of, cmdline_of
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same
 # weights. Measured here: 6.7e-6 (v0) and 5.6e-6 (v1, after a real reload), 4.9e-5 at
@@ -90,11 +90,16 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
     embedded_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The issue's "done when": 2 steps, tiny batches, real vLLM reloads, in one-step-off
-    mode (make demo's): step 1 sampled on v0 while step 0 trained."""
+    mode (make demo's): step 1 sampled on v0 while step 0 trained. On a mixture of two
+    envs, one with a task file: each step's line has each env's figures."""
     run_dir = tmp_path / "run"
+    quiz = tmp_path / "quiz.jsonl"
+    questions = [{"payload": {"question": f"what is {i} times {i}?"}} for i in range(4)]
+    quiz.write_text("".join(json.dumps(line) + "\n" for line in questions))
+    mixture = f'[{{env="{BREVITY}"}}, {{env="{QUIZ}", tasks="{quiz}"}}]'
     args = ["train", "--steps", "2", "--run-dir", str(run_dir), "--no-progress"]
     for setting in (
-        f"rollout.env={BREVITY}",
+        f"rollout.envs={mixture}",
         "rollout.server=embedded",
         "mode=one-step-off",
         "prompts_per_step=2",
@@ -120,6 +125,9 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
         ]
         # Both steps' records were routed before step 0's sync: the server held v0.
         assert {r["weight_version"] for r in records} == {0}, records
+        envs = line["envs"]
+        assert set(envs) == {r["env"] for r in records} <= {"brevity", "quiz"}
+        assert sum(env["trajectories"] for env in envs.values()) == len(records)
         assert line["sync_s"] > 0 and line["export_s"] > 0
         # Step 0: the trained tokens were v0's, as the trainer's weights were. Step 1: the
         # probe after the sync, on weights both sides hold. Numerics only, either way.

@@ -31,3 +31,6 @@ def test_a_rollout_names_an_env_or_an_agent() -> None:
     assert online.online is not None and online.online.port == 8080
     with pytest.raises(ValidationError, match="agents elsewhere play"):
         TrainRunConfig.model_validate({"rollout": {"agent": "m:f"}, "online": {}})
+    # A mixture is libra train's: libra rollout plays one env, and says so.
+    with pytest.raises(UsageError, match="libra train's mixture"):
+        load_player(RolloutConfig(envs=[{"env": BREVITY}]))

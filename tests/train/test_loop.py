@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from libra.config import ConfigError, load_config
-from libra.launch import TrainRunConfig, train
-from libra.train import iter_metrics, read_step, step_file
+from libra.launch import EnvShare, RolloutConfig, TrainRunConfig, read_tasks, train
+from libra.train import StepTasks, TaskShare, iter_metrics, read_step, step_file
 from libra.trainer import (
     Batch,
     FSDPTrainer,
@@ -44,7 +44,7 @@ from libra.trainer import (
     find_latest,
     spawn,
 )
-from tests._helpers import BREVITY, children_of, cmdline_of, is_alive, tiny_llama
+from tests._helpers import BREVITY, QUIZ, children_of, cmdline_of, is_alive, tiny_llama
 from tests.trainer._ranks import samples as two_groups
 
 pytestmark = pytest.mark.anyio
@@ -147,21 +147,57 @@ async def test_one_step_off_samples_the_next_step_on_the_old_weights(
     assert weights == ["v2", "v3"]
 
 
-async def test_a_task_file_is_played_in_epochs(tiny_model: Path, tmp_path: Path) -> None:
+def mixture_config(
+    run_dir: Path, model_dir: Path, folder: Path, **overrides: Any
+) -> TrainRunConfig:
+    """Brevity's seeded tasks twice as often as Quiz's, from a file of three questions."""
+    quiz = folder / "quiz.jsonl"
+    lines = [{"key": f"q{i}", "payload": {"question": f"what is {i} + {i}?"}} for i in range(3)]
+    quiz.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = run_config(run_dir, model_dir, **overrides).model_dump(mode="json", exclude_unset=True)
+    del data["rollout"]["env"]
+    data["rollout"]["envs"] = [{"env": BREVITY, "weight": 2}, {"env": QUIZ, "tasks": str(quiz)}]
+    return TrainRunConfig.model_validate(data)
+
+
+async def test_a_mixture_of_envs_trains_with_each_env_s_figures(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = mixture_config(tmp_path / "run", tiny_model, tmp_path, steps=3)
+    lines = await train(config)
+    shares = [
+        TaskShare("brevity", 2),
+        TaskShare("quiz", 1, read_tasks(tmp_path / "quiz.jsonl", "quiz")),
+    ]
+    drawn = StepTasks(shares, config.prompts_per_step, config.seed)
+    for line in lines:
+        played = {r["task_id"] for r in read_records(config.run_dir, line.step)}
+        assert played == {str(task.id) for task in drawn.of_step(line.step)}
+        assert line.envs is not None and set(line.envs) == {t.split("/")[0] for t in played}
+        figures: list[dict[str, Any]] = list(line.envs.values())
+        assert sum(env["trajectories"] for env in figures) == line.trajectories
+        assert all(env["reward_mean"] is not None for env in figures)
+        assert all(env["response_tokens_mean"] > 0 for env in figures)
+    assert "envs" in json.loads((config.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+
+
+async def test_a_task_file_too_short_for_a_step_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"key": f"q{i}", "seed": i}) + "\n" for i in range(3)))
-    config = run_config(tmp_path / "run", tiny_model)
-    config.rollout.tasks = tasks
-    await train(config)
-    # 2 of the 3 tasks a step (one left over each epoch), each epoch shuffled anew.
-    for step in (0, 1):
-        played = {r["task_id"] for r in read_records(config.run_dir, step)}
-        assert len(played) == 2 and played <= {f"brevity/q{i}" for i in range(3)}
-    short = run_config(tmp_path / "short", tiny_model, prompts_per_step=4)
+    tasks.write_text("".join(json.dumps({"key": f"q{i}"}) + "\n" for i in range(3)))
+    short = run_config(tmp_path / "short", tmp_path / "model", prompts_per_step=4)
     short.rollout.tasks = tasks
     with pytest.raises(ConfigError, match="lists 3 tasks, fewer than the 4 a step plays"):
         await train(short)
-    assert not short.run_dir.exists()  # refused before anything started
+    assert not short.run_dir.exists()
+
+
+def test_a_mixture_is_named_one_way() -> None:
+    with pytest.raises(ValueError, match=r"drop rollout\.env"):
+        RolloutConfig(env=BREVITY, envs=[EnvShare(env=QUIZ)])
+    with pytest.raises(ValueError, match="names an env twice"):
+        RolloutConfig(envs=[EnvShare(env=QUIZ), EnvShare(env=QUIZ, weight=2)])
 
 
 async def test_a_run_folder_is_never_reused(tiny_model: Path, tmp_path: Path) -> None:
@@ -277,7 +313,7 @@ def _task_keys(run_dir: Path, step: int) -> list[tuple[str, int]]:
 async def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_tasks(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    config = run_config(tmp_path / "killed", tiny_model, steps=3)
+    config = mixture_config(tmp_path / "killed", tiny_model, tmp_path, steps=3)
     config_file = tmp_path / "train.toml"
     config_file.write_text(config.to_toml())
     log = tmp_path / "train.log"
@@ -300,7 +336,7 @@ async def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_tasks(
     assert [line["weight_version"] for line in lines] == [1, 2, 3]
     # The resumed run started from a checkpoint, not from step 0.
     assert (config.run_dir / "rollouts" / "step-0.jsonl").stat().st_mtime_ns == step_0
-    whole = run_config(tmp_path / "whole", tiny_model, steps=3)
+    whole = mixture_config(tmp_path / "whole", tiny_model, tmp_path, steps=3)
     await train(whole)
     for step in range(3):
         assert _task_keys(config.run_dir, step) == _task_keys(whole.run_dir, step)
