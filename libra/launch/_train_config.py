@@ -44,7 +44,11 @@ class TrainRunConfig(BaseModel):
     mode: Mode = Field(
         "sync",
         description="sync: step k's rollouts, then its training; one-step-off: step k+1's "
-        "rollouts run on the old weights while step k trains (bound: grpo.max_staleness)",
+        "rollouts run on the old weights while step k trains (bound: grpo.max_staleness); "
+        "async: steps k+1 to k+max_ahead's do",
+    )
+    max_ahead: PositiveInt = Field(
+        2, description="async: how many steps' rollouts run ahead of the step that trains"
     )
     model_dir: Path | None = Field(
         None, description="the trainer's Hugging Face folder; None: the embedded model"
@@ -128,6 +132,10 @@ class TrainRunConfig(BaseModel):
     @property
     def allocating(self) -> bool:
         return self.alloc is not None and self.alloc.enabled
+
+    @property
+    def ahead(self) -> int:
+        return {"sync": 0, "one-step-off": 1, "async": self.max_ahead}[self.mode]
 
     @property
     def mixed(self) -> bool:

@@ -7,8 +7,9 @@ run. Then, per step ``k``:
 
 1. the step's jobs (``prompts_per_step`` tasks x ``samples_per_prompt``) are in the
    session: submitted after the last sync (``sync``), or while step ``k - 1`` trained
-   (``one-step-off``: they sample on weights one version old, and ``grpo.max_staleness``
-   decides in the batch builder what is too old);
+   (``one-step-off``: they sample on weights one version old), or while step
+   ``k - max_ahead`` trained (``async``: up to ``max_ahead`` versions old); either way
+   ``grpo.max_staleness`` decides in the batch builder what is too old;
 2. collect the step's groups (``_groups``: each record was appended to
    ``rollouts/step-k.jsonl``, the durable trajectory log, as its trajectory ended: see
    ``_rollout_log``);
@@ -113,7 +114,8 @@ async def run_steps(
     """Run the run's steps (from its newest checkpoint's step with ``resume``); returns
     the metrics lines of the steps it ran (also in the run folder)."""
     first = await run.restore() if resume else 0
-    run.submit(first)
+    for step in range(first, first + max(1, run.config.ahead)):
+        run.submit(step)
     records: list[StepRecord] = []
     for step in range(first, run.config.steps):
         record = await run.step(step, progress)
@@ -223,8 +225,8 @@ class TrainRun:
         with progress(step, stats) as tick:
             groups = await self.rollouts.of_step(step, tick)
         rollout_s = time.perf_counter() - started
-        if self.config.mode == "one-step-off":
-            self.submit(step + 1)  # sampled on the current weights while this step trains
+        if self.config.ahead:  # sampled on the current weights while this step trains
+            self.submit(step + self.config.ahead)
         self.log.finish(step)
         step_records = [r for group in groups for r in group.records]
         samples = [Sample.from_record(r) for r in step_records]
@@ -257,7 +259,7 @@ class TrainRun:
             )
         else:
             gap = await self.publisher.probe_gap(step_records)
-        if self.config.mode == "sync":
+        if not self.config.ahead:
             self.submit(step + 1)
         seconds = (rollout_s, train_s, export_s, sync_s)
         record = step_record(

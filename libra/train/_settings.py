@@ -7,7 +7,7 @@ from typing import Literal, Protocol
 from libra.serving import WeightSyncConfig
 from libra.trainer import GRPOConfig, TrainConfig
 
-Mode = Literal["sync", "one-step-off"]
+Mode = Literal["sync", "one-step-off", "async"]
 
 
 class RunSettings(Protocol):
@@ -26,6 +26,12 @@ class RunSettings(Protocol):
 
     @property
     def mode(self) -> Mode: ...
+
+    @property
+    def ahead(self) -> int:
+        """Steps whose rollouts run while a step trains: 0 (sync), 1 (one-step-off) or
+        ``max_ahead`` (async)."""
+        ...
 
     @property
     def seed(self) -> int: ...

@@ -147,6 +147,37 @@ async def test_one_step_off_samples_the_next_step_on_the_old_weights(
     assert weights == ["v2", "v3"]
 
 
+@pytest.mark.parametrize("bound", [1, 2])
+async def test_async_runs_the_rollouts_of_steps_ahead_while_a_step_trains(
+    tiny_model: Path, tmp_path: Path, bound: int
+) -> None:
+    config = run_config(
+        tmp_path / "run",
+        tiny_model,
+        steps=4,
+        mode="async",
+        max_ahead=2,
+        grpo={"max_staleness": bound},
+    )
+    lines = await train(config)
+
+    versions = [[r["weight_version"] for r in read_records(config.run_dir, s)] for s in range(4)]
+    # Steps 0 and 1 were submitted at the start, step 2 when step 0's groups were in,
+    # before it trained: they all began on v0. Step k + 2's rollouts run while step k
+    # trains, so no record of step k began on weights older than v(k - 2).
+    assert set(versions[0]) == set(versions[1]) == {0}
+    assert min(versions[2]) == 0
+    for step, began in enumerate(versions):
+        assert min(began) >= step - 2
+    # The batch builder keeps no sample more than the bound behind: a bound of 1 drops
+    # step 2's samples that began on v0 (counted), a bound of 2 keeps them.
+    for line, began in zip(lines, versions, strict=True):
+        behind = sum(1 for version in began if line.version - version > bound)
+        assert line.dropped.get("stale", 0) == behind, (line, began)
+    assert lines[2].dropped.get("stale", 0) > 0 if bound == 1 else "stale" not in lines[2].dropped
+    assert [line.weight_version for line in lines] == [1, 2, 3, 4]
+
+
 def mixture_config(
     run_dir: Path, model_dir: Path, folder: Path, **overrides: Any
 ) -> TrainRunConfig:
@@ -535,14 +566,15 @@ async def test_infrastructure_failures_are_excluded_or_retried_as_configured(
     assert retried.trajectories == 6 and retried.samples_trained == 6
 
 
-async def test_a_one_step_off_resume_takes_back_what_the_checkpoint_weights_sampled(
-    tiny_model: Path, tmp_path: Path
+@pytest.mark.parametrize("ahead", [{"mode": "one-step-off"}, {"mode": "async", "max_ahead": 2}])
+async def test_a_resume_ahead_takes_back_what_the_checkpoint_weights_sampled(
+    tiny_model: Path, tmp_path: Path, ahead: dict[str, Any]
 ) -> None:
     """Checkpoints after steps 2 and 3 lost: the resume from step 1 (weights v1) takes back
-    step 1's records (sampled on v0 and v1) and those of step 2 that v1 sampled alone
-    (step 2 sampled while step 1 trained); one that v2 touched (lost with the killed run's
-    steps) runs again."""
-    config = run_config(tmp_path / "run", tiny_model, steps=3, mode="one-step-off")
+    step 1's records (sampled on v0 and v1) and those of step 2 that v1 or older sampled
+    alone (step 2 sampled while step 1 trained, or step 0 with ``max_ahead = 2``); one
+    that v2 touched (lost with the killed run's steps) runs again."""
+    config = run_config(tmp_path / "run", tiny_model, steps=3, **ahead)
     await train(config)
     for step in (2, 3):
         shutil.rmtree(config.run_dir / "checkpoints" / f"step-{step:08d}")
