@@ -43,7 +43,7 @@ def test_dry_run_prints_the_resolved_config_which_loads_back(
 
 
 def test_a_wrong_setting_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--dry-run", "--set", "rollout.env=calc", "--set", "mode=async"]) == 2
+    assert main(["train", "--dry-run", "--set", "rollout.env=calc", "--set", "mode=turbo"]) == 2
     assert "mode" in capsys.readouterr().err
 
 
