@@ -135,9 +135,6 @@ class RolloutConfig(BaseModel):
                 raise ValueError(
                     f"rollout.envs names the envs and their tasks: drop rollout.{given[0]}"
                 )
-            names = [share.env for share in self.envs]
-            if len(set(names)) < len(names):
-                raise ValueError("rollout.envs names an env twice")
         return self
 
 

@@ -28,8 +28,15 @@ import msgspec
 import pytest
 import torch
 
-from libra.config import ConfigError, load_config
-from libra.launch import EnvShare, RolloutConfig, TrainRunConfig, read_tasks, train
+from libra.config import ConfigError, UsageError, load_config
+from libra.launch import (
+    EnvShare,
+    RolloutConfig,
+    TrainRunConfig,
+    load_mixture,
+    read_tasks,
+    train,
+)
 from libra.train import StepTasks, TaskShare, iter_metrics, read_step, step_file
 from libra.trainer import (
     Batch,
@@ -227,8 +234,9 @@ async def test_a_task_file_too_short_for_a_step_is_refused_before_anything_start
 def test_a_mixture_is_named_one_way() -> None:
     with pytest.raises(ValueError, match=r"drop rollout\.env"):
         RolloutConfig(env=BREVITY, envs=[EnvShare(env=QUIZ)])
-    with pytest.raises(ValueError, match="names an env twice"):
-        RolloutConfig(envs=[EnvShare(env=QUIZ), EnvShare(env=QUIZ, weight=2)])
+    twice = RolloutConfig(envs=[EnvShare(env=QUIZ), EnvShare(env="tests._helpers:Quiz")])
+    with pytest.raises(UsageError, match="two envs go by one name"):
+        load_mixture(twice)
 
 
 async def test_a_run_folder_is_never_reused(tiny_model: Path, tmp_path: Path) -> None:
