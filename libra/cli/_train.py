@@ -4,6 +4,7 @@ loops over it); ``libra plot RUN_DIR``: its curves."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from libra.cli._config import add_config_arguments
 from libra.cli._progress import counters
 from libra.config import load_config
 from libra.engine import RolloutStats
-from libra.launch import TrainRunConfig, train
+from libra.launch import TrainRunConfig, evaluate, train
 from libra.train import (
     METRICS_FILE,
     AttachError,
@@ -79,6 +80,21 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plot = commands.add_parser("plot", help="draw a training run's curves as RUN_DIR/plot.png")
     plot.add_argument("run_dir", type=Path, help="a `libra train` run folder")
     plot.set_defaults(run=run_plot)
+    evaluate = commands.add_parser(
+        "eval", help="evaluate a training run's checkpoint alone (its config's [eval])"
+    )
+    evaluate.add_argument("--run-dir", type=Path, required=True, help="a `libra train` run folder")
+    evaluate.add_argument(
+        "--checkpoint", type=int, metavar="K", help="the checkpoint after K steps (the newest)"
+    )
+    evaluate.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the run's settings, e.g. eval.samples=8",
+    )
+    evaluate.set_defaults(run=run_eval)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,6 +248,17 @@ def _players(config: TrainRunConfig) -> str:
     if rollout.envs is not None:
         return " + ".join(f"{share.env} x{share.weight:g}" for share in rollout.envs)
     return rollout.agent or rollout.env or "online: agents elsewhere"
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """The run folder's config (``config.toml``), with ``--set`` on top."""
+    config = load_config(
+        TrainRunConfig, args.run_dir / "config.toml", {"run_dir": args.run_dir}, args.set
+    )
+    line = anyio.run(evaluate, config, args.checkpoint)
+    print(json.dumps(line))
+    print(f"written to {args.run_dir / 'eval' / 'checkpoints.jsonl'}")
+    return 0
 
 
 def run_plot(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from libra.engine._config import SamplingConfig
 from libra.envs import Env, GroupId, Task, TaskId, TrajectoryId
 
 
@@ -12,12 +13,14 @@ from libra.envs import Env, GroupId, Task, TaskId, TrajectoryId
 class TrajectoryJob:
     """One trajectory to run: sample ``sample`` of ``task`` at RL step ``step``.
     ``env_cls`` is None for a run whose episodes an agent plays (``libra.agents``) and
-    that scores them with no env."""
+    that scores them with no env. ``sampling`` replaces the engine's for this job (an
+    evaluation samples greedily, say)."""
 
     env_cls: type[Env] | None
     task: Task
     sample: int = 0
     step: int = 0
+    sampling: SamplingConfig | None = None
 
     @classmethod
     def seeded(

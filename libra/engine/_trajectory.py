@@ -76,7 +76,7 @@ async def run_trajectory(
 ) -> TrajectoryRecord:
     if job.env_cls is None:
         raise TypeError(f"trajectory {job.id} has no env to run (an agent's job?)")
-    t = TrajectoryState(job, engine.config.sampling)
+    t = TrajectoryState(job, job.sampling or engine.config.sampling)
     env = job.env_cls()
     started = now()
     try:

@@ -20,7 +20,7 @@ from libra.launch._scheduler import (
 )
 from libra.launch._session import Player, Share, load_mixture, load_player, open_session
 from libra.launch._tasks import read_tasks
-from libra.launch._train import open_run, train
+from libra.launch._train import evaluate, open_run, train
 from libra.launch._train_config import TrainRunConfig
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "assemble_engine",
     "beside",
     "build_scheduler",
+    "evaluate",
     "load_mixture",
     "load_player",
     "local_templates",

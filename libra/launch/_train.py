@@ -6,10 +6,13 @@ and engine (:func:`open_engine`), and one rollout session; then the RL loop
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 from rich.console import Console
@@ -23,8 +26,9 @@ from libra.alloc import (
     TailLender,
     start_layout,
 )
-from libra.config import ConfigError
+from libra.config import ConfigError, UsageError
 from libra.engine import Engine
+from libra.envs import Env, Task, TaskId, env_name, load_env
 from libra.fleet import FleetSpec
 from libra.gateway import GatewayConfig, Sessions, create_gateway, gateway_keys, serving
 from libra.launch._rollout import open_engine
@@ -37,6 +41,8 @@ from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, pre
 from libra.train import (
     SESSION_HEADER,
     CheckpointHook,
+    EvalSuite,
+    Evaluation,
     Gateway,
     GroupSource,
     OnlineConfig,
@@ -55,7 +61,15 @@ from libra.train import (
     prepare_run_dir,
     run_steps,
 )
-from libra.trainer import TrainerProcess, TrainerWorld, find_latest, servable_model
+from libra.trainer import (
+    Checkpoint,
+    LoadCheckpoint,
+    TrainerProcess,
+    TrainerWorld,
+    checkpoint_dir,
+    find_latest,
+    servable_model,
+)
 from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
 
 
@@ -71,12 +85,41 @@ async def train(
     returns the metrics lines of the steps it ran (also in the run folder)."""
     shares = load_mixture(config.rollout) if config.online is None else [Share(ONLINE)]
     tasks = None if config.online is not None else _step_tasks(config, shares)
+    suites = _eval_suites(config, shares)
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
-    async with open_run(config, shares, run_dir, tasks) as run:
+    async with open_run(config, shares, run_dir, tasks, suites) as run:
         return await run_steps(
             run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
         )
+
+
+async def evaluate(config: TrainRunConfig, step: int | None = None) -> dict[str, Any]:
+    """``libra eval``: the run folder's checkpoint after ``step`` steps (None: the
+    newest), evaluated alone with the run's config and its ``[eval]`` (every env of the
+    run on seeded tasks, unless it names its own): the servers serve its weights, and
+    its line goes to ``eval/checkpoints.jsonl``, its records to
+    ``eval/checkpoint-K.jsonl``. Nothing of the run changes."""
+    run_dir = config.run_dir
+    checkpoint = find_latest(run_dir) if step is None else None
+    if step is not None and (checkpoint_dir(run_dir) / f"step-{step:08d}").is_dir():
+        checkpoint = Checkpoint.read(checkpoint_dir(run_dir) / f"step-{step:08d}")
+    if checkpoint is None:
+        which = "checkpoint" if step is None else f"checkpoint after step {step}"
+        raise UsageError(f"{run_dir} holds no {which} (see {checkpoint_dir(run_dir)})")
+    shares = load_mixture(config.rollout) if config.online is None else [Share(ONLINE)]
+    evaluated = config.eval.model_copy(update={"every": 1})
+    config = config.model_copy(update={"eval": evaluated, "online": None})
+    suites = _eval_suites(config, shares)
+    async with open_run(config, shares, run_dir, _step_tasks(config, shares), suites) as run:
+        assert run.evaluation is not None
+        state = await run.trainer.call(LoadCheckpoint(checkpoint.path))
+        run.version = state.weight_version
+        await run.publisher.serve_restored(state.weight_version)
+        evaluation = replace(
+            run.evaluation, lines_file="eval/checkpoints.jsonl", records_prefix="checkpoint-"
+        )
+        return await evaluation.run(state.step, state.weight_version)
 
 
 def _step_tasks(config: TrainRunConfig, shares: list[Share]) -> StepTasks:
@@ -96,6 +139,50 @@ def _step_tasks(config: TrainRunConfig, shares: list[Share]) -> StepTasks:
         raise ConfigError(str(exc)) from None
 
 
+def _eval_suites(config: TrainRunConfig, shares: list[Share]) -> list[EvalSuite]:
+    """``[eval]``'s envs and tasks, loaded now (before anything starts), held apart from
+    training's: keys of their own, and seeds from a generator of their own."""
+    settings = config.eval
+    if not settings.every:
+        return []
+    named: list[tuple[type[Env] | None, str, Path | None]]
+    named = [(share.player.env_cls, share.player.name, None) for share in shares]
+    if settings.envs is not None:
+        classes = [load_env(entry.env) for entry in settings.envs]
+        named = [
+            (env_cls, env_name(entry.env, env_cls), entry.tasks)
+            for entry, env_cls in zip(settings.envs, classes, strict=True)
+        ]
+    seeds = random.Random(f"eval:{settings.seed}")
+    suites = []
+    for env_cls, name, path in named:
+        if env_cls is None:
+            raise ConfigError("eval: agents play this run; name the envs to evaluate (eval.envs)")
+        if path is not None:
+            tasks = read_tasks(path, name)
+        else:
+            tasks = [Task.from_seed(name, seeds.randrange(2**31)) for _ in range(settings.prompts)]
+        held_apart = [replace(t, id=TaskId(name, f"eval-{t.id.key}")) for t in tasks]
+        suites.append(EvalSuite(name, env_cls, held_apart))
+    return suites
+
+
+def _evaluation(
+    config: TrainRunConfig, suites: list[EvalSuite], engine: Engine, run_dir: Path
+) -> Evaluation | None:
+    """``[eval]`` on the rollout's engine, with its own sampling; None when it is off."""
+    if not suites:
+        return None
+    rollout = config.rollout.engine.sampling
+    sampling = rollout.model_copy(
+        update={
+            "temperature": config.eval.temperature,
+            "max_tokens_per_turn": config.eval.max_tokens_per_turn or rollout.max_tokens_per_turn,
+        }
+    )
+    return Evaluation(config.eval, suites, engine, run_dir, sampling)
+
+
 def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
     """The config whose scheduler starts from the newest checkpoint's prefix forest, if
     it saved one and the config names no state file of its own."""
@@ -108,11 +195,15 @@ def _with_saved_forest(config: TrainRunConfig, run_dir: Path) -> TrainRunConfig:
 
 @asynccontextmanager
 async def open_run(
-    config: TrainRunConfig, shares: list[Share], run_dir: Path, tasks: StepTasks | None
+    config: TrainRunConfig,
+    shares: list[Share],
+    run_dir: Path,
+    tasks: StepTasks | None,
+    evaluated: list[EvalSuite] | None = None,
 ) -> AsyncIterator[TrainRun]:
     """The trainer's processes, the fleet, the engine and one session, all started;
     the run's jobs play ``tasks``, drawn from the mixture of ``shares`` (None: online,
-    agents elsewhere play)."""
+    agents elsewhere play), and ``[eval]`` evaluates the weights on ``evaluated``."""
     model_dir = config.model_dir
     if model_dir is None:
         model_dir = await anyio.to_thread.run_sync(prepare_model)
@@ -202,6 +293,7 @@ async def open_run(
             weights,
             gateway,
             forest=partial(scheduler_forest, scheduler),
+            evaluation=_evaluation(config, evaluated or [], assembled.engine, run_dir),
         )
         if cluster is not None:
             cluster.supervisor = assembled.supervisor  # watches the instances it starts

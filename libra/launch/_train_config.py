@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from libra.launch._rollout import RolloutConfig
 from libra.serving import VLLMServerConfig, WeightSyncConfig
-from libra.train import Mode, OnlineConfig
+from libra.train import EvalConfig, Mode, OnlineConfig
 from libra.trainer import GRPOConfig, LogprobsMode, TrainConfig, TrainerConfig
 from libra.workers import AllocConfig
 
@@ -86,6 +86,12 @@ class TrainRunConfig(BaseModel):
         "and after the last; 0: never",
     )
     keep_last: PositiveInt = Field(3, description="the newest checkpoints kept")
+    keep_best: str | None = Field(
+        None,
+        pattern=r"^eval/[^/]+/[^/]+$",
+        description="eval/<env>/<figure> (pass@1, pass@k, reward_mean): also keep the "
+        "checkpoint whose evaluation scored highest on it (checkpoints/best.json)",
+    )
     trainer: TrainerConfig = TrainerConfig()
     grpo: GRPOConfig = GRPOConfig()
     train: TrainConfig = TrainConfig()
@@ -97,6 +103,9 @@ class TrainRunConfig(BaseModel):
     )
     world_size: PositiveInt = Field(
         1, description="trainer ranks: processes on CPU (gloo), GPUs on CUDA (nccl)"
+    )
+    eval: EvalConfig = Field(
+        EvalConfig(), description="evaluation during training on held-apart tasks"
     )
     online: OnlineConfig | None = Field(
         None,
@@ -115,6 +124,18 @@ class TrainRunConfig(BaseModel):
         if owned:
             raise ValueError(f"rollout.{', rollout.'.join(owned)}: the loop sets these per step")
         players = (self.rollout.env, self.rollout.envs, self.rollout.agent)
+        if self.keep_best and not (
+            self.eval.every
+            and self.checkpoint_every
+            and self.eval.every % self.checkpoint_every == 0
+        ):
+            raise ValueError(
+                "keep_best keeps an evaluated checkpoint: eval.every must be a multiple of "
+                "checkpoint_every (both set)"
+            )
+        agents = self.online is not None or self.rollout.agent is not None
+        if self.eval.every and agents and self.eval.envs is None:
+            raise ValueError("eval: agents play this run; name the envs to evaluate (eval.envs)")
         if self.online is not None:
             for key in ("agent", "envs", "tasks"):
                 if getattr(self.rollout, key) is not None:

@@ -5,6 +5,7 @@ assembled by ``libra.launch`` (``open_run``, ``train``); the workers it trains a
 on are seen through ``libra.alloc``'s protocols only."""
 
 from libra.train._attach import AttachError, check_attached, problems_of
+from libra.train._eval import EVAL_FILE, EvalConfig, EvalEnv, EvalSuite, Evaluation, pass_at_k
 from libra.train._gateway import SESSION_HEADER, Gateway, GatewaySyncError, find_gateway
 from libra.train._groups import GroupSource, StepGroups
 from libra.train._loop import (
@@ -24,10 +25,15 @@ from libra.train._settings import Mode, RunSettings
 from libra.train._tasks import StepTasks, TaskShare
 
 __all__ = [
+    "EVAL_FILE",
     "METRICS_FILE",
     "SESSION_HEADER",
     "AttachError",
     "CheckpointHook",
+    "EvalConfig",
+    "EvalEnv",
+    "EvalSuite",
+    "Evaluation",
     "Gateway",
     "GatewaySyncError",
     "GroupSource",
@@ -50,6 +56,7 @@ __all__ = [
     "iter_metrics",
     "keep_reusable",
     "no_progress",
+    "pass_at_k",
     "prepare_run_dir",
     "problems_of",
     "read_step",

@@ -58,12 +58,16 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
 
 from libra.alloc import StepAllocation
 from libra.engine import RolloutSession, RolloutStats
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
+from libra.train._eval import Evaluation
 from libra.train._gateway import Gateway
 from libra.train._groups import GroupSource
 from libra.train._metrics import METRICS_FILE, StepRecord, step_record
@@ -82,7 +86,10 @@ from libra.trainer import (
     TrainResult,
     WriteCheckpoint,
     build_batch,
+    checkpoint_dir,
     find_latest,
+    mark_best,
+    read_best,
 )
 
 
@@ -117,15 +124,18 @@ async def run_steps(
     for step in range(first, first + max(1, run.config.ahead)):
         run.submit(step)
     records: list[StepRecord] = []
-    for step in range(first, run.config.steps):
-        record = await run.step(step, progress)
-        with (run.run_dir / METRICS_FILE).open("a") as out:
-            out.write(record.to_json() + "\n")
-        records.append(record)
-        on_step(record)
-        await run.save(step + 1)
-        if checkpoint is not None:
-            await checkpoint(run, record)
+    async with anyio.create_task_group() as evaluations:
+        run.evaluate(first, evaluations)
+        for step in range(first, run.config.steps):
+            record = await run.step(step, progress)
+            with (run.run_dir / METRICS_FILE).open("a") as out:
+                out.write(record.to_json() + "\n")
+            records.append(record)
+            on_step(record)
+            await run.save(step + 1)
+            if checkpoint is not None:
+                await checkpoint(run, record)
+            run.evaluate(step + 1, evaluations)
     return records
 
 
@@ -163,6 +173,8 @@ class TrainRun:
     allocation: StepAllocation | None = None  # [alloc]: the pool and the loop that moves it
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None
+    evaluation: Evaluation | None = None  # [eval]: held-apart tasks on the weights
+    _evaluated: anyio.Event | None = None  # set when the evaluation under way is done
     version: int = 0  # the weights the trainer holds: v0 before the first step
     publisher: Publisher = field(init=False)
     _train_s_per_position: float | None = None  # the last step's: what the tail expects
@@ -189,6 +201,8 @@ class TrainRun:
         self.version = state.weight_version
         self.publisher.forget_lost_weights(state.weight_version)
         self.rollouts.reusable = keep_reusable(self.run_dir, state.step, state.weight_version)
+        if self.evaluation is not None:
+            self.evaluation.forget_after(state.step)
         await self.publisher.serve_restored(state.weight_version)
         return state.step
 
@@ -251,6 +265,8 @@ class TrainRun:
         batch = built[-1]
         train_s = time.perf_counter() - started
         self._train_s_per_position = train_s / max(1, batch.positions)
+        if self._evaluated is not None:  # every call of an evaluation sees one version
+            await self._evaluated.wait()
         export_s, sync_s = await self.publisher.publish(self.version + 1)
         self.version += 1
         if result is not None and result.loss.get("gap_tokens", 0) > 0:
@@ -281,6 +297,37 @@ class TrainRun:
             decided = self.allocation.after_step(step, timing, batch.trained_tokens, step_records)
             record = replace(record, alloc={"trained_on": batch.ranks, **decided})
         return record
+
+    def evaluate(self, steps_done: int, group: anyio.abc.TaskGroup) -> None:
+        """Start the evaluation of the weights after ``steps_done`` steps, if one is due:
+        beside the next step, which syncs newer weights only once it is done."""
+        evaluation = self.evaluation
+        if evaluation is None or not evaluation.due(steps_done, self.config.steps):
+            return
+        done = self._evaluated = anyio.Event()
+
+        async def run() -> None:
+            try:
+                line = await evaluation.run(steps_done, self.version)
+                self._keep_if_best(steps_done, line)
+            finally:
+                done.set()
+
+        group.start_soon(run)
+
+    def _keep_if_best(self, steps_done: int, line: dict[str, Any]) -> None:
+        """With ``keep_best``: mark the checkpoint after ``steps_done`` steps to be kept
+        if its evaluation beat every earlier one (a step with no checkpoint, as the
+        start, is not a candidate; the next checkpoint's prune reads the mark, and the
+        loop syncs no newer weights, so writes none, before this is done)."""
+        metric = self.config.keep_best
+        if metric is None or not (checkpoint_dir(self.run_dir) / f"step-{steps_done:08d}").is_dir():
+            return
+        _, env, figure = metric.split("/")
+        value = line["envs"].get(env, {}).get(figure)
+        best = read_best(self.run_dir)
+        if value is not None and (best is None or value > best["value"]):
+            mark_best(self.run_dir, steps_done, metric, value)
 
     def _lending_tail(self, built: list[Batch]) -> AbstractAsyncContextManager[None]:
         """With ``[alloc.tail]``, from the second step: the hybrid units the rollout

@@ -48,6 +48,11 @@ class RunSettings(Protocol):
     def keep_last(self) -> int: ...
 
     @property
+    def keep_best(self) -> str | None:
+        """``eval/<env>/<figure>``: the checkpoint that scored highest on it is kept."""
+        ...
+
+    @property
     def export_dtype(self) -> str | None: ...
 
     @property

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Checkpoint",
+    "LoadCheckpoint",
     "Persistent",
     "RestoreCheckpoint",
     "RunState",
@@ -38,6 +39,8 @@ __all__ = [
     "checkpoint_dir",
     "find_latest",
     "load_trainer_state",
+    "mark_best",
+    "read_best",
     "resume",
     "save_trainer_state",
     "truncate_metrics",
@@ -48,6 +51,7 @@ _FINAL = re.compile(r"^step-(\d{8})$")
 _PARTIAL_PREFIX = ".partial-"
 _RUN_FILE = "run.json"
 _FOREST_FILE = "prefix_forest.json"
+_BEST_FILE = "best.json"
 _TRAINER_FILE = "trainer.pt"
 _SHARDS = "trainer"
 _RNG = "rng"
@@ -302,8 +306,27 @@ def _remove_partials(root: Path) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    best = read_best(root.parent)
+    spared = f"step-{best['step']:08d}" if best else None
     for old in _complete(root)[:-keep_last]:
-        shutil.rmtree(old)
+        if old.name != spared:
+            shutil.rmtree(old)
+
+
+def mark_best(run_dir: str | Path, step: int, metric: str, value: float) -> None:
+    """Keep checkpoint ``step`` beside the ``keep_last`` newest from now on: its
+    evaluation scored ``value`` on ``metric``, the best so far (``checkpoints/best.json``,
+    replaced atomically). The checkpoint it spared before may go at the next prune."""
+    root = checkpoint_dir(run_dir)
+    partial = root / f".{_BEST_FILE}.tmp"  # (not a .partial- folder: those are swept)
+    partial.write_text(json.dumps({"step": step, "metric": metric, "value": value}))
+    os.replace(partial, root / _BEST_FILE)
+
+
+def read_best(run_dir: str | Path) -> dict[str, Any] | None:
+    """What :func:`mark_best` last kept: ``step``, ``metric`` and ``value``; or None."""
+    path = checkpoint_dir(run_dir) / _BEST_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 # ------------------------------------------------- commands for the trainer's processes
@@ -324,6 +347,17 @@ class WriteCheckpoint:
             self.run_dir, trainer, self.state, forest=self.forest, keep_last=self.keep_last
         )
         return checkpoint.path
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCheckpoint:
+    """A command every rank of a trainer process runs: load the checkpoint at ``path``
+    (the run goes nowhere from it: ``libra eval``); the run's state then."""
+
+    path: Path
+
+    def run(self, trainer: FSDPTrainer) -> RunState:
+        return Checkpoint.read(self.path).restore(trainer)
 
 
 @dataclass(frozen=True, slots=True)
