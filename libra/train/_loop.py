@@ -124,7 +124,10 @@ async def run_steps(
     for step in range(first, first + max(1, run.config.ahead)):
         run.submit(step)
     records: list[StepRecord] = []
-    async with anyio.create_task_group() as evaluations:
+    # (a task group only where evaluations run beside the steps: a step's error comes
+    # out as it always did otherwise)
+    evaluating = anyio.create_task_group() if run.evaluation is not None else None
+    async with evaluating or nullcontext() as evaluations:
         run.evaluate(first, evaluations)
         for step in range(first, run.config.steps):
             record = await run.step(step, progress)
@@ -298,11 +301,14 @@ class TrainRun:
             record = replace(record, alloc={"trained_on": batch.ranks, **decided})
         return record
 
-    def evaluate(self, steps_done: int, group: anyio.abc.TaskGroup) -> None:
-        """Start the evaluation of the weights after ``steps_done`` steps, if one is due:
-        beside the next step, which syncs newer weights only once it is done."""
+    def evaluate(self, steps_done: int, group: anyio.abc.TaskGroup | None) -> None:
+        """Start the evaluation of the weights after ``steps_done`` steps in ``group``,
+        if one is due: beside the next step, which syncs newer weights only once it is
+        done."""
         evaluation = self.evaluation
-        if evaluation is None or not evaluation.due(steps_done, self.config.steps):
+        if evaluation is None or group is None:
+            return
+        if not evaluation.due(steps_done, self.config.steps):
             return
         done = self._evaluated = anyio.Event()
 
