@@ -22,6 +22,7 @@ from libra.config import load_config
 from libra.engine import RolloutStats
 from libra.launch import TrainRunConfig, evaluate, train
 from libra.train import (
+    EVAL_FILE,
     METRICS_FILE,
     AttachError,
     GatewaySyncError,
@@ -285,7 +286,8 @@ def _mean_reward(lines: list[dict[str, object]]) -> str:
 
 
 def plot_run(run_dir: Path) -> Path:
-    """``RUN_DIR/plot.png``: reward, response length and stage times over steps."""
+    """``RUN_DIR/plot.png``: reward, response length and stage times over steps, and
+    the evaluations' pass@k per env where the run has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,8 +296,16 @@ def plot_run(run_dir: Path) -> Path:
 
     lines = list(iter_metrics(run_dir))
     steps = [line["step"] for line in lines]
-    figure, axes = plt.subplots(len(_PANELS), 1, figsize=(7, 8), sharex=True)
-    for axis, (title, series) in zip(axes, _PANELS, strict=True):
+    evaluations = _evaluations(run_dir)
+    panels = len(_PANELS) + bool(evaluations)
+    figure, axes = plt.subplots(panels, 1, figsize=(7, 8 + 2 * bool(evaluations)), sharex=True)
+    if evaluations:
+        for label, points in evaluations.items():
+            axes[-1].plot(*zip(*points, strict=True), marker="o", label=label)
+        axes[-1].set_ylabel("eval (after N steps)")
+        axes[-1].grid(alpha=0.3)
+        axes[-1].legend(loc="upper left", fontsize="small")
+    for axis, (title, series) in zip(axes, _PANELS, strict=False):
         for key, label in series:
             values = [_number(line.get(key)) for line in lines]
             axis.plot(steps, values, marker="o", label=label)
@@ -314,6 +324,19 @@ def plot_run(run_dir: Path) -> Path:
     figure.savefig(target, dpi=100)
     plt.close(figure)
     return target
+
+
+def _evaluations(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``eval.jsonl``'s pass@k figures, ``env pass@k`` -> (steps trained, value)."""
+    path = run_dir / EVAL_FILE
+    series: dict[str, list[tuple[int, float]]] = {}
+    for text in path.read_text().splitlines() if path.exists() else []:
+        line = json.loads(text)
+        for env, figures in line["envs"].items():
+            for key, value in figures.items():
+                if key.startswith("pass@") and value is not None:
+                    series.setdefault(f"{env} {key}", []).append((line["step"], value))
+    return series
 
 
 def _running_mean(values: list[float]) -> list[float]:

@@ -18,7 +18,7 @@ import pytest
 from libra.cli import main
 from libra.config import load_config
 from libra.launch import TrainRunConfig
-from libra.train import METRICS_FILE, StepRecord
+from libra.train import EVAL_FILE, METRICS_FILE, StepRecord
 from tests._helpers import BREVITY, QUIZ, ROOT, children_of, cmdline_of
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same
@@ -79,6 +79,13 @@ def test_plot_draws_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (tmp_path / METRICS_FILE).write_text("".join(line.to_json() + "\n" for line in lines))
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+    # With evaluations, a panel more: each env's pass@k over the steps trained.
+    plain = (tmp_path / "plot.png").stat().st_size
+    evaluation = {"pass@1": 0.25, "pass@4": None, "reward_mean": 0.3}
+    evaluations = [{"step": k, "weight_version": k, "envs": {"calc": evaluation}} for k in (0, 6)]
+    (tmp_path / EVAL_FILE).write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "plot.png").stat().st_size != plain
     out = capsys.readouterr().out
     assert str(tmp_path / "plot.png") in out
     # 0.25, then 0.1 .. 0.4 for steps 0-4; 0.8 .. 1.1 and no reward for steps 8-12.
