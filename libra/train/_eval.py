@@ -24,7 +24,7 @@ import json
 import math
 import statistics
 import sys
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 from libra.config import Section
 from libra.engine import Engine, SamplingConfig, TrajectoryJob, TrajectoryRecord, rollout
 from libra.envs import Env, Task
+from libra.train._metrics import outcomes
 
 EVAL_FILE = "eval.jsonl"
 
@@ -148,12 +149,7 @@ def _env_figures(records: list[TrajectoryRecord], config: EvalConfig) -> dict[st
     k = config.samples
     return {
         "tasks": len({r.task_id for r in records}),
-        "trajectories": len(records),
-        "statuses": dict(Counter(r.status for r in records)),
-        "reward_mean": statistics.fmean(r.reward or 0.0 for r in scored) if scored else None,
-        "response_tokens_mean": statistics.fmean(sum(r.loss_mask) for r in records)
-        if records
-        else 0.0,
+        **outcomes(records),  # what a step's line says of its records, the same way
         "pass@1": _mean_pass(by_task, 1),
         f"pass@{k}": _mean_pass(by_task, k),
     }

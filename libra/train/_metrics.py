@@ -92,7 +92,7 @@ def step_record(
     return StepRecord(
         step=step,
         version=version - 1,
-        **_outcomes(records),
+        **outcomes(records),
         groups=len(groups),
         groups_used=len(trained_groups),
         samples_trained=len(batch.samples),
@@ -111,11 +111,11 @@ def step_record(
         lr=result.step.lr if result else None,
         reused=reused,
         retried=retried,
-        envs={env: _outcomes(of_env) for env, of_env in sorted(envs.items())} if by_env else None,
+        envs={env: outcomes(of_env) for env, of_env in sorted(envs.items())} if by_env else None,
     )
 
 
-def _outcomes(records: list[TrajectoryRecord]) -> dict[str, Any]:
+def outcomes(records: list[TrajectoryRecord]) -> dict[str, Any]:
     """What ``records`` came to: their count, statuses, rewards and lengths."""
     rewards = [r.reward for r in records if r.status != "failed" and r.reward is not None]
     return {
