@@ -11,6 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from libra.bench._alloc import ConfigRun, config_names, run_alloc_bench
+from libra.bench._alloc_ahead import print_table as print_ahead
+from libra.bench._alloc_ahead import run_ahead
+from libra.bench._alloc_ahead import summary as ahead_summary
 from libra.bench._alloc_bound import step_bounds
 from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_strategies import UPFRONT_SHARE, static_name
@@ -199,6 +202,8 @@ def main_alloc(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
+    if args.ahead:
+        return _main_ahead(settings, args)
     try:
         runs = run_alloc_bench(settings, config_names(settings), jobs=args.jobs)
     except ValueError as exc:  # e.g. too few workers to hold the training state
@@ -212,6 +217,20 @@ def main_alloc(args: argparse.Namespace) -> int:
         print_table(settings, runs, bounds)
     if args.plot:
         plot(runs, args.plot)
+    return 0
+
+
+def _main_ahead(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        aheads = sorted({int(k) for k in args.ahead.split(",")})
+        runs = [run_ahead(settings, ahead) for ahead in aheads]
+    except ValueError:
+        print(f"libra: error: --ahead takes steps of 1 or more, not {args.ahead}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(ahead_summary(runs)))
+    else:
+        print_ahead(settings, runs)
     return 0
 
 
@@ -231,6 +250,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the split and the step times")
+    parser.add_argument(
+        "--ahead",
+        metavar="K[,K...]",
+        help="instead of the configurations: the split chosen up front with rollouts K "
+        "steps ahead of training (1: one-step-off, 2 or more: async), e.g. 1,2,3",
+    )
     parser.add_argument(
         "--jobs",
         type=int,

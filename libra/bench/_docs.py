@@ -138,6 +138,7 @@ RUNS: dict[str, Runs] = {
     for runs in (
         Runs("soak", (_command("bench soak --json"),)),
         Runs("alloc", (_command("bench alloc --json --plot docs/bench-alloc.png"),)),
+        Runs("alloc-ahead", (_command("bench alloc --ahead 1,2,3 --json"),)),
         Runs("engine", (_command("bench engine --json"),)),
         Runs("serve", (_command("bench serve --json"),)),
         Runs("train", (_command("bench train --json"),)),
@@ -154,6 +155,12 @@ TABLES: dict[str, DocTable] = {
     for table in (
         DocTable("soak", RUNS["soak"], render.soak, DOCS / "reliability" / "faults.md"),
         DocTable("alloc", RUNS["alloc"], render.alloc, DOCS / "benchmarks" / "allocation.md"),
+        DocTable(
+            "alloc-ahead",
+            RUNS["alloc-ahead"],
+            render.alloc_ahead,
+            DOCS / "benchmarks" / "allocation.md",
+        ),
         DocTable("engine", RUNS["engine"], render.engine, DOCS / "benchmarks" / "engine.md"),
         DocTable("serve", RUNS["serve"], render.serve, DOCS / "benchmarks" / "gateway.md"),
         DocTable("train", RUNS["train"], render.train, DOCS / "benchmarks" / "trainer.md"),

@@ -70,6 +70,32 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
     ]
 
 
+def alloc_ahead(outputs: Sequence[Output]) -> list[str]:
+    output = outputs[0]
+    rows = [
+        [
+            r["mode"],
+            f"{r['step_time_s']:.1f}",
+            f"{r['trainer_idle_frac']:.1%}",
+            f"{r['serving_idle_frac']:.1%}",
+            f"{r['throughput_tok_s']:,.0f}",
+            f"{r['behind_mean']:.2f} / {r['behind_max']}",
+        ]
+        for r in output["results"]
+    ]
+    header = ("mode", "step s", "trainer idle", "serving idle", "tokens trained/s", "behind")
+    vs = output["vs_one_step_off"]
+    return [
+        *table_lines(header, rows),
+        "",
+        *(
+            f"async with max_ahead {k} against one-step-off: {ratio['trainer_idle']}x its "
+            f"trainer idle share, {ratio['throughput']}x its tokens trained per second."
+            for k, ratio in vs.items()
+        ),
+    ]
+
+
 def _alloc_bound(output: Output) -> list[str]:
     lines = []
     if (packed := output.get("libra_no_idle_vs_static_upfront")) is not None:
