@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -677,3 +678,49 @@ def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
+
+
+def wandb_records(run_folder: Path) -> list[Any]:
+    """The records of a W&B offline run (``offline-run-*/run-*.wandb``), parsed with
+    wandb's own protobuf definitions. wandb ships no reader of its own since its core
+    moved to Go, so this walks the file's framing: a 7-byte header (``:W&B``, magic,
+    version), then 32 KiB blocks of chunks, each a 7-byte header (CRC, length, kind:
+    1 whole, 2 first, 3 middle, 4 last) and its bytes; a block's tail shorter than a
+    header is padding."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_folder.glob("run-*.wandb")
+    data = path.read_bytes()
+    ident, _magic, _version = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B", ident
+    block, position, pending, records = 32 * 1024, 7, b"", []
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:
+            position += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(run_folder: Path) -> list[dict[str, Any]]:
+    """The rows a W&B offline run logged, their values decoded from JSON."""
+    import json
+
+    return [
+        {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in wandb_records(run_folder)
+        if r.WhichOneof("record_type") == "history"
+    ]

@@ -13,7 +13,14 @@ import pytest
 from libra.envs import SandboxError
 from libra.sandbox import build_image, build_rootfs, connect_docker
 from libra.serving import VLLMServer, prepare_model
-from tests._helpers import REAL_MODEL_NAME, TINY, real_config, require_vllm, unavailable
+from tests._helpers import (
+    REAL_MODEL_NAME,
+    TINY,
+    real_config,
+    require_vllm,
+    tiny_llama,
+    unavailable,
+)
 
 if TYPE_CHECKING:
     import docker
@@ -129,6 +136,13 @@ def bwrap_root() -> Path | Literal["host"]:
 
 
 # ------------------------------------------------------------------- a small workload file
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama's folder (its vocabulary covers the emulator's byte tokens):
+    what the trainer's tests train, in its processes, in seconds."""
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture

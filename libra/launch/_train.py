@@ -35,9 +35,11 @@ from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
 from libra.launch._session import Player, Share, load_mixture, open_session
 from libra.launch._tasks import read_tasks
+from libra.launch._tracking import open_tracking
 from libra.launch._train_config import TrainRunConfig
 from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
+from libra.tracking import check_installed
 from libra.train import (
     SESSION_HEADER,
     CheckpointHook,
@@ -67,6 +69,7 @@ from libra.trainer import (
     TrainerProcess,
     TrainerWorld,
     checkpoint_dir,
+    checkpoint_path,
     find_latest,
     servable_model,
 )
@@ -86,12 +89,15 @@ async def train(
     shares = load_mixture(config.rollout) if config.online is None else [Share(ONLINE)]
     tasks = None if config.online is not None else _step_tasks(config, shares)
     suites = _eval_suites(config, shares)
+    check_installed(config.tracking)  # before anything starts
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
-    async with open_run(config, shares, run_dir, tasks, suites) as run:
-        return await run_steps(
-            run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
-        )
+    with open_tracking(config, run_dir, resume) as tracked:
+        async with open_run(config, shares, run_dir, tasks, suites) as run:
+            run.observer = tracked
+            return await run_steps(
+                run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
+            )
 
 
 async def evaluate(config: TrainRunConfig, step: int | None = None) -> dict[str, Any]:
@@ -102,8 +108,8 @@ async def evaluate(config: TrainRunConfig, step: int | None = None) -> dict[str,
     ``eval/checkpoint-K.jsonl``. Nothing of the run changes."""
     run_dir = config.run_dir
     checkpoint = find_latest(run_dir) if step is None else None
-    if step is not None and (checkpoint_dir(run_dir) / f"step-{step:08d}").is_dir():
-        checkpoint = Checkpoint.read(checkpoint_dir(run_dir) / f"step-{step:08d}")
+    if step is not None and checkpoint_path(run_dir, step).is_dir():
+        checkpoint = Checkpoint.read(checkpoint_path(run_dir, step))
     if checkpoint is None:
         which = "checkpoint" if step is None else f"checkpoint after step {step}"
         raise UsageError(f"{run_dir} holds no {which} (see {checkpoint_dir(run_dir)})")

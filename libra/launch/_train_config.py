@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from libra.launch._rollout import RolloutConfig
 from libra.serving import VLLMServerConfig, WeightSyncConfig
+from libra.tracking import TrackingConfig
 from libra.train import EvalConfig, Mode, OnlineConfig
 from libra.trainer import GRPOConfig, LogprobsMode, TrainConfig, TrainerConfig
 from libra.workers import AllocConfig
@@ -111,6 +112,9 @@ class TrainRunConfig(BaseModel):
         None,
         description="libra train --online: serve the gateway to agents elsewhere and train "
         "on the sessions they end, with no task source of its own; None: off",
+    )
+    tracking: TrackingConfig = Field(
+        TrackingConfig(), description="experiment trackers the run logs to (none: off)"
     )
     alloc: AllocConfig | None = Field(
         None,

@@ -86,7 +86,7 @@ from libra.trainer import (
     TrainResult,
     WriteCheckpoint,
     build_batch,
-    checkpoint_dir,
+    checkpoint_path,
     find_latest,
     mark_best,
     read_best,
@@ -97,6 +97,17 @@ class CheckpointHook(Protocol):
     """Called after each step's metrics line is written: save what resuming needs."""
 
     def __call__(self, run: TrainRun, record: StepRecord) -> Awaitable[None]: ...
+
+
+class RunObserver(Protocol):
+    """What watches the run from outside it (the experiment trackers): each step's line
+    once written, each evaluation's, each checkpoint once complete."""
+
+    def step(self, record: StepRecord) -> Awaitable[None]: ...
+
+    def evaluation(self, line: dict[str, Any]) -> Awaitable[None]: ...
+
+    def checkpoint(self, steps_done: int, path: Path) -> Awaitable[None]: ...
 
 
 Progress = Callable[[int, RolloutStats], AbstractContextManager[Callable[[], None]]]
@@ -135,6 +146,8 @@ async def run_steps(
                 out.write(record.to_json() + "\n")
             records.append(record)
             on_step(record)
+            if run.observer is not None:
+                await run.observer.step(record)
             await run.save(step + 1)
             if checkpoint is not None:
                 await checkpoint(run, record)
@@ -177,6 +190,7 @@ class TrainRun:
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None
     evaluation: Evaluation | None = None  # [eval]: held-apart tasks on the weights
+    observer: RunObserver | None = None  # [tracking]: the trackers
     _evaluated: anyio.Event | None = None  # set when the evaluation under way is done
     version: int = 0  # the weights the trainer holds: v0 before the first step
     publisher: Publisher = field(init=False)
@@ -225,6 +239,8 @@ class TrainRun:
         await self.trainer.call(
             WriteCheckpoint(self.run_dir, state, forest, keep_last=self.config.keep_last)
         )
+        if self.observer is not None:
+            await self.observer.checkpoint(steps_done, checkpoint_path(self.run_dir, steps_done))
 
     # ------------------------------------------------------------------ one step
 
@@ -316,6 +332,8 @@ class TrainRun:
             try:
                 line = await evaluation.run(steps_done, self.version)
                 self._keep_if_best(steps_done, line)
+                if self.observer is not None:
+                    await self.observer.evaluation(line)
             finally:
                 done.set()
 
@@ -327,7 +345,7 @@ class TrainRun:
         start, is not a candidate; the next checkpoint's prune reads the mark, and the
         loop syncs no newer weights, so writes none, before this is done)."""
         metric = self.config.keep_best
-        if metric is None or not (checkpoint_dir(self.run_dir) / f"step-{steps_done:08d}").is_dir():
+        if metric is None or not checkpoint_path(self.run_dir, steps_done).is_dir():
             return
         _, env, figure = metric.split("/")
         value = line["envs"].get(env, {}).get(figure)

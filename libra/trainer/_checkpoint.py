@@ -115,8 +115,8 @@ class Checkpoint:
 
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, not {keep_last}")
-        root = Path(run_dir) / CHECKPOINTS
-        final = root / f"step-{run.step:08d}"
+        root = checkpoint_dir(run_dir)
+        final = checkpoint_path(run_dir, run.step)
         partial = root / f"{_PARTIAL_PREFIX}{final.name}"
         main = trainer.dist.is_main
         if main:
@@ -142,6 +142,11 @@ class Checkpoint:
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """The folder of the checkpoint after ``step`` steps (complete or not, or none)."""
+    return checkpoint_dir(run_dir) / f"step-{step:08d}"
 
 
 def find_latest(run_dir: str | Path) -> Checkpoint | None:
@@ -307,7 +312,7 @@ def _remove_partials(root: Path) -> None:
 
 def _prune(root: Path, keep_last: int) -> None:
     best = read_best(root.parent)
-    spared = f"step-{best['step']:08d}" if best else None
+    spared = checkpoint_path(root.parent, best["step"]).name if best else None
     for old in _complete(root)[:-keep_last]:
         if old.name != spared:
             shutil.rmtree(old)

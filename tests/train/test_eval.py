@@ -14,7 +14,7 @@ from libra.launch import TrainRunConfig, evaluate, train
 from libra.train import EvalConfig, pass_at_k
 from libra.train._eval import eval_line
 from libra.trainer import read_best
-from tests._helpers import BREVITY, scripted_record, tiny_llama
+from tests._helpers import BREVITY, scripted_record
 
 pytestmark = pytest.mark.anyio
 
@@ -46,11 +46,6 @@ def test_the_eval_line_counts_faults_apart_from_failed_attempts() -> None:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 async def test_each_evaluation_writes_its_line_and_records_and_never_trains(

@@ -51,15 +51,10 @@ from libra.trainer import (
     find_latest,
     spawn,
 )
-from tests._helpers import BREVITY, QUIZ, children_of, cmdline_of, is_alive, tiny_llama
+from tests._helpers import BREVITY, QUIZ, children_of, cmdline_of, is_alive
 from tests.trainer._ranks import samples as two_groups
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def run_config(run_dir: Path, model_dir: Path, **overrides: Any) -> TrainRunConfig:

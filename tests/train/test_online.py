@@ -16,7 +16,7 @@ import pytest
 
 from libra._net import free_port
 from libra.launch import TrainRunConfig, train
-from tests._helpers import ROOT, tiny_llama
+from tests._helpers import ROOT
 
 pytestmark = pytest.mark.anyio
 
@@ -62,11 +62,6 @@ try:
 except (openai.APIConnectionError, httpx.HTTPError):
     print(n)  # the run is over: the sessions it began (the last may never have reached it)
 """
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 async def test_an_external_openai_client_is_trained_on_through_the_gateway(

@@ -11,18 +11,12 @@ import anyio
 import pytest
 
 from libra.trainer import TrainerConfig, TrainerError, TrainerProcess
-from tests._helpers import tiny_llama
 from tests.trainer._ranks import Fail, RankPids, SleepThenMeet
 
 pytestmark = pytest.mark.anyio
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1)
 # A death is noticed within seconds; the bound only keeps a regression from hanging.
 PROMPTLY_S = 60
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.mark.faults

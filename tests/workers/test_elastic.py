@@ -11,18 +11,12 @@ import pytest
 
 from libra.trainer import GRPOConfig, Train, TrainerConfig, TrainerProcess
 from libra.workers import ElasticTrainer
-from tests._helpers import tiny_llama
 from tests.trainer._ranks import FullParameters, assert_close, assert_equal, batch
 
 pytestmark = pytest.mark.anyio
 
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
 GRPO = GRPOConfig()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 # Each world is processes loading the model: one event loop's run (trio passed too) is enough.

@@ -20,18 +20,12 @@ import torch
 
 from libra.trainer import GRPOConfig, Train, TrainerConfig, TrainerProcess, TrainResult
 from libra.workers import ElasticTrainer
-from tests._helpers import tiny_llama
 from tests.trainer._ranks import FullParameters, RankPids, assert_close, assert_equal, batch
 
 pytestmark = pytest.mark.anyio
 
 CONFIG = TrainerConfig(backend="gloo", cpu_threads=1, lr=1e-2)
 GRPO = GRPOConfig()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def workers() -> dict[int, tuple[int, ...]]:

@@ -29,7 +29,7 @@ from libra.workers._ray import import_ray, ray_missing
 from libra.workers._ray_head import ray_head
 from libra.workers._ray_trainer import RayTrainer
 from libra.workers._ray_workers import RayWorkers
-from tests._helpers import BREVITY, real_config, tiny_llama, unavailable
+from tests._helpers import BREVITY, real_config, unavailable
 from tests.trainer._ranks import (
     Fail,
     FullParameters,
@@ -64,11 +64,6 @@ def ray_instance() -> Iterator[None]:
         print(f"ray.init: {time.perf_counter() - started:.1f} s")
         yield
         ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def two_workers() -> list[tuple[int, ...]]:
