@@ -50,7 +50,8 @@ async def test_every_tracker_reads_back_the_run_and_its_resume(
     events = EventAccumulator(str(tracking / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     tags = events.Tags()
-    assert {"reward_mean", "tokens_trained", "train_s", "statuses/completed"} <= set(tags["scalars"])
+    figures = {"reward_mean", "tokens_trained", "train_s", "statuses/completed"}
+    assert figures <= set(tags["scalars"])
     assert {"hist/reward", "hist/response_tokens"} <= set(tags["histograms"])
     assert {"samples/text_summary", "config/text_summary"} <= set(tags["tensors"])
     trained = {e.step: e.value for e in events.Scalars("tokens_trained")}
