@@ -79,6 +79,8 @@ async def run_trajectory(
     t = TrajectoryState(job, job.sampling or engine.config.sampling)
     env = job.env_cls()
     started = now()
+    if engine.published is not None:
+        engine.published.started(t.key, t.env_name, job.step, t.prompt_key)
     try:
         # A bare scope, not ``fail_after``: its deadline is what the wall-clock limit needs.
         with anyio.CancelScope(deadline=started + engine.config.max_wall_s) as wall:
@@ -151,6 +153,8 @@ async def _episode(env: Env, t: TrajectoryState, engine: Engine) -> None:
             timeout_s = engine.config.tool_timeout_s or env.tool_timeout_s
             result = await _run_tool(env, call, timeout_s, engine)
             t.add_tool_return(result)
+            if engine.published is not None:
+                engine.published.tool(t.key, t.tool_returns[-1])
             engine.scheduler.on_tool_return(t.key, env.signal(result))
         if env.done:
             raise _End("completed", "env_done")
@@ -300,6 +304,8 @@ async def _finish(env: Env, t: TrajectoryState, engine: Engine, started: float) 
     engine.scheduler.on_finish(t.key, t.prompt_key, output_tokens=t.output_tokens, failed=failed)
     t.timings.total_s = now() - started
     record = t.record()
+    if engine.published is not None:
+        engine.published.ended(record)
     if engine.on_record is not None:
         engine.on_record(record)
     return record

@@ -199,6 +199,7 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
         route = await _route(d, turn, scheduler, failed, capacity)
         generation: Generation | None = None
         outcome: CallOutcome = "cancelled"  # unless the call says otherwise below
+        sent = now()
         try:
             generation, reached = await _call(d, engine, route, turn)
             outcome = "migrated" if generation.finish_reason == "abort" else "ok"
@@ -223,6 +224,8 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
         finally:
             sampled = len(generation.token_ids or ()) if generation is not None else 0
             scheduler.release(route, outcome=outcome, new_tokens=sampled)
+            if engine.published is not None:
+                engine.published.call(d.key, d.turns, route, now() - sent, sampled, outcome)
         await anyio.sleep(backoff)
         backoff *= 2
 

@@ -1,0 +1,85 @@
+"""What the engine publishes of its trajectories (``libra.events``): each one's start and
+end, each generation call and tool call, and each move between buckets, with the tool
+return that came before it (the signal C-MLFQ moved it on)."""
+
+from __future__ import annotations
+
+from libra.engine._records import ToolReturnRecord, TrajectoryRecord
+from libra.events import (
+    BucketMoved,
+    CallEnded,
+    EventBus,
+    ToolEnded,
+    TrajectoryEnded,
+    TrajectoryStarted,
+)
+from libra.sched import Route
+
+
+class TrajectoryEvents:
+    """Publishes to ``bus``; remembers of each live trajectory its last bucket and tool."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self._bucket: dict[str, str] = {}
+        self._tool: dict[str, ToolEnded] = {}
+
+    def started(self, key: str, env: str, step: int, task: str) -> None:
+        self.bus.publish(TrajectoryStarted(t=self.bus.t(), id=key, env=env, step=step, task=task))
+
+    def call(
+        self, key: str, turn: int, route: Route, seconds: float, new_tokens: int, outcome: str
+    ) -> None:
+        t = self.bus.t()
+        last = self._bucket.get(key)
+        if last is not None and last != route.bucket:
+            tool = self._tool.get(key)
+            self.bus.publish(
+                BucketMoved(
+                    t=t,
+                    id=key,
+                    source=last,
+                    target=route.bucket,
+                    tool=tool.tool if tool else None,
+                    status=tool.status if tool else None,
+                )
+            )
+        self._bucket[key] = route.bucket
+        name = route.endpoint.name
+        version = route.weight_version
+        self.bus.publish(
+            CallEnded(
+                t=t,
+                id=key,
+                turn=turn,
+                instance=name,
+                bucket=route.bucket,
+                seconds=seconds,
+                new_tokens=new_tokens,
+                outcome=outcome,
+                weight_version=version,
+            )
+        )
+
+    def tool(self, key: str, tool: ToolReturnRecord) -> None:
+        event = ToolEnded(
+            t=self.bus.t(), id=key, tool=tool.tool, status=tool.status, seconds=tool.latency_s
+        )
+        self._tool[key] = event
+        self.bus.publish(event)
+
+    def ended(self, record: TrajectoryRecord) -> None:
+        self._bucket.pop(record.id, None)
+        self._tool.pop(record.id, None)
+        self.bus.publish(
+            TrajectoryEnded(
+                t=self.bus.t(),
+                id=record.id,
+                status=record.status,
+                stop_reason=record.stop_reason,
+                reward=record.reward,
+                turns=record.turns,
+                tokens=len(record.token_ids),
+                seconds=record.timings.total_s,
+            )
+        )
