@@ -7,7 +7,7 @@ import gc
 import sys
 from collections.abc import Sequence
 
-from libra.cli import _bench, _images, _rollout, _serve, _train, _vllm
+from libra.cli import _bench, _images, _rollout, _serve, _train, _view, _vllm
 from libra.config import UsageError
 from libra.envs import SandboxError, available_envs
 from libra.gateway import AuthError
@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     _serve.add_parser(commands)
     _vllm.add_parsers(commands)
     _train.add_parsers(commands)
+    _view.add_parser(commands)
     envs = commands.add_parser("envs", help="list the installed envs")
     envs.set_defaults(run=lambda args: print("\n".join(available_envs())) or 0)
     return parser

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -17,6 +18,7 @@ from libra.cli._config import add_config_arguments
 from libra.cli._output import check_output_file, make_parents
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
+from libra.cli._view import add_view_arguments, keep_records, view_options
 from libra.config import load_config
 from libra.engine import (
     RolloutSession,
@@ -27,8 +29,17 @@ from libra.engine import (
     jobs_of,
 )
 from libra.envs import Env
+from libra.events import EventBus
 from libra.fleet import FleetSpec
-from libra.launch import RolloutConfig, load_player, open_engine, open_session, read_tasks
+from libra.launch import (
+    RolloutConfig,
+    ViewOptions,
+    load_player,
+    open_engine,
+    open_session,
+    read_tasks,
+    run_events,
+)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,6 +76,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--sandbox", choices=["auto", "docker", "bwrap"], help="where tools run code (auto)"
     )
+    add_view_arguments(parser)
     add_config_arguments(parser, "these settings and more", "engine.max_turns=4")
     parser.set_defaults(run=run)
 
@@ -92,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
     if config.plot is not None:
         check_output_file(config.plot, "--plot")
     failures = Failures()
+    view = view_options(args)
     stats = anyio.run(
-        partial(run_rollout, config, failures=failures), backend_options={"use_uvloop": True}
+        partial(run_rollout, config, failures=failures, view=view),
+        backend_options={"use_uvloop": True},
     )
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")
@@ -135,19 +149,27 @@ class Failures:
         return f"{which} trajectories failed ({reasons}){first}"
 
 
-async def run_rollout(config: RolloutConfig, *, failures: Failures | None = None) -> RolloutStats:
+async def run_rollout(
+    config: RolloutConfig, *, failures: Failures | None = None, view: ViewOptions | None = None
+) -> RolloutStats:
     """One session, its jobs all submitted at once, and its records written as JSONL
-    (and shown to ``failures``)."""
+    (and shown to ``failures``). With ``view``, the live view is served and the run's
+    events go to ``FILE.events.jsonl`` beside the records (``libra view`` shows them
+    again once the rollout has ended)."""
     player = load_player(config)
     env_cls, name = player.env_cls, player.name
     jobs = _jobs(config, env_cls, name)
     encoder = msgspec.json.Encoder()
     warm = min(config.sandbox_pool, config.engine.concurrency, len(jobs))
     timeline = Timeline()
+    bus = EventBus() if view is not None else None
+    log = make_parents(config.out).with_name(config.out.stem + ".events.jsonl")
     async with (
-        open_engine(config, [env_cls] if env_cls else [], warm) as run,
+        run_events(bus, log=log, view=view) if bus is not None else nullcontext() as history,
+        open_engine(config, [env_cls] if env_cls else [], warm, events=bus) as run,
         open_session(run.engine, config, player) as session,
     ):
+        keep = keep_records(history)
         scheduler, stats = run.engine.scheduler, session.stats
         session.submit(jobs)
         session.close()
@@ -160,8 +182,10 @@ async def run_rollout(config: RolloutConfig, *, failures: Failures | None = None
                 if config.plot is not None:
                     group.start_soon(record_timeline, timeline, scheduler, stats)
                 async for record in session:  # to the end, cancelled ones included
-                    out.write(encoder.encode(record) + b"\n")
+                    line = encoder.encode(record)
+                    out.write(line + b"\n")
                     out.flush()
+                    keep(line)
                     if failures is not None:
                         failures.observe(record)
                     tick()

@@ -22,6 +22,7 @@ from libra.launch._session import Player, Share, load_mixture, load_player, open
 from libra.launch._tasks import read_tasks
 from libra.launch._train import evaluate, open_run, train
 from libra.launch._train_config import TrainRunConfig
+from libra.launch._view import ViewOptions, run_events
 
 __all__ = [
     "SCHEDULERS",
@@ -36,6 +37,7 @@ __all__ = [
     "SchedulerName",
     "Share",
     "TrainRunConfig",
+    "ViewOptions",
     "assemble_engine",
     "beside",
     "build_scheduler",
@@ -49,6 +51,7 @@ __all__ = [
     "open_sandboxes",
     "open_session",
     "read_tasks",
+    "run_events",
     "save_scheduler_state",
     "scheduler_forest",
     "train",

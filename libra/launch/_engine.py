@@ -15,10 +15,12 @@ import anyio
 from libra.emulation import EmulatorConfig
 from libra.engine import ChatTemplate, Engine, EngineConfig, TransportName
 from libra.envs import SandboxProvider
+from libra.events import EventBus
 from libra.fleet import FleetSpec
 from libra.launch._fleet import Fleet, open_fleet
 from libra.launch._sandboxes import beside
 from libra.launch._scheduler import SchedulerName, build_scheduler, save_scheduler_state
+from libra.launch._view import publish_fleet
 from libra.sched import Scheduler, poll_metrics
 from libra.sched.policies import CMLFQConfig
 from libra.serving import CurrentWeights, ServerProcess, ServerSupervisor, SupervisorConfig
@@ -92,6 +94,7 @@ async def assemble_engine(
     weights: CurrentWeights | None = None,
     headers: Mapping[str, str] | None = None,
     wrap_scheduler: Callable[[Scheduler], Scheduler] | None = None,
+    events: EventBus | None = None,
 ) -> AsyncIterator[Assembled]:
     """Open the fleet (``while_starting`` runs while its servers start), build the
     scheduler ``policy`` names (from its saved state) and the engine; poll the servers'
@@ -100,7 +103,8 @@ async def assemble_engine(
     hang, with ``weights`` (default: the weights they start on). ``headers`` go with
     every request to the servers (a gateway's ``Authorization``). The engine routes
     through ``wrap_scheduler(scheduler)`` if given (one that also times every call, say).
-    On exit the scheduler's state is saved and the fleet is closed."""
+    With ``events``, the engine publishes its trajectories there, and the fleet is sampled
+    onto it every second. On exit the scheduler's state is saved and the fleet is closed."""
     async with AsyncExitStack() as stack:
         opening = open_fleet(
             settings.server,
@@ -123,6 +127,7 @@ async def assemble_engine(
             config=_waiting_for_restarts(settings) if owned else settings.engine,
             sandboxes=sandboxes,
             templates=templates,
+            events=events,
         )
         supervisor = ServerSupervisor(
             scheduler.router, owned, weights=weights or _start_weights, config=settings.supervisor
@@ -134,6 +139,8 @@ async def assemble_engine(
                 group.start_soon(poll_metrics, scheduler.router, get, interval)
             if owned:
                 group.start_soon(supervisor.run)
+            if events is not None:
+                group.start_soon(publish_fleet, events, scheduler.router)
             yield Assembled(engine, fleet, supervisor, scheduler)
             group.cancel_scope.cancel()
         save_scheduler_state(scheduler, settings.scheduler_state)

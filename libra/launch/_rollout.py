@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 from libra.emulation import EmulatorConfig
 from libra.engine import EngineConfig, TransportName
 from libra.envs import Env
+from libra.events import EventBus
 from libra.fleet import FleetSpec
 from libra.launch._engine import Assembled, assemble_engine
 from libra.launch._sandboxes import SandboxKind, open_sandboxes, warm_up
@@ -148,6 +149,7 @@ async def open_engine(
     weights: CurrentWeights | None = None,
     headers: Mapping[str, str] | None = None,
     wrap_scheduler: Callable[[Scheduler], Scheduler] | None = None,
+    events: EventBus | None = None,
 ) -> AsyncIterator[Assembled]:
     """Open sandboxes for ``envs`` and the fleet (``warm`` containers start while the
     servers do), build the scheduler (from its saved state) and the engine; poll the
@@ -156,8 +158,8 @@ async def open_engine(
     they die or hang, with ``weights`` (default: the weights they start on).
     ``headers`` go with every request to the servers (a gateway's ``Authorization``).
     The engine routes through ``wrap_scheduler(scheduler)`` if given (one that also
-    times every call, say). On exit the scheduler's state is saved and everything is
-    closed."""
+    times every call, say). With ``events``, the engine and the fleet publish there. On
+    exit the scheduler's state is saved and everything is closed."""
     async with (
         open_sandboxes(envs, config.sandbox, config.sandbox_pool) as sandboxes,
         assemble_engine(
@@ -170,6 +172,7 @@ async def open_engine(
             weights=weights,
             headers=headers,
             wrap_scheduler=wrap_scheduler,
+            events=events,
         ) as assembled,
     ):
         yield assembled

@@ -1,0 +1,85 @@
+"""A run's event stream put to use: the fleet sampled onto the bus, the events log
+written beside the run's records, and the live view (``libra view``) served, with its
+URL printed for the user."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from libra.events import EventBus, FleetSampled, InstanceSample, write_log
+from libra.sched import Router
+from libra.view import History, serve_view, view_key
+
+FLEET_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ViewOptions:
+    """``--view [PORT]``, ``--view-host``, ``--view-key``: where the view listens (port
+    0: any free one) and the key it asks for off loopback."""
+
+    port: int = 0
+    host: str = "127.0.0.1"
+    key: str | None = None
+
+
+def fleet_sample(bus: EventBus, router: Router) -> FleetSampled:
+    instances = [
+        InstanceSample(
+            name,
+            instance.bucket,
+            "down" if instance.marked_down else instance.state,
+            instance.in_flight,
+            instance.endpoint.weight_version,
+            instance.waiting_gauge,
+            instance.kv_usage_gauge,
+        )
+        for name, instance in router.by_name.items()
+    ]
+    return FleetSampled(t=bus.t(), instances=instances)
+
+
+async def publish_fleet(
+    bus: EventBus, router: Router, interval_s: float = FLEET_INTERVAL_S
+) -> None:
+    """The fleet onto the bus every ``interval_s``, until cancelled."""
+    while True:
+        bus.publish(fleet_sample(bus, router))
+        await anyio.sleep(interval_s)
+
+
+@asynccontextmanager
+async def run_events(
+    bus: EventBus,
+    *,
+    log: Path | None = None,
+    view: ViewOptions | None = None,
+    find_record: Callable[[str], bytes | None] | None = None,
+) -> AsyncIterator[History | None]:
+    """While the block runs: ``bus``'s events appended to ``log``, and with ``view`` the
+    live view served (its history keeps the records handed to ``keep_record``)."""
+    async with AsyncExitStack() as stack:
+        group = await stack.enter_async_context(anyio.create_task_group())
+        subscriptions = []
+        if log is not None:
+            subscriptions.append(bus.subscribe())
+            group.start_soon(write_log, subscriptions[-1], log)
+        history = None
+        if view is not None:
+            history = History(live=True, find_record=find_record)
+            subscriptions.append(bus.subscribe())
+            group.start_soon(history.follow, subscriptions[-1])
+            key = view_key(view.host, view.key)
+            url = await stack.enter_async_context(serve_view(history, view.host, view.port, key))
+            print(f"libra view: {url}", file=sys.stderr, flush=True)
+        try:
+            yield history
+        finally:
+            for subscription in subscriptions:  # what they hold is written, then they end
+                subscription.close()

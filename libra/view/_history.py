@@ -1,0 +1,67 @@
+"""What the view has seen of a run: its events as encoded batches (each a JSON array,
+encoded once for every page that reads it), live from a bus or read from a run's events
+log, and the records of ended trajectories (their conversations)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import islice
+from pathlib import Path
+
+import anyio
+
+from libra.events import Event, Subscription, encode, read_events
+
+_BATCH_S = 0.25  # how often a live page gets what happened since
+_REPLAY_BATCH = 5000  # events per batch when a log is replayed
+_KEPT_RECORDS = 20_000  # conversations kept of the newest ended trajectories
+
+
+class History:
+    """Every event of the run so far, in batches; :meth:`changed` wakes the pages."""
+
+    def __init__(
+        self, *, live: bool, find_record: Callable[[str], bytes | None] | None = None
+    ) -> None:
+        self.batches: list[bytes] = []
+        self.live = live  # events still come (until :meth:`follow` ends)
+        self._changed = anyio.Event()
+        self._records: dict[str, bytes] = {}
+        self._find_record = find_record
+
+    def add(self, events: Iterable[Event]) -> None:
+        body = b",".join(encode(event) for event in events)
+        if body:
+            self.batches.append(b"[" + body + b"]")
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+    async def follow(self, subscription: Subscription) -> None:
+        """Take the bus's events as they come, until the subscription closes."""
+        try:
+            async for batch in subscription.batches(_BATCH_S):
+                self.add(batch)
+        finally:
+            self.live = False
+            self._changed.set()
+
+    def replay(self, log: Path) -> None:
+        """A finished run's events, from its log."""
+        events = iter(read_events(log))
+        while batch := list(islice(events, _REPLAY_BATCH)):
+            self.add(batch)
+
+    def keep_record(self, trajectory_id: str, record: bytes) -> None:
+        """An ended trajectory's record (JSON), for its conversation."""
+        self._records[trajectory_id] = record
+        if len(self._records) > _KEPT_RECORDS:
+            del self._records[next(iter(self._records))]
+
+    def record(self, trajectory_id: str) -> bytes | None:
+        found = self._records.get(trajectory_id)
+        if found is None and self._find_record is not None:
+            found = self._find_record(trajectory_id)
+        return found

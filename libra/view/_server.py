@@ -1,0 +1,71 @@
+"""The view served over HTTP by uvicorn, inside the anyio event loop already running (a
+run's own): on loopback unless told otherwise, and off it only with a key."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import uvicorn
+
+from libra.config import UsageError
+from libra.view._app import ViewApp
+from libra.view._history import History
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the run that serves the view stops it."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = anyio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.listening.set()
+
+
+def view_key(host: str, key: str | None) -> str | None:
+    """The key a view on ``host`` needs: none on loopback unless given; off loopback the
+    one given (or a fresh one: a view off loopback is never open)."""
+    if host in LOOPBACK:
+        return key
+    return key or secrets.token_urlsafe(18)
+
+
+@contextlib.asynccontextmanager
+async def serve_view(
+    history: History, host: str = "127.0.0.1", port: int = 0, key: str | None = None
+) -> AsyncIterator[str]:
+    """Serve the view of ``history`` while the block runs; its URL (with the key)."""
+    if host not in LOOPBACK and not key:
+        raise UsageError(f"a view on {host} needs a key (the gateway's, or --view-key)")
+    config = uvicorn.Config(
+        ViewApp(history, key),
+        host=host,
+        port=port,
+        loop="none",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+    )
+    server = _Server(config)
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve)
+        await server.listening.wait()
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        url = f"http://{shown}:{bound}/" + (f"?key={key}" if key else "")
+        try:
+            yield url
+        finally:
+            server.should_exit = True
