@@ -14,6 +14,9 @@ import argparse
 import signal
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -23,9 +26,11 @@ from rich.console import Console
 from rich.live import Live
 
 from libra.cli._config import add_config_arguments
+from libra.cli._view import add_view_arguments, view_options
 from libra.config import load_config
 from libra.emulation import EmulatorConfig
 from libra.engine import EngineConfig, TransportName
+from libra.events import EventBus
 from libra.fleet import FleetSpec
 from libra.gateway import (
     DEFAULT_MAX_BODY_BYTES,
@@ -39,10 +44,18 @@ from libra.gateway import (
     gateway_keys,
     uvicorn_config,
 )
-from libra.launch import SCHEDULERS, SchedulerName, assemble_engine, local_templates
+from libra.launch import (
+    SCHEDULERS,
+    SchedulerName,
+    ViewOptions,
+    assemble_engine,
+    local_templates,
+    run_events,
+)
 from libra.sched import Scheduler
 from libra.sched.policies import CMLFQConfig, RoutedPolicy
 from libra.serving import SupervisorConfig
+from libra.view import RecordFiles
 
 
 class ServeConfig(BaseModel):
@@ -117,6 +130,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--admin-key-file", type=Path, help="admin keys, one a line (else $LIBRA_ADMIN_KEY)"
     )
     parser.add_argument("--no-console", action="store_true", help="no console view")
+    add_view_arguments(parser)
     add_config_arguments(parser, "these settings and more", "gateway.session_ttl_s=60")
     parser.set_defaults(run=run)
 
@@ -141,15 +155,28 @@ def run(args: argparse.Namespace) -> int:
         api_key_file=config.api_key_file,
         admin_key_file=config.admin_key_file,
     )
-    anyio.run(serve, config, keys, backend_options={"use_uvloop": True})
+    view = view_options(args)
+    if view is not None and keys.admins:  # off loopback, the gateway's admin keys open it
+        admin = partial(keys.check, admin=True)
+        view = replace(view, allows=lambda key: admin(b"Bearer " + key.encode()) == "ok")
+    anyio.run(serve, config, keys, view, backend_options={"use_uvloop": True})
     return 0
 
 
-async def serve(config: ServeConfig, keys: Keys) -> None:
+async def serve(config: ServeConfig, keys: Keys, view: ViewOptions | None = None) -> None:
     """Serve until SIGINT or SIGTERM; then stop taking requests, end every session
     (recorded) and save the scheduler's state. The fleet is assembled as a rollout's
-    is (``libra.launch``): a server started for it is restarted when it dies or hangs."""
-    async with assemble_engine(config, config.policy, templates=local_templates()) as run:
+    is (``libra.launch``): a server started for it is restarted when it dies or hangs.
+    With ``view``, the live view is served too; its events go beside the recorded
+    sessions (``FILE.events.jsonl``), whose conversations it shows."""
+    bus = EventBus() if view is not None else None
+    record = config.record
+    log = record.with_name(record.stem + ".events.jsonl") if record is not None else None
+    found = RecordFiles(lambda: [record] if record is not None and record.is_file() else [])
+    async with (
+        run_events(bus, log=log, view=view, find_record=found) if bus else nullcontext(),
+        assemble_engine(config, config.policy, templates=local_templates(), events=bus) as run,
+    ):
         scheduler = run.engine.scheduler
         gateway = config.gateway
         if config.record is not None:

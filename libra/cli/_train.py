@@ -18,9 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from libra.cli._config import add_config_arguments
 from libra.cli._progress import counters
+from libra.cli._view import add_view_arguments, view_options
 from libra.config import load_config
 from libra.engine import RolloutStats
-from libra.launch import TrainRunConfig, evaluate, train
+from libra.launch import TrainRunConfig, ViewOptions, evaluate, train
 from libra.train import (
     EVAL_FILE,
     METRICS_FILE,
@@ -76,6 +77,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     online.add_argument(
         "--admin-key-file", type=Path, help="admin keys, one a line (else $LIBRA_ADMIN_KEY)"
     )
+    add_view_arguments(parser)
     add_config_arguments(parser, "the run's settings", "trainer.lr=1e-5")
     parser.set_defaults(run=run)
     plot = commands.add_parser("plot", help="draw a training run's curves as RUN_DIR/plot.png")
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     )
     progress = _progress(enabled=not args.no_progress and config.rollout.progress)
     try:
-        anyio.run(_train, config, console, progress, args.resume)
+        anyio.run(_train, config, console, progress, args.resume, view_options(args))
     except (NothingToResume, AttachError, GatewaySyncError) as error:
         print(f"libra: error: {error}", file=sys.stderr)
         return 1
@@ -178,12 +180,14 @@ async def _train(
     console: Console,
     progress: Callable[[int, RolloutStats], Any],
     resume: bool,
+    view: ViewOptions | None,
 ) -> None:
     await train(
         config,
         resume=resume,
         on_step=lambda record: console.print(step_line(record)),
         progress=progress,
+        view=view,
     )
 
 

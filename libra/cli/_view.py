@@ -10,12 +10,11 @@ from functools import partial
 from pathlib import Path
 
 import anyio
-import msgspec
 
 from libra.config import UsageError
 from libra.events import EVENTS_FILE
 from libra.launch import ViewOptions
-from libra.view import History, serve_view, view_key
+from libra.view import History, RecordFiles, record_id, serve_view, view_key
 
 
 def add_view_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +57,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     log, records = sources(args.path)
-    history = History(live=False, find_record=RecordIndex(records))
+    history = History(live=False, find_record=RecordFiles(lambda: records))
     history.replay(log)
     key = view_key(args.host, args.key)
     anyio.run(partial(_serve, history, args.host, args.port, key))
@@ -78,32 +77,6 @@ def sources(path: Path) -> tuple[Path, list[Path]]:
     return log, [file for file in records if file.is_file()]
 
 
-class RecordIndex:
-    """An ended trajectory's record, found in the run's record files (read once, when
-    the first conversation is asked for)."""
-
-    def __init__(self, files: list[Path]) -> None:
-        self.files = files
-        self._by_id: dict[str, bytes] | None = None
-
-    def __call__(self, trajectory_id: str) -> bytes | None:
-        if self._by_id is None:
-            self._by_id = {}
-            decoder = msgspec.json.Decoder(_Id)
-            for file in self.files:
-                with file.open("rb") as lines:
-                    for line in lines:
-                        try:
-                            self._by_id[decoder.decode(line).id] = line.rstrip(b"\n")
-                        except msgspec.DecodeError:
-                            continue
-        return self._by_id.get(trajectory_id)
-
-
-class _Id(msgspec.Struct, forbid_unknown_fields=False):
-    id: str
-
-
 async def _serve(history: History, host: str, port: int, key: str | None) -> None:
     async with serve_view(history, host, port, key) as url:
         print(f"libra view: {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
@@ -115,5 +88,4 @@ def keep_records(history: History | None) -> Callable[[bytes], None]:
     conversation."""
     if history is None:
         return lambda line: None
-    decoder = msgspec.json.Decoder(_Id)
-    return lambda line: history.keep_record(decoder.decode(line).id, line)
+    return lambda line: history.keep_record(record_id(line), line)

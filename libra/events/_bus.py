@@ -15,9 +15,11 @@ from libra.events._events import Event
 
 
 class EventBus:
-    def __init__(self, clock: Callable[[], float] = now) -> None:
+    """``offset``: the ``t`` it starts at (a resumed run goes on from its log's last)."""
+
+    def __init__(self, clock: Callable[[], float] = now, offset: float = 0.0) -> None:
         self._clock = clock
-        self.started = clock()
+        self.started = clock() - offset
         self._subscriptions: list[Subscription] = []
 
     def t(self) -> float:

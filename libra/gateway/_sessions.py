@@ -353,6 +353,8 @@ class Sessions:
         prompt_key = prompt_key_of(turn.messages, digests)
         session = Session(key, self.config.env, prompt_key, sampling, turn.tools)
         self._by_id[key] = session
+        if self.engine.published is not None:
+            self.engine.published.started(key, self.config.env, 0, prompt_key)
         if turn.session is not None:
             session.client_key = turn.session
             self._by_key[turn.session] = session
@@ -446,9 +448,13 @@ class Sessions:
             output_tokens=session.output_tokens,
             failed=status == "failed" or reason in _CUT_SHORT,
         )
-        if not self.recorder.on and self.engine.on_record is None and self.on_end is None:
+        published = self.engine.published
+        wanted = self.recorder.on or self.engine.on_record or self.on_end or published
+        if not wanted:
             return
         record = session.record(status, reason, error)
+        if published is not None:
+            published.ended(record)
         self.recorder.add(record)
         if self.on_end is not None:  # its owner makes the trajectory's record of it
             self.on_end(session.client_key, record)

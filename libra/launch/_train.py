@@ -29,6 +29,7 @@ from libra.alloc import (
 from libra.config import ConfigError, UsageError
 from libra.engine import Engine
 from libra.envs import Env, Task, TaskId, env_name, load_env
+from libra.events import EVENTS_FILE, EventBus
 from libra.fleet import FleetSpec
 from libra.gateway import GatewayConfig, Sessions, create_gateway, gateway_keys, serving
 from libra.launch._rollout import open_engine
@@ -37,6 +38,7 @@ from libra.launch._session import Player, Share, load_mixture, open_session
 from libra.launch._tasks import read_tasks
 from libra.launch._tracking import open_tracking
 from libra.launch._train_config import TrainRunConfig
+from libra.launch._view import PublishedRun, ViewOptions, last_t, run_events
 from libra.sched import Scheduler
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
 from libra.tracking import check_installed
@@ -73,6 +75,7 @@ from libra.trainer import (
     find_latest,
     servable_model,
 )
+from libra.view import RecordFiles
 from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
 
 
@@ -83,18 +86,29 @@ async def train(
     checkpoint: CheckpointHook | None = None,
     on_step: Callable[[StepRecord], None] = lambda record: None,
     progress: Progress = no_progress,
+    view: ViewOptions | None = None,
 ) -> list[StepRecord]:
     """Run ``config.steps`` steps (from the newest checkpoint's step with ``resume``);
-    returns the metrics lines of the steps it ran (also in the run folder)."""
+    returns the metrics lines of the steps it ran (also in the run folder). The run's
+    events go to its ``events.jsonl`` (``libra view RUN_DIR``), and with ``view`` to
+    the live view as well."""
     shares = load_mixture(config.rollout) if config.online is None else [Share(ONLINE)]
     tasks = None if config.online is not None else _step_tasks(config, shares)
     suites = _eval_suites(config, shares)
     check_installed(config.tracking)  # before anything starts
     run_dir = prepare_run_dir(config.run_dir, config.to_toml(), resume=resume)
     config = _with_saved_forest(config, run_dir) if resume else config
+    log = run_dir / EVENTS_FILE
+    bus = EventBus(offset=last_t(log) if resume else 0.0)
+    if not resume:
+        log.unlink(missing_ok=True)  # a run killed before its first line: not this run's
+    records = RecordFiles(lambda: sorted(run_dir.glob("rollouts/*.jsonl")))
     with open_tracking(config, run_dir, resume) as tracked:
-        async with open_run(config, shares, run_dir, tasks, suites) as run:
-            run.observer = tracked
+        async with (
+            run_events(bus, log=log, view=view, find_record=records),
+            open_run(config, shares, run_dir, tasks, suites, events=bus) as run,
+        ):
+            run.observers = [PublishedRun(bus), *([tracked] if tracked else [])]
             return await run_steps(
                 run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
             )
@@ -206,6 +220,7 @@ async def open_run(
     run_dir: Path,
     tasks: StepTasks | None,
     evaluated: list[EvalSuite] | None = None,
+    events: EventBus | None = None,
 ) -> AsyncIterator[TrainRun]:
     """The trainer's processes, the fleet, the engine and one session, all started;
     the run's jobs play ``tasks``, drawn from the mixture of ``shares`` (None: online,
@@ -268,6 +283,7 @@ async def open_run(
                 weights=weights,
                 headers=gateway.headers if gateway is not None else None,
                 wrap_scheduler=None if cluster is None else partial(TimedScheduler, observe=calls),
+                events=events,
             )
         )
         log = stack.enter_context(RolloutLog(run_dir))

@@ -146,8 +146,8 @@ async def run_steps(
                 out.write(record.to_json() + "\n")
             records.append(record)
             on_step(record)
-            if run.observer is not None:
-                await run.observer.step(record)
+            for observer in run.observers:
+                await observer.step(record)
             await run.save(step + 1)
             if checkpoint is not None:
                 await checkpoint(run, record)
@@ -190,7 +190,8 @@ class TrainRun:
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None
     evaluation: Evaluation | None = None  # [eval]: held-apart tasks on the weights
-    observer: RunObserver | None = None  # [tracking]: the trackers
+    #: What watches the run (the event stream, the trackers).
+    observers: list[RunObserver] = field(default_factory=list)
     _evaluated: anyio.Event | None = None  # set when the evaluation under way is done
     version: int = 0  # the weights the trainer holds: v0 before the first step
     publisher: Publisher = field(init=False)
@@ -239,8 +240,8 @@ class TrainRun:
         await self.trainer.call(
             WriteCheckpoint(self.run_dir, state, forest, keep_last=self.config.keep_last)
         )
-        if self.observer is not None:
-            await self.observer.checkpoint(steps_done, checkpoint_path(self.run_dir, steps_done))
+        for observer in self.observers:
+            await observer.checkpoint(steps_done, checkpoint_path(self.run_dir, steps_done))
 
     # ------------------------------------------------------------------ one step
 
@@ -332,8 +333,8 @@ class TrainRun:
             try:
                 line = await evaluation.run(steps_done, self.version)
                 self._keep_if_best(steps_done, line)
-                if self.observer is not None:
-                    await self.observer.evaluation(line)
+                for observer in self.observers:
+                    await observer.evaluation(line)
             finally:
                 done.set()
 

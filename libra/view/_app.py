@@ -2,8 +2,9 @@
 package: nothing from a CDN), ``/events`` (server-sent events: every batch so far, then
 each new one as it comes), ``/record/<id>`` (an ended trajectory's record).
 
-With a key, every request must carry it (``?key=...``: the page passes its own on to
-what it loads; or ``Authorization: Bearer ...``), else 401.
+With a key (or ``allows``, a check of the key given: the gateway's admin keys), every
+request must carry one (``?key=...``: the page passes its own on to what it loads; or
+``Authorization: Bearer ...``), else 401.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hmac
 import importlib.resources
 import urllib.parse
+from collections.abc import Callable
 
 import anyio
 
@@ -21,9 +23,15 @@ _TYPES = {".html": b"text/html; charset=utf-8", ".js": b"text/javascript", ".css
 
 
 class ViewApp:
-    def __init__(self, history: History, key: str | None = None) -> None:
+    def __init__(
+        self,
+        history: History,
+        key: str | None = None,
+        allows: Callable[[str], bool] | None = None,
+    ) -> None:
         self.history = history
         self.key = key
+        self.allows = allows
         static = importlib.resources.files("libra.view") / "static"
         self.files = {
             entry.name: entry.read_bytes() for entry in static.iterdir() if entry.is_file()
@@ -51,14 +59,16 @@ class ViewApp:
             await _answer(send, 404, b"text/plain", b"not found\n")
 
     def _allowed(self, scope: Scope) -> bool:
-        if self.key is None:
+        if self.key is None and self.allows is None:
             return True
         query = urllib.parse.parse_qs(scope.get("query_string", b"").decode())
         given = query.get("key", [""])[-1]
         bearer = (header(scope, b"authorization") or b"").decode()
         if bearer.startswith("Bearer "):
             given = given or bearer.removeprefix("Bearer ")
-        return hmac.compare_digest(given.encode(), self.key.encode())
+        if self.key is not None and hmac.compare_digest(given.encode(), self.key.encode()):
+            return True
+        return bool(given) and self.allows is not None and self.allows(given)
 
     async def _file(self, send: Send, name: str) -> None:
         body = self.files.get(name)

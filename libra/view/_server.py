@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import anyio
 import uvicorn
@@ -44,13 +44,18 @@ def view_key(host: str, key: str | None) -> str | None:
 
 @contextlib.asynccontextmanager
 async def serve_view(
-    history: History, host: str = "127.0.0.1", port: int = 0, key: str | None = None
+    history: History,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    key: str | None = None,
+    allows: Callable[[str], bool] | None = None,
 ) -> AsyncIterator[str]:
-    """Serve the view of ``history`` while the block runs; its URL (with the key)."""
-    if host not in LOOPBACK and not key:
+    """Serve the view of ``history`` while the block runs; its URL (with the key).
+    ``allows`` accepts other keys too (the gateway's admin keys)."""
+    if host not in LOOPBACK and not key and allows is None:
         raise UsageError(f"a view on {host} needs a key (the gateway's, or --view-key)")
     config = uvicorn.Config(
-        ViewApp(history, key),
+        ViewApp(history, key, allows),
         host=host,
         port=port,
         loop="none",
