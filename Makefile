@@ -9,7 +9,7 @@ PIP := $(BIN)/python -m pip --quiet --disable-pip-version-check
 RUNS := runs
 TORCH := torch==2.13.0
 
-.PHONY: setup setup-serving setup-sandbox setup-docs test check test-faults lint unit docs demo bench bench-docs clean
+.PHONY: setup setup-serving setup-sandbox setup-browser setup-docs test check test-faults lint unit docs demo bench bench-docs clean
 
 # The library, its dev tools, the Docker SDK, the experiment trackers (TensorBoard, W&B,
 # MLflow: their tests read back what a run logged) and Ray (the cluster's Ray backend,
@@ -45,6 +45,13 @@ setup-sandbox: setup
 	@if [ "$$(id -u)" = 0 ]; then scripts/ensure-docker.sh; fi
 	@if docker info >/dev/null 2>&1; then $(BIN)/libra images build; fi
 
+# Debian's Chromium and ChromeDriver, for the live view's browser test (as root, as in CI;
+# elsewhere that test is skipped with the reason). Nothing downloads a browser of its own.
+setup-browser:
+	@if [ "$$(id -u)" = 0 ] && ! [ -x /usr/bin/chromedriver ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	fi
+
 # MkDocs with the Material theme and the plugins of mkdocs.yml. The reference pages are
 # generated from the code (libra.cli imports the trainer, so torch: the serving setup).
 setup-docs: $(VENV)/.libra-docs
@@ -67,8 +74,8 @@ lint: setup
 # pytest-xdist runs them on JOBS workers. Those of real servers, engines and process groups
 # run one at a time after them: two vLLM servers with their trainers outgrow 24 GiB here.
 JOBS ?= 3
-FAST := not (slow or vllm or docker or bwrap or trainer or ray)
-unit: setup-serving setup-sandbox
+FAST := not (slow or vllm or docker or bwrap or trainer or ray or browser)
+unit: setup-serving setup-sandbox setup-browser
 	$(BIN)/python -m pytest -q -n $(JOBS) -m "$(FAST)"
 	$(BIN)/python -m pytest -q -m "not ($(FAST))"
 

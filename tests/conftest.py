@@ -24,6 +24,7 @@ from tests._helpers import (
 
 if TYPE_CHECKING:
     import docker
+    from selenium.webdriver.remote.webdriver import WebDriver
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,7 +36,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 #: The marker each real component's fixture puts on the tests that ask for it, so that
-#: ``make check`` (``-m "not (slow or vllm or docker or bwrap or trainer or ray)"``)
+#: ``make check`` (``-m "not (slow or vllm or docker or bwrap or trainer or ray or browser)"``)
 #: leaves out every test that needs a real server, engine or process group.
 MARKER_OF_FIXTURE = {
     "embedded_model": "vllm",
@@ -44,6 +45,7 @@ MARKER_OF_FIXTURE = {
     "bwrap_root": "bwrap",
     "tiny_model": "trainer",
     "ray_instance": "ray",
+    "browser": "browser",
 }
 
 
@@ -119,6 +121,42 @@ def docker_client() -> Iterator[docker.DockerClient]:
     build_image("libra/python", client=client)  # idempotent: instant when already built
     yield client
     client.close()
+
+
+# ----------------------------------------------- a real browser: Debian's Chromium, headless
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[WebDriver]:
+    """Headless Chromium from the system's packages (`make test` installs them as root),
+    driven by Selenium through the system's ChromeDriver: nothing downloads a browser."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        unavailable("no Chromium and ChromeDriver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    # As the machines' probe ran it: no sandbox as root, and no background networking,
+    # whose connections this machine's closed network refuses.
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,1800",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    yield driver
+    driver.quit()
 
 
 # ------------------------------------------------------- bubblewrap and its root filesystem

@@ -9,6 +9,8 @@ from libra.bench._docs import add_arguments as add_docs_arguments
 from libra.bench._docs import main_docs
 from libra.bench._engine import as_json as engine_as_json
 from libra.bench._engine import run_engine_bench
+from libra.bench._engine_view import as_json as view_as_json
+from libra.bench._engine_view import run_view_bench
 from libra.bench._sandbox import bench_sandbox
 from libra.bench._sched import (
     DEFAULT_WORKLOAD,
@@ -63,7 +65,9 @@ __all__ = [
     "run_engine_bench",
     "run_policy",
     "run_sched_bench",
+    "run_view_bench",
     "serve_as_json",
     "train_as_json",
+    "view_as_json",
     "with_mismatch",
 ]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from libra.bench import _docs_render as render
+from libra.bench import _docs_render_sched as sched_render
 from libra.config import UsageError
 
 # Relative to where it runs: the repository's root (a developer's command).
@@ -133,6 +134,7 @@ _QUICK = Runs(
         ),
     ),
 )
+PLAIN = sched_render.PLAIN_COLUMNS  # the seeds tables' columns without the ablations
 RUNS: dict[str, Runs] = {
     runs.name: runs
     for runs in (
@@ -140,6 +142,7 @@ RUNS: dict[str, Runs] = {
         Runs("alloc", (_command("bench alloc --json --plot docs/bench-alloc.png"),)),
         Runs("alloc-ahead", (_command("bench alloc --ahead 1,2,3 --json"),)),
         Runs("engine", (_command("bench engine --json"),)),
+        Runs("engine-view", (_command("bench engine --view --pairs 5 --json"),)),
         Runs("serve", (_command("bench serve --json"),)),
         Runs("train", (_command("bench train --json"),)),
         _SCHED,
@@ -162,42 +165,48 @@ TABLES: dict[str, DocTable] = {
             DOCS / "benchmarks" / "allocation.md",
         ),
         DocTable("engine", RUNS["engine"], render.engine, DOCS / "benchmarks" / "engine.md"),
+        DocTable(
+            "engine-view",
+            RUNS["engine-view"],
+            render.engine_view,
+            DOCS / "benchmarks" / "engine.md",
+        ),
         DocTable("serve", RUNS["serve"], render.serve, DOCS / "benchmarks" / "gateway.md"),
         DocTable("train", RUNS["train"], render.train, DOCS / "benchmarks" / "trainer.md"),
         DocTable(
             "sched-swe-datasheet",
             _SCHED,
-            partial(render.one_run, "swe-agent", "datasheet"),
+            partial(sched_render.one_run, "swe-agent", "datasheet"),
             SCHED_PAGE,
         ),
         DocTable(
             "sched-swe-none",
             _SCHED,
-            partial(render.one_run, "swe-agent", "none"),
+            partial(sched_render.one_run, "swe-agent", "none"),
             SCHED_PAGE,
         ),
-        DocTable("sched-workloads", _SCHED, render.workloads, SCHED_PAGE),
-        DocTable("sched-ablations", _SCHED, render.ablations, SCHED_PAGE),
+        DocTable("sched-workloads", _SCHED, sched_render.workloads, SCHED_PAGE),
+        DocTable("sched-ablations", _SCHED, sched_render.ablations, SCHED_PAGE),
         DocTable(
-            "sched-seeds", _SCHED, partial(render.seeds, "swe-agent", "datasheet"), SCHED_PAGE
+            "sched-seeds", _SCHED, partial(sched_render.seeds, "swe-agent", "datasheet"), SCHED_PAGE
         ),
         DocTable(
             "sched-seeds-none",
             _SCHED_NONE,
-            partial(render.seeds, "swe-agent", "none"),
+            partial(sched_render.seeds, "swe-agent", "none"),
             SCHED_PAGE,
         ),
         DocTable(
             "sched-seeds-web",
             _SCHED_WEB,
-            partial(render.seeds, "web-research", "datasheet", columns=render.PLAIN_COLUMNS),
+            partial(sched_render.seeds, "web-research", "datasheet", columns=PLAIN),
             SCHED_PAGE,
         ),
         *(
             DocTable(
                 f"sched-seeds-{workload}",
                 _SCHED_MORE,
-                partial(render.seeds, workload, "datasheet", columns=render.PLAIN_COLUMNS),
+                partial(sched_render.seeds, workload, "datasheet", columns=PLAIN),
                 SCHED_PAGE,
             )
             for workload in _MORE_WORKLOADS
@@ -205,12 +214,12 @@ TABLES: dict[str, DocTable] = {
         DocTable(
             "sched-robustness",
             _SCHED,
-            render.robustness,
+            sched_render.robustness,
             SCHED_PAGE,
             also=(_SCHED_MORE, _SCHED_WEB),
         ),
-        DocTable("sched-figure", _SCHED_FIGURE, render.sched_figure, SCHED_PAGE),
-        DocTable("sched-quick", _QUICK, render.policies, POLICIES_PAGE),
+        DocTable("sched-figure", _SCHED_FIGURE, sched_render.sched_figure, SCHED_PAGE),
+        DocTable("sched-quick", _QUICK, sched_render.policies, POLICIES_PAGE),
     )
 }
 

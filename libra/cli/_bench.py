@@ -29,8 +29,10 @@ from libra.bench import (
     main_sched,
     main_soak,
     run_engine_bench,
+    run_view_bench,
     serve_as_json,
     train_as_json,
+    view_as_json,
 )
 from libra.sched.policies import ABLATIONS, POLICIES
 
@@ -53,6 +55,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="runs of the engine and the bare clients per level, back to back (default 3)",
     )
     engine.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    engine.add_argument(
+        "--view",
+        action="store_true",
+        help="instead: the engine with the live view on and off, pair by pair",
+    )
     engine.set_defaults(run=run_engine)
     sched = benches.add_parser(
         "sched", help="scheduling policies (C-MLFQ and baselines) on an emulated fleet"
@@ -149,6 +156,8 @@ def _add_sched_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_engine(args: argparse.Namespace) -> int:
+    if args.view:
+        return run_engine_view(args)
     results = anyio.run(
         partial(run_engine_bench, tuple(args.concurrency), pairs=args.pairs),
         backend_options={"use_uvloop": True},
@@ -171,6 +180,33 @@ def run_engine(args: argparse.Namespace) -> int:
             f"{r.bare_httpx_calls_s:,.0f}", f"{r.cpu_us_per_call:,.0f}",
             f"{r.bare_aiohttp_cpu_us_per_call:,.0f}", f"{r.bare_httptools_cpu_us_per_call:,.0f}",
             f"{r.errors}",
+        )  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def run_engine_view(args: argparse.Namespace) -> int:
+    views = anyio.run(
+        partial(run_view_bench, tuple(args.concurrency), pairs=args.pairs),
+        backend_options={"use_uvloop": True},
+    )
+    if args.json:
+        print(json.dumps(view_as_json(views)))
+        return 0
+    table = Table(title="libra bench engine --view: the live view on and off, pair by pair")
+    for column in (
+        "concurrent",
+        "calls/s",
+        "with the view",
+        "ratio (median)",
+        "per pair",
+        "events",
+    ):
+        table.add_column(column, justify="right")
+    for r in views:
+        table.add_row(
+            f"{r.concurrency:,}", f"{r.calls_s:,.0f}", f"{r.view_calls_s:,.0f}", f"{r.ratio:.3f}",
+            " ".join(f"{x:.3f}" for x in r.ratio_per_pair), f"{r.events:,}",
         )  # fmt: skip
     Console().print(table)
     return 0

@@ -79,7 +79,7 @@ class TrajectoryEvents:
                 stop_reason=record.stop_reason,
                 reward=record.reward,
                 turns=record.turns,
-                tokens=len(record.token_ids),
+                tokens=sum(record.loss_mask),
                 seconds=record.timings.total_s,
             )
         )

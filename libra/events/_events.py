@@ -53,6 +53,8 @@ class BucketMoved(Event, tag="move"):
 
 
 class TrajectoryEnded(Event, tag="end"):
+    """``tokens``: what the model sampled in all (as the calls' ``new_tokens`` add up)."""
+
     id: str
     status: str
     stop_reason: str

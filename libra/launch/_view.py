@@ -63,12 +63,17 @@ async def publish_fleet(
     """The fleet onto the bus every ``interval_s`` while it changes (an idle gateway's
     log does not grow by a line a second), until cancelled."""
     last: list[InstanceSample] | None = None
-    while True:
+    try:
+        while True:
+            sample = fleet_sample(bus, router)
+            if sample.instances != last:
+                bus.publish(sample)
+                last = sample.instances
+            await anyio.sleep(interval_s)
+    finally:  # how the fleet was left: a finished run's view shows nothing in flight
         sample = fleet_sample(bus, router)
         if sample.instances != last:
             bus.publish(sample)
-            last = sample.instances
-        await anyio.sleep(interval_s)
 
 
 @asynccontextmanager

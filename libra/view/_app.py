@@ -94,10 +94,11 @@ class ViewApp:
                         body = b"data: " + history.batches[sent] + b"\n\n"
                         await send({"type": "http.response.body", "body": body, "more_body": True})
                         sent += 1
-                    if not history.live:
+                    if not history.live:  # the page keeps what it has, and stops asking
                         state = b"event: state\ndata: finished\n\n"
                         await send({"type": "http.response.body", "body": state, "more_body": True})
-                        await anyio.sleep_forever()  # the page keeps what it has
+                        scope.cancel()
+                        break
                     await history.changed()
         await send({"type": "http.response.body", "body": b""})
 

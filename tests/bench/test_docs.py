@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from libra.bench import _docs_render as render
+from libra.bench import _docs_render_sched as sched_render
 from libra.bench._docs import (
     SAVED,
     TABLES,
@@ -122,7 +122,7 @@ def test_the_robustness_table_weighs_each_policy_against_the_best_of_the_others(
         _sched_output("w", 1, sorted=110.0, plas=100.0, cmlfq=105.0, **spans),
         _sched_output("w", 1, sorted=110.0, plas=100.0, cmlfq=99.0, **spans),
     ]
-    lines = render.robustness(outputs)
+    lines = sched_render.robustness(outputs)
     assert lines[0].startswith("The 2 runs under `datasheet` (w; seeds 0-1)")
     cells = [[cell.strip(" *") for cell in line.strip("|").split("|")] for line in lines[4:13]]
     rows = {row[0]: row[1:] for row in cells}

@@ -68,6 +68,7 @@ def test_every_trajectory_call_tool_and_move_is_published() -> None:
     for record in records:
         end = ended[record.id]
         assert (end.status, end.turns, end.reward) == (record.status, record.turns, record.reward)
+        assert end.tokens == sum(record.loss_mask)
         # (a turn that reached its route's quantum went on in another call)
         ok = [call for call in calls[record.id] if call.outcome == "ok"]
         assert len(ok) >= record.turns and {c.instance for c in ok} >= set(record.endpoints)

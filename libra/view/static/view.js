@@ -72,10 +72,13 @@ function seconds(t) {
 // ------------------------------------------------------------------------- drawing
 
 function lineChart(canvas, series, xLabel) {
+  canvas.dataset.points = series.map((s) => s.points.length).join(","); // what a test reads
   const ctx = canvas.getContext("2d");
   const w = canvas.width, h = canvas.height, pad = 34;
   ctx.clearRect(0, 0, w, h);
   const points = series.flatMap((s) => s.points);
+  const figure = canvas.closest("figure");
+  if (figure) figure.hidden = !points.length; // a chart of nothing is not shown
   if (!points.length) return;
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1e-9);
@@ -185,11 +188,18 @@ function drawDetail() {
 async function showConversation(id) {
   const box = document.getElementById("conversation");
   box.textContent = "";
-  const answer = await fetch(withKey(`record/${encodeURIComponent(id)}`));
-  if (!answer.ok) {
-    box.textContent = "the conversation shows once the trajectory has ended";
-    return;
+  let answer = await fetch(withKey(`record/${encodeURIComponent(id)}`));
+  // Its end is published a moment before its record is written: ask again while it
+  // stays selected (and ended).
+  while (!answer.ok && selected === id) {
+    box.textContent = "the conversation shows once the trajectory has ended and is recorded";
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+    if (run.trajectories.get(id)?.ended !== null) {
+      answer = await fetch(withKey(`record/${encodeURIComponent(id)}`));
+    }
   }
+  if (!answer.ok || selected !== id) return;
+  box.textContent = "";
   const record = await answer.json();
   box.replaceChildren(...record.messages.map((m) => {
     const div = document.createElement("div");
@@ -224,6 +234,7 @@ function drawTraining() {
   lineChart(document.getElementById("alloc-chart"),
     numbers.map((k) => ({ name: k, points: allocated.map((s) => [s.step, s.alloc[k] ?? 0]) })), "step");
   table("alloc", allocated.map((s) => [s.step, JSON.stringify(s.alloc)]));
+  document.getElementById("alloc-moves").hidden = !allocated.length;
 }
 
 function draw() {
