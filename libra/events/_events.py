@@ -92,10 +92,11 @@ class EvalEnded(Event, tag="eval"):
     line: dict[str, Any]  # eval.jsonl's
 
 
-class StepStarted(Event, tag="step_start"):
-    """The training loop began waiting for step ``step``'s groups."""
+class CheckpointWritten(Event, tag="checkpoint"):
+    """The checkpoint after ``steps_done`` steps is complete, in folder ``path``."""
 
-    step: int
+    steps_done: int
+    path: str
 
 
 AnyEvent = (
@@ -105,7 +106,7 @@ AnyEvent = (
     | BucketMoved
     | TrajectoryEnded
     | FleetSampled
-    | StepStarted
     | StepEnded
     | EvalEnded
+    | CheckpointWritten
 )

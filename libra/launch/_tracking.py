@@ -1,85 +1,95 @@
-"""``[tracking]`` in a training run: each step's line with its trajectories (read back
-from the step's durable log, ``rollouts/step-K.jsonl``), each evaluation's line and each
-checkpoint, handed to the trackers (``libra.tracking``). The trackers read what the run
-folder holds, not counts of their own."""
+"""``[tracking]`` in a training run: the trackers (``libra.tracking``) follow the run's
+event stream (``libra.events``, what the live view and the events log read): each step's
+line with its trajectories (read back from the step's durable log,
+``rollouts/step-K.jsonl``), each evaluation's line and each checkpoint. They count
+nothing of their own."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 
 from libra.engine import TrajectoryRecord
+from libra.events import CheckpointWritten, EvalEnded, EventBus, StepEnded, Subscription
 from libra.launch._train_config import TrainRunConfig
 from libra.tracking import RunStart, Sample, StepLog, Trackers, scalars
-from libra.train import StepRecord, read_step
+from libra.train import read_step
 from libra.trainer import find_latest
 
 _MESSAGE_CHARS = 2000  # of one message, in a sample's text
 
 
-class TrackedRun:
-    """The trackers as the loop's :class:`~libra.train.RunObserver`. Logging runs in a
-    worker thread (a tracker may write to disk or a database), one call at a time: an
-    evaluation ends beside a step."""
-
-    def __init__(self, trackers: Trackers, run_dir: Path, samples: int) -> None:
-        self.trackers = trackers
-        self.run_dir = run_dir
-        self.samples = samples
-        self._lock = anyio.Lock()
-
-    async def step(self, record: StepRecord) -> None:
-        records = await anyio.to_thread.run_sync(read_step, self.run_dir, record.step)
-        entry = StepLog(
-            record.step,
-            scalars(asdict(record)),
-            histograms(records),
-            spread(records, self.samples),
-        )
-        await self._log(entry)
-
-    async def evaluation(self, line: dict[str, Any]) -> None:
-        figures = {"eval/weight_version": float(line["weight_version"])}
-        await self._log(StepLog(line["step"], figures | scalars(line["envs"], "eval/")))
-
-    async def checkpoint(self, steps_done: int, path: Path) -> None:
-        async with self._lock:
-            await anyio.to_thread.run_sync(self.trackers.log_checkpoint, steps_done, path)
-
-    async def _log(self, entry: StepLog) -> None:
-        async with self._lock:
-            await anyio.to_thread.run_sync(self.trackers.log, entry)
+async def track(
+    subscription: Subscription, trackers: Trackers, run_dir: Path, samples: int
+) -> None:
+    """Hand the trackers what the run's event stream says, in order, until the
+    subscription closes: each step's line with its trajectories, each evaluation's line,
+    each checkpoint. Logging runs in a worker thread (a tracker may write to disk or a
+    database), so training never waits for it."""
+    async for batch in subscription.batches():
+        for event in batch:
+            if isinstance(event, StepEnded):
+                step = int(event.line["step"])
+                records = await anyio.to_thread.run_sync(read_step, run_dir, step)
+                entry = StepLog(
+                    step, scalars(event.line), histograms(records), spread(records, samples)
+                )
+                await anyio.to_thread.run_sync(trackers.log, entry)
+            elif isinstance(event, EvalEnded):
+                line = event.line
+                figures = {"eval/weight_version": float(line["weight_version"])}
+                entry = StepLog(line["step"], figures | scalars(line["envs"], "eval/"))
+                await anyio.to_thread.run_sync(trackers.log, entry)
+            elif isinstance(event, CheckpointWritten):
+                path = Path(event.path)
+                await anyio.to_thread.run_sync(trackers.log_checkpoint, event.steps_done, path)
 
 
-@contextmanager
-def open_tracking(
-    config: TrainRunConfig, run_dir: Path, resume: bool
-) -> Iterator[TrackedRun | None]:
-    """The run's trackers (None when ``[tracking]`` names none), closed with the run."""
-    tracking = config.tracking
-    if not tracking.backends:
-        yield None
+@asynccontextmanager
+async def tracking(
+    config: TrainRunConfig, run_dir: Path, resume: bool, bus: EventBus
+) -> AsyncIterator[None]:
+    """While the block runs, the run's trackers follow ``bus`` (none when ``[tracking]``
+    names none); on the way out they take what is left, then close. (Opening and closing
+    a tracker blocks, W&B's starts a service: in a worker thread.)"""
+    settings = config.tracking
+    if not settings.backends:
+        yield
         return
-    name = tracking.run_name or run_dir.resolve().name
+    start = await anyio.to_thread.run_sync(run_start, config, run_dir, resume)
+    trackers = await anyio.to_thread.run_sync(Trackers, settings, start)
+    try:
+        subscription = bus.subscribe()
+        async with anyio.create_task_group() as group:
+            group.start_soon(track, subscription, trackers, run_dir, settings.samples)
+            try:
+                yield
+            finally:
+                subscription.close()  # the trackers log what it holds, then stop
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(trackers.close)
+
+
+def run_start(config: TrainRunConfig, run_dir: Path, resume: bool) -> RunStart:
+    """The tracked run: its names, config, folder, and where a resume goes on from."""
+    settings = config.tracking
+    name = settings.run_name or run_dir.resolve().name
     latest = find_latest(run_dir) if resume else None
-    start = RunStart(
+    return RunStart(
         name=name,
-        project=tracking.project,
-        group=tracking.group or name,
-        tags=list(tracking.tags),
+        project=settings.project,
+        group=settings.group or name,
+        tags=list(settings.tags),
         config=config.model_dump(mode="json"),
         config_toml=config.to_toml(),
-        dir=tracking.dir or run_dir / "tracking",
+        dir=settings.dir or run_dir / "tracking",
         resume_step=latest.run.step if latest is not None else None,
     )
-    with Trackers(tracking, start) as trackers:
-        yield TrackedRun(trackers, run_dir, tracking.samples)
 
 
 def histograms(records: list[TrajectoryRecord]) -> dict[str, list[float]]:

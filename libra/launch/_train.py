@@ -36,7 +36,7 @@ from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
 from libra.launch._session import Player, Share, load_mixture, open_session
 from libra.launch._tasks import read_tasks
-from libra.launch._tracking import open_tracking
+from libra.launch._tracking import tracking
 from libra.launch._train_config import TrainRunConfig
 from libra.launch._view import PublishedRun, ViewOptions, last_t, run_events
 from libra.sched import Scheduler
@@ -103,15 +103,15 @@ async def train(
     if not resume:
         log.unlink(missing_ok=True)  # a run killed before its first line: not this run's
     records = RecordFiles(lambda: sorted(run_dir.glob("rollouts/*.jsonl")))
-    with open_tracking(config, run_dir, resume) as tracked:
-        async with (
-            run_events(bus, log=log, view=view, find_record=records),
-            open_run(config, shares, run_dir, tasks, suites, events=bus) as run,
-        ):
-            run.observers = [PublishedRun(bus), *([tracked] if tracked else [])]
-            return await run_steps(
-                run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
-            )
+    async with (
+        run_events(bus, log=log, view=view, find_record=records),
+        tracking(config, run_dir, resume, bus),
+        open_run(config, shares, run_dir, tasks, suites, events=bus) as run,
+    ):
+        run.observers = [PublishedRun(bus)]
+        return await run_steps(
+            run, resume=resume, checkpoint=checkpoint, on_step=on_step, progress=progress
+        )
 
 
 async def evaluate(config: TrainRunConfig, step: int | None = None) -> dict[str, Any]:

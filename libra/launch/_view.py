@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 
 from libra.events import (
+    CheckpointWritten,
     EvalEnded,
     EventBus,
     FleetSampled,
@@ -124,7 +125,7 @@ class PublishedRun:
         self.bus.publish(EvalEnded(t=self.bus.t(), line=line))
 
     async def checkpoint(self, steps_done: int, path: Path) -> None:
-        """Checkpoints are the run folder's to show."""
+        self.bus.publish(CheckpointWritten(t=self.bus.t(), steps_done=steps_done, path=str(path)))
 
 
 def last_t(log: Path) -> float:
