@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from libra.cli import _bench, _images, _rollout, _serve, _train, _view, _vllm
+from libra.cli._groups import single_failure
 from libra.config import UsageError
 from libra.envs import SandboxError, available_envs
 from libra.gateway import AuthError
@@ -39,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except _USER_ERRORS as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:  # one user error that crossed task groups
+        only = single_failure(group)
+        if not isinstance(only, _USER_ERRORS):
+            raise
+        print(f"libra: error: {only}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("libra: interrupted", file=sys.stderr)

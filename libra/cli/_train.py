@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from libra.cli._config import add_config_arguments
+from libra.cli._groups import single_failure
 from libra.cli._progress import counters
 from libra.cli._view import add_view_arguments, view_options
 from libra.config import load_config
@@ -182,13 +183,21 @@ async def _train(
     resume: bool,
     view: ViewOptions | None,
 ) -> None:
-    await train(
-        config,
-        resume=resume,
-        on_step=lambda record: console.print(step_line(record)),
-        progress=progress,
-        view=view,
-    )
+    try:
+        await train(
+            config,
+            resume=resume,
+            on_step=lambda record: console.print(step_line(record)),
+            progress=progress,
+            view=view,
+        )
+    except BaseExceptionGroup as group:
+        # One failure, wrapped by the task groups it crossed (the event stream's, the
+        # run's): raised as itself, so a user's error stays one line.
+        only = single_failure(group)
+        if only is not None:
+            raise only from None
+        raise
 
 
 def step_line(record: StepRecord) -> str:

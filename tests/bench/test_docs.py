@@ -149,7 +149,7 @@ def test_check_fails_naming_a_region_out_of_date(tmp_path: Path) -> None:
     shutil.copytree(REPO / "docs", tmp_path / "docs")
     engine = tmp_path / TABLES["engine"].file
     engine.write_text(
-        engine.read_text().replace("\n<!-- /bench:engine", "\nstale\n<!-- /bench:engine")
+        engine.read_text().replace("\n<!-- /bench:engine -->", "\nstale\n<!-- /bench:engine -->")
     )
     done = subprocess.run(
         [sys.executable, "-m", "libra", "bench", "docs", "--check"],
