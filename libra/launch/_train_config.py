@@ -7,6 +7,8 @@ A run folder holds::
     rollouts/step-K.jsonl  the records of step K, each appended as it finishes
     weights/vK/            the weights after K optimizer steps (v0: the served start)
     checkpoints/step-K/    what ``libra train --resume`` starts step K from
+    events.jsonl           the run's event stream (``libra view RUN_DIR``)
+    tracking/              with ``[tracking]``: TensorBoard's, W&B's and MLflow's files
     plot.png               ``libra plot RUN_DIR``
 """
 
