@@ -29,16 +29,13 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
-import anyio
-from trio.testing import MockClock
-
 from libra.alloc import Plan, StepTiming, instance_name
 from libra.bench._alloc_demand import demand_of_records, demand_of_scripts, script_tokens
 from libra.bench._alloc_fleet import fleet_apps, fleet_spec, layout_of, serving_units, step_cluster
 from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_steps import colocated_step, pooled_step, split_step
 from libra.bench._alloc_strategies import Strategy, strategies
-from libra.bench._emulated_fleet import seed_trio_scheduler
+from libra.bench._emulated_fleet import in_virtual_time
 from libra.emulation import EmulatedTrainer, FleetApp
 from libra.emulation.workloads import ScriptBook
 from libra.engine import TrajectoryRecord
@@ -119,15 +116,7 @@ class ConfigRun:
 
 def run_config(settings: Settings, name: str) -> ConfigRun:
     """Every step of configuration ``name``, in virtual time; deterministic for a seed."""
-    seed_trio_scheduler(settings.seed)
-    result: ConfigRun = anyio.run(
-        _run_config,
-        settings,
-        name,
-        backend="trio",
-        backend_options={"clock": MockClock(autojump_threshold=0)},
-    )
-    return result
+    return in_virtual_time(_run_config, settings, name, seed=settings.seed)
 
 
 def config_names(settings: Settings) -> list[str]:

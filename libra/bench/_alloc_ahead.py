@@ -24,12 +24,11 @@ from dataclasses import dataclass
 import anyio
 from rich.console import Console
 from rich.table import Table
-from trio.testing import MockClock
 
 from libra.bench._alloc_fleet import fleet_apps, fleet_spec, serving_units
 from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_strategies import UPFRONT_SHARE, static_plan
-from libra.bench._emulated_fleet import engine_config, seed_trio_scheduler
+from libra.bench._emulated_fleet import engine_config, in_virtual_time
 from libra.bench._sched_history import replay_history
 from libra.emulation import EmulatedTrainer, EmulatorApp, FleetApp
 from libra.emulation.workloads import EnvClasses, ScriptBook
@@ -90,15 +89,7 @@ def run_ahead(settings: Settings, ahead: int) -> AheadRun:
     deterministic for a seed."""
     if ahead < 1:
         raise ValueError(f"rollouts run 1 or more steps ahead, not {ahead}")
-    seed_trio_scheduler(settings.seed)
-    run: AheadRun = anyio.run(
-        _run,
-        settings,
-        ahead,
-        backend="trio",
-        backend_options={"clock": MockClock(autojump_threshold=0)},
-    )
-    return run
+    return in_virtual_time(_run, settings, ahead, seed=settings.seed)
 
 
 async def _run(settings: Settings, ahead: int) -> AheadRun:

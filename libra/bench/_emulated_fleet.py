@@ -4,12 +4,19 @@ the engine's settings for a benchmark step, and trio's tie-breaks seeded so a ru
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from trio.testing import MockClock
+
 from libra.bench._sched_fleet import FleetFile
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
 from libra.emulation.workloads import ScriptBook, Workload, WorkloadScript
 from libra.engine import EngineConfig, SamplingConfig
 
 MODEL = "libra-emulated"
+T = TypeVar("T")
 CONTEXT_MARGIN = 4096  # template tokens beyond the workload's own context limit
 _FOREVER_S = 1e7  # request, call and trajectory limits: a benchmark step never hits them
 
@@ -62,3 +69,12 @@ def seed_trio_scheduler(seed: int) -> None:
     from trio._core import _run  # trio offers no public switch for this
 
     _run._r.seed(seed)
+
+
+def in_virtual_time(func: Callable[..., Awaitable[T]], *args: Any, seed: int) -> T:
+    """``func(*args)`` on trio's virtual clock (it jumps to the next deadline whenever
+    every task waits): hours of emulated serving in seconds, and a run that repeats for
+    ``seed``."""
+    seed_trio_scheduler(seed)
+    clock = MockClock(autojump_threshold=0)
+    return anyio.run(func, *args, backend="trio", backend_options={"clock": clock})

@@ -30,14 +30,13 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
 import anyio
-from trio.testing import MockClock
 
 from libra.bench._emulated_fleet import (
     CONTEXT_MARGIN,
     MODEL,
     emulated_servers,
     engine_config,
-    seed_trio_scheduler,
+    in_virtual_time,
     server_config,
 )
 from libra.bench._sched_bound import lower_bound
@@ -73,19 +72,7 @@ def run_policy(
 ) -> PolicyRun:
     """One RL step of ``workload`` under ``policy`` (``config`` tunes ``cmlfq``), in
     virtual time; deterministic for a seed."""
-    seed_trio_scheduler(seed)
-    clock = MockClock(autojump_threshold=0)
-    result: PolicyRun = anyio.run(
-        _run_policy,
-        workload,
-        fleet,
-        policy,
-        seed,
-        config,
-        backend="trio",
-        backend_options={"clock": clock},
-    )
-    return result
+    return in_virtual_time(_run_policy, workload, fleet, policy, seed, config, seed=seed)
 
 
 async def _run_policy(

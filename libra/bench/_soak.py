@@ -29,9 +29,8 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from trio.testing import MockClock
 
-from libra.bench._emulated_fleet import MODEL, seed_trio_scheduler
+from libra.bench._emulated_fleet import MODEL, in_virtual_time
 from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
 from libra.emulation import EmulatorApp, EmulatorConfig, FleetApp, create_app
 from libra.emulation.workloads import EnvClasses, ScriptBook, Workload, WorkloadScript
@@ -187,11 +186,8 @@ def run_soak(
     gc.collect()
     rss_start, threads_start = rss_mb(), threading.active_count()
     started = time.perf_counter()
-    seed_trio_scheduler(seed)
     soak = _Soak(n, fault_rate, seed, fleet, progress)
-    virtual_s: float = anyio.run(
-        soak.run, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}
-    )
+    virtual_s = in_virtual_time(soak.run, seed=seed)
     wall = time.perf_counter() - started
     tally, restarts, leftovers, marks = soak.tally, soak.restarts, soak.leftovers, soak.rss_marks_mb
     restarted_serving = soak.restarted_serving + sum(

@@ -5,35 +5,16 @@ call (``libra.agents``)."""
 from __future__ import annotations
 
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
-import anyio
 import uvicorn
 
+from libra._uvicorn import ListeningServer, running
 from libra.gateway._http_protocol import ServeHttpToolsProtocol
 
 
-class GatewayServer(uvicorn.Server):
-    """uvicorn, without its own signal handling: its owner stops it (and then ends its
-    sessions) rather than have uvicorn re-raise SIGINT or SIGTERM at the end."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.listening = anyio.Event()
-
-    @property
-    def port(self) -> int:
-        """The port it listens on (the one picked, when it was given 0)."""
-        return int(self.servers[0].sockets[0].getsockname()[1])
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.listening.set()
+class GatewayServer(ListeningServer):
+    """``libra serve``'s uvicorn (its owner stops it, then ends its sessions)."""
 
 
 def uvicorn_config(app: Callable[..., object], host: str, port: int) -> uvicorn.Config:
@@ -59,12 +40,5 @@ async def serving(
 ) -> AsyncIterator[str]:
     """Serve ``app`` on ``host:port`` (0: a free port) while the block runs; its base URL."""
     server = GatewayServer(uvicorn_config(app, host, port))
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve)
-        await server.listening.wait()
-        if not server.started:
-            raise OSError(f"the gateway could not listen on {host}:{port} (uvicorn said why)")
-        try:
-            yield f"http://{host}:{server.port}"
-        finally:
-            server.should_exit = True
+    async with running(server, "the gateway") as bound:
+        yield f"http://{host}:{bound}"

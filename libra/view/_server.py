@@ -5,33 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
-import anyio
 import uvicorn
 
+from libra._uvicorn import ListeningServer, running
 from libra.config import UsageError
 from libra.view._app import ViewApp
 from libra.view._history import History
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handling: the run that serves the view stops it."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.listening = anyio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.listening.set()
 
 
 def view_key(host: str, key: str | None) -> str | None:
@@ -63,14 +46,6 @@ async def serve_view(
         log_level="warning",
         access_log=False,
     )
-    server = _Server(config)
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve)
-        await server.listening.wait()
-        bound = server.servers[0].sockets[0].getsockname()[1]
+    async with running(ListeningServer(config), "the view") as bound:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        url = f"http://{shown}:{bound}/" + (f"?key={key}" if key else "")
-        try:
-            yield url
-        finally:
-            server.should_exit = True
+        yield f"http://{shown}:{bound}/" + (f"?key={key}" if key else "")

@@ -7,10 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import anyio
-from trio.testing import MockClock
-
-from libra.bench._emulated_fleet import MODEL, engine_config, seed_trio_scheduler
+from libra.bench._emulated_fleet import MODEL, engine_config, in_virtual_time
 from libra.bench._sched import _fleet_apps
 from libra.bench._sched_fleet import load_fleet
 from libra.bench._sched_history import replay_history
@@ -54,10 +51,7 @@ async def cmlfq_rollout() -> tuple[list[AnyEvent], list[TrajectoryRecord]]:
 
 
 def test_every_trajectory_call_tool_and_move_is_published() -> None:
-    seed_trio_scheduler(0)
-    events, records = anyio.run(
-        cmlfq_rollout, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)}
-    )
+    events, records = in_virtual_time(cmlfq_rollout, seed=0)
     by_kind = Counter(type(event) for event in events)
     assert by_kind[TrajectoryStarted] == by_kind[TrajectoryEnded] == len(records) == 18
     ended = {e.id: e for e in events if isinstance(e, TrajectoryEnded)}
