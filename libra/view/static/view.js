@@ -218,8 +218,10 @@ function drawTraining() {
   section.hidden = !run.steps.length && !run.evals.length;
   if (section.hidden) return;
   const last = run.steps[run.steps.length - 1];
+  const live = document.getElementById("state").textContent === "live";
   document.getElementById("step-now").textContent = last
-    ? `${run.steps.length} steps done, weights v${last.weight_version}` : "";
+    ? `${run.steps.length} steps done, weights v${last.weight_version}` +
+      (live ? `; step ${last.step + 1} under way` : "") : "";
   const per = (field) => run.steps.filter((s) => s[field] !== null && s[field] !== undefined).map((s) => [s.step, s[field]]);
   lineChart(document.getElementById("reward-chart"), [{ name: "reward", points: per("reward_mean") }], "step");
   lineChart(document.getElementById("length-chart"), [{ name: "tokens", points: per("response_tokens_mean") }], "step");
