@@ -72,6 +72,9 @@ def _problem(model: type[BaseModel], error: ErrorDetails) -> str:
     the closest of them."""
     where = ".".join(map(str, error["loc"]))
     section = _section_at(model, error["loc"][:-1])
+    if error["type"] == "value_error":  # a validator's own words, without pydantic's prefix
+        message = str(error["ctx"]["error"]) if "error" in error.get("ctx", {}) else error["msg"]
+        return f"{where}: {message}" if where else message
     if error["type"] != "extra_forbidden" or section is None:
         return f"{where}: {error['msg']}"
     valid = list(section.model_fields)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 
 from libra.config import ConfigError, Section, load_config
 from libra.launch import RolloutConfig
@@ -39,6 +39,12 @@ class Outer(Section):
     label: str = "default"
     inner: Inner = Inner()
 
+    @model_validator(mode="after")
+    def _labelled(self) -> Outer:
+        if self.label == "":
+            raise ValueError("label must not be empty")
+        return self
+
 
 def test_given_defaults_sit_below_the_file(tmp_path: Path) -> None:
     file = tmp_path / "run.toml"
@@ -62,6 +68,10 @@ def test_errors_are_one_line_and_name_the_key() -> None:
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(Outer, Path("missing.toml"))
+    # A validator's own words, with no empty location nor pydantic's "Value error, ".
+    with pytest.raises(ConfigError) as error:
+        load_config(Outer, overrides=['label=""'])
+    assert str(error.value) == "invalid config: label must not be empty"
 
 
 @pytest.mark.parametrize(
