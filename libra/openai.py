@@ -14,6 +14,13 @@ from typing import Any, Literal
 
 import msgspec
 
+# Libra's own headers on the OpenAI surface (``libra serve``'s, read by its clients too).
+#: Names the session (an agent's episode) a call belongs to: the gateway's scheduler
+#: sees its turns as one trajectory.
+SESSION_HEADER = "X-Libra-Session"
+#: Marks the answers of the gateway's admin API.
+ADMIN_HEADER = "X-Libra-Admin"
+
 
 # ``gc=False``: wire documents hold only text, numbers and containers, never a cycle,
 # so the cyclic collector need not track them. Decoding a chat response makes one

@@ -85,17 +85,16 @@ from libra.gateway._wire_requests import (
     decode_completion,
     upstream_completion,
 )
+from libra.openai import ADMIN_HEADER, SESSION_HEADER
 from libra.sched import NoEndpointAvailable
 from libra.serving import WeightSyncError
 
-SESSION_HEADER = "X-Libra-Session"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 _log = logging.getLogger("libra.gateway")
 _JSON = b"application/json"
 _SSE = b"text/event-stream"
 _SESSION = SESSION_HEADER.lower().encode()
-ADMIN_HEADER = "X-Libra-Admin"
 _ADMIN_MARKER = (ADMIN_HEADER.lower().encode(), b"1")
 _T = TypeVar("_T")
 _Headers = list[tuple[bytes, bytes]]

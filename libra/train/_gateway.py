@@ -30,15 +30,10 @@ from pathlib import Path
 import anyio
 import httpx
 
+from libra.openai import ADMIN_HEADER, SESSION_HEADER
 from libra.train._attach import AttachError
 
 ADMIN_KEY_VAR = "LIBRA_ADMIN_KEY"
-# What the gateway's admin API marks its answers with (``libra.gateway._app``: the
-# layers keep train and gateway apart, so the name is repeated here).
-ADMIN_HEADER = "X-Libra-Admin"
-#: Names the trajectory each rollout call belongs to, so that the gateway's scheduler
-#: (C-MLFQ) sees a trajectory's turns as one (``libra.gateway._app``'s, repeated).
-SESSION_HEADER = "X-Libra-Session"
 
 __all__ = [
     "ADMIN_HEADER",

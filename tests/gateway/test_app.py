@@ -23,9 +23,10 @@ from libra.emulation import LatencyModel
 from libra.engine import Engine, EngineConfig, http_transport
 from libra.fleet import Endpoint
 from libra.gateway import GatewayConfig, Sessions
-from libra.gateway._app import ADMIN_HEADER, SESSION_HEADER, GatewayApp, create_gateway
+from libra.gateway._app import GatewayApp, create_gateway
 from libra.gateway._auth import Keys
 from libra.gateway._metrics import GatewayMetrics
+from libra.openai import ADMIN_HEADER, SESSION_HEADER
 from libra.sched.policies import LeastLoadedScheduler
 from libra.serving import WEIGHTS_FILE, VLLMServer
 from tests._helpers import CALCULATOR, MODEL, REAL_MODEL_NAME, PathRecorder, emulated_engine
