@@ -18,7 +18,7 @@ from libra.cli._config import add_config_arguments
 from libra.cli._output import check_output_file, make_parents
 from libra.cli._progress import rollout_progress, summary
 from libra.cli._timeline import Timeline, plot_timeline, record_timeline
-from libra.cli._view import add_view_arguments, keep_records, view_options
+from libra.cli._view import add_view_arguments, view_options
 from libra.config import load_config
 from libra.engine import (
     RolloutSession,
@@ -40,6 +40,7 @@ from libra.launch import (
     read_tasks,
     run_events,
 )
+from libra.view import RecordFiles
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -165,11 +166,12 @@ async def run_rollout(
     bus = EventBus() if view is not None else None
     log = make_parents(config.out).with_name(config.out.stem + ".events.jsonl")
     async with (
-        run_events(bus, log=log, view=view) if bus is not None else nullcontext() as history,
+        run_events(bus, log=log, view=view, find_record=RecordFiles(lambda: [config.out]))
+        if bus is not None
+        else nullcontext(),
         open_engine(config, [env_cls] if env_cls else [], warm, events=bus) as run,
         open_session(run.engine, config, player) as session,
     ):
-        keep = keep_records(history)
         scheduler, stats = run.engine.scheduler, session.stats
         session.submit(jobs)
         session.close()
@@ -182,10 +184,8 @@ async def run_rollout(
                 if config.plot is not None:
                     group.start_soon(record_timeline, timeline, scheduler, stats)
                 async for record in session:  # to the end, cancelled ones included
-                    line = encoder.encode(record)
-                    out.write(line + b"\n")
+                    out.write(encoder.encode(record) + b"\n")
                     out.flush()
-                    keep(line)
                     if failures is not None:
                         failures.observe(record)
                     tick()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import anyio
 from libra.config import UsageError
 from libra.events import EVENTS_FILE
 from libra.launch import ViewOptions
-from libra.view import History, RecordFiles, record_id, serve_view, view_key
+from libra.view import History, RecordFiles, serve_view, view_key
 
 
 def add_view_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,11 +80,3 @@ async def _serve(history: History, host: str, port: int, key: str | None) -> Non
     async with serve_view(history, host, port, key) as url:
         print(f"libra view: {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         await anyio.sleep_forever()
-
-
-def keep_records(history: History | None) -> Callable[[bytes], None]:
-    """What a front end calls with each record it writes: the view keeps it for its
-    conversation."""
-    if history is None:
-        return lambda line: None
-    return lambda line: history.keep_record(record_id(line), line)

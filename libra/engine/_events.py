@@ -45,19 +45,17 @@ class TrajectoryEvents:
                 )
             )
         self._bucket[key] = route.bucket
-        name = route.endpoint.name
-        version = route.weight_version
         self.bus.publish(
             CallEnded(
                 t=t,
                 id=key,
                 turn=turn,
-                instance=name,
+                instance=route.endpoint.name,
                 bucket=route.bucket,
                 seconds=seconds,
                 new_tokens=new_tokens,
                 outcome=outcome,
-                weight_version=version,
+                weight_version=route.weight_version,
             )
         )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import anyio
 import msgspec
 
 from libra.events._bus import Subscription
@@ -29,7 +28,6 @@ async def write_log(subscription: Subscription, path: Path) -> None:
         async for batch in subscription.batches(_FLUSH_S):
             out.write(b"".join(_encoder.encode(event) + b"\n" for event in batch))
             out.flush()
-        await anyio.lowlevel.checkpoint()
 
 
 def read_events(path: Path) -> Iterator[AnyEvent]:

@@ -84,16 +84,15 @@ async def run_events(
     log: Path | None = None,
     view: ViewOptions | None = None,
     find_record: Callable[[str], bytes | None] | None = None,
-) -> AsyncIterator[History | None]:
+) -> AsyncIterator[None]:
     """While the block runs: ``bus``'s events appended to ``log``, and with ``view`` the
-    live view served (its history keeps the records handed to ``keep_record``)."""
+    live view served (it finds an ended trajectory's record with ``find_record``)."""
     async with AsyncExitStack() as stack:
         group = await stack.enter_async_context(anyio.create_task_group())
         subscriptions = []
         if log is not None:
             subscriptions.append(bus.subscribe())
             group.start_soon(write_log, subscriptions[-1], log)
-        history = None
         if view is not None:
             history = History(live=True, find_record=find_record)
             subscriptions.append(bus.subscribe())
@@ -105,7 +104,7 @@ async def run_events(
             also = " (or ?key=<an admin key>)" if view.allows is not None else ""
             print(f"libra view: {url}{also}", file=sys.stderr, flush=True)
         try:
-            yield history
+            yield
         finally:
             for subscription in subscriptions:  # what they hold is written, then they end
                 subscription.close()

@@ -30,8 +30,7 @@ class WandbTracker:
 
     def __init__(self, start: RunStart, mode: str) -> None:
         online = mode == "online" or (mode == "auto" and bool(os.environ.get("WANDB_API_KEY")))
-        root = start.dir / "wandb"
-        root.mkdir(parents=True, exist_ok=True)
+        (start.dir / "wandb").mkdir(parents=True, exist_ok=True)  # where wandb writes
         kwargs: dict[str, Any] = {
             "project": start.project,
             "name": start.name,
@@ -56,7 +55,6 @@ class WandbTracker:
                 )
         self._run = wandb.init(**kwargs)
         (start.dir / _ID_FILE).write_text(json.dumps({"id": self._run.id}))
-        self.run_dir = Path(self._run.dir).parent  # offline-run-.../ (or run-.../)
 
     def log(self, entry: StepLog) -> None:
         data: dict[str, Any] = dict(entry.scalars)

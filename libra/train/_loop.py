@@ -100,8 +100,8 @@ class CheckpointHook(Protocol):
 
 
 class RunObserver(Protocol):
-    """What watches the run from outside it (the experiment trackers): each step's line
-    once written, each evaluation's, each checkpoint once complete."""
+    """What watches the run from outside it (what puts it on the run's event stream):
+    each step's line once written, each evaluation's, each checkpoint once complete."""
 
     def step(self, record: StepRecord) -> Awaitable[None]: ...
 
@@ -190,7 +190,7 @@ class TrainRun:
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None
     evaluation: Evaluation | None = None  # [eval]: held-apart tasks on the weights
-    #: What watches the run (the event stream, the trackers).
+    #: What watches the run (the event stream's publisher).
     observers: list[RunObserver] = field(default_factory=list)
     _evaluated: anyio.Event | None = None  # set when the evaluation under way is done
     version: int = 0  # the weights the trainer holds: v0 before the first step

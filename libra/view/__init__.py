@@ -4,7 +4,7 @@ run's event stream (``libra.events``), or by a finished run folder's events log.
 
 from libra.view._app import ViewApp
 from libra.view._history import History
-from libra.view._records import RecordFiles, record_id
+from libra.view._records import RecordFiles
 from libra.view._server import LOOPBACK, serve_view, view_key
 
-__all__ = ["LOOPBACK", "History", "RecordFiles", "ViewApp", "record_id", "serve_view", "view_key"]
+__all__ = ["LOOPBACK", "History", "RecordFiles", "ViewApp", "serve_view", "view_key"]

@@ -50,7 +50,9 @@ class ViewApp:
         elif path == "/events":
             await self._events(receive, send)
         elif path.startswith("/record/"):
-            record = self.history.record(urllib.parse.unquote(path.removeprefix("/record/")))
+            # (the path comes percent-decoded; finding a record may read the run's files)
+            trajectory_id = path.removeprefix("/record/")
+            record = await anyio.to_thread.run_sync(self.history.record, trajectory_id)
             if record is None:
                 await _answer(send, 404, b"text/plain", b"no record (yet) of that trajectory\n")
             else:

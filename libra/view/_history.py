@@ -1,6 +1,6 @@
 """What the view has seen of a run: its events as encoded batches (each a JSON array,
 encoded once for every page that reads it), live from a bus or read from a run's events
-log, and the records of ended trajectories (their conversations)."""
+log, and where the records of ended trajectories are found (their conversations)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from libra.events import Event, Subscription, encode, read_events
 
 _BATCH_S = 0.25  # how often a live page gets what happened since
 _REPLAY_BATCH = 5000  # events per batch when a log is replayed
-_KEPT_RECORDS = 20_000  # conversations kept of the newest ended trajectories
 
 
 class History:
@@ -26,7 +25,6 @@ class History:
         self.batches: list[bytes] = []
         self.live = live  # events still come (until :meth:`follow` ends)
         self._changed = anyio.Event()
-        self._records: dict[str, bytes] = {}
         self._find_record = find_record
 
     def add(self, events: Iterable[Event]) -> None:
@@ -54,14 +52,7 @@ class History:
         while batch := list(islice(events, _REPLAY_BATCH)):
             self.add(batch)
 
-    def keep_record(self, trajectory_id: str, record: bytes) -> None:
-        """An ended trajectory's record (JSON), for its conversation."""
-        self._records[trajectory_id] = record
-        if len(self._records) > _KEPT_RECORDS:
-            del self._records[next(iter(self._records))]
-
     def record(self, trajectory_id: str) -> bytes | None:
-        found = self._records.get(trajectory_id)
-        if found is None and self._find_record is not None:
-            found = self._find_record(trajectory_id)
-        return found
+        """An ended trajectory's record (JSON), for its conversation; None if not found
+        (yet). It may read files: call it off the event loop."""
+        return self._find_record(trajectory_id) if self._find_record is not None else None
