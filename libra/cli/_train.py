@@ -206,11 +206,18 @@ def step_line(record: StepRecord) -> str:
     loss = record.loss.get("policy_loss")
     reruns = f" · {record.reused} taken from the log" if record.reused else ""
     reruns += f" · {record.retried} failures run again" if record.retried else ""
+    corrected = ""
+    if (weight := record.loss.get("is_weight_mean", 1.0)) != 1.0:  # [grpo] correction on
+        corrected = (
+            f" · mismatch {record.loss['approx_kl']:.1e}, IS weight {weight:.3f}, "
+            f"cut {record.loss['is_cut_fraction']:.1%}"
+        )
     return (
         f"[bold]step {record.step}[/] reward {reward} · response {record.response_tokens_mean:.0f} "
         f"tok · trained {record.samples_trained} samples / {record.tokens_trained} tok "
         f"({record.groups_used}/{record.groups} groups) · loss "
-        f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.1e} · "
+        f"{'-' if loss is None else f'{loss:.4f}'} · gap {record.logprob_gap_mean:.1e}"
+        f"{corrected} · "
         f"rollout {record.rollout_s:.1f} s, "
         f"train {record.train_s:.1f} s, "
         f"sync {record.export_s + record.sync_s:.1f} s → v{record.weight_version}{reruns}"

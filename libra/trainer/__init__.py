@@ -28,6 +28,7 @@ from libra.trainer._checkpoint import (
 )
 from libra.trainer._config import (
     Aggregation,
+    Correction,
     FailureRule,
     GRPOConfig,
     Layout,
@@ -56,6 +57,7 @@ from libra.trainer._loss import (
     LossMetrics,
     aggregation_weights,
     grpo_loss,
+    importance_weights,
     sequence_token_weight,
     staleness_weight,
     token_logprobs,
@@ -85,6 +87,7 @@ __all__ = [
     "Aggregation",
     "Batch",
     "Checkpoint",
+    "Correction",
     "DistContext",
     "Export",
     "FSDPTrainer",
@@ -124,6 +127,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "grpo_micro_batch_loss",
+    "importance_weights",
     "init_distributed",
     "load_trainer_state",
     "logprob_gap",

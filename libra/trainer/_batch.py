@@ -178,6 +178,9 @@ class MicroBatch:
             ref_logprobs=ref_logprobs,
             weights=self.loss_weights,
             current=self.current,
+            correction=grpo.correction,
+            correction_cap=grpo.correction_cap,
+            sequence_index=self.sample_index,
         )
 
     def to(self, device: torch.device | str) -> MicroBatch:

@@ -12,6 +12,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 Layout = Literal["packed", "padded"]
 StaleRule = Literal["drop", "reweight"]
 FailureRule = Literal["exclude", "retry"]
+Correction = Literal["none", "tis", "mis"]
 
 
 class GRPOConfig(Section):
@@ -52,6 +53,17 @@ class GRPOConfig(Section):
         gt=0,
         le=1,
         description="reweight: a sample k versions past the bound weighs stale_decay ** k",
+    )
+    correction: Correction = Field(
+        "none",
+        description="off-policy correction between the sampler's logprobs and the trainer's "
+        "(see libra.trainer._loss): none: the clipped ratio is taken against the sampler's "
+        "own logprobs; tis: against the trainer's, each token weighted by its importance "
+        "ratio truncated at correction_cap; mis: against the trainer's, each sequence "
+        "weighted by its importance ratio, or masked where that ratio is above correction_cap",
+    )
+    correction_cap: float = Field(
+        2.0, gt=1, description="tis: a token's weight at most; mis: a sequence's, above: masked"
     )
 
 

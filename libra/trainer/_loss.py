@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from libra.trainer._config import Aggregation, GRPOConfig
+from libra.trainer._config import Aggregation, Correction, GRPOConfig
 
 # The k3 estimator's exponent is clamped, as peers do, so one wild token cannot blow up.
 _KL_CLAMP = 10.0
@@ -121,6 +121,10 @@ class LossMetrics:
     gap_mean: torch.Tensor
     gap_max: torch.Tensor
     gap_tokens: torch.Tensor
+    # The off-policy correction (1 and 0 without one): the mean importance weight it put
+    # on a trained token, and the share of trained tokens it truncated (tis) or masked (mis).
+    is_weight_mean: torch.Tensor
+    is_cut_fraction: torch.Tensor
 
     def as_floats(self) -> dict[str, float]:
         return {name: float(getattr(self, name).item()) for name in self.__slots__}
@@ -140,6 +144,9 @@ def grpo_loss(
     aggregation: Aggregation = "token-mean",
     weights: torch.Tensor | None = None,
     current: torch.Tensor | None = None,
+    correction: Correction = "none",
+    correction_cap: float = 2.0,
+    sequence_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """The clipped surrogate of GRPO, plus ``kl_coef`` times the k3 KL to a reference.
 
@@ -158,16 +165,25 @@ def grpo_loss(
     ``current`` marks the tokens sampled by the very weights being trained: on them
     ``metrics.gap_*`` measure how far the trainer's logprobs are from the server's (the
     forward pass the loss needs anyway, so the check costs nothing).
+
+    ``correction`` (``"tis"`` or ``"mis"``, the module's doc) takes the clipped ratio
+    against ``logprobs`` detached and weights each token by ``importance_weights``;
+    ``sequence_index`` numbers each position's sequence for ``mis`` (-1: padding; by
+    default one sequence a row).
     """
     mask = mask.float()
     if weights is None:
         weights = aggregation_weights(mask, aggregation)
     weights = weights * mask
-    # Off the mask the ratio is 1, whatever the inputs hold there: an overflowing ratio
-    # times a zero weight would be NaN. The clamp keeps a wild token finite.
-    log_ratio = torch.where(mask > 0, logprobs - old_logprobs, 0.0).clamp(
-        -_RATIO_CLAMP, _RATIO_CLAMP
-    )
+    sampler_log_ratio = _log_ratio(logprobs.detach(), old_logprobs, mask)
+    is_weight, is_cut = torch.ones_like(mask), torch.zeros_like(mask)
+    anchor = old_logprobs
+    if correction != "none":
+        anchor = logprobs.detach()
+        is_weight, is_cut = importance_weights(
+            anchor, old_logprobs, mask, correction, correction_cap, sequence_index
+        )
+    log_ratio = _log_ratio(logprobs, anchor, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -177,7 +193,7 @@ def grpo_loss(
         cap = -advantages * clip_ratio_c
         dual = (advantages < 0) & (token_loss > cap)
         token_loss = torch.where(advantages < 0, torch.minimum(token_loss, cap), token_loss)
-    policy_loss = (weights * token_loss).sum()
+    policy_loss = (weights * is_weight * token_loss).sum()
     kl_loss = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
     if kl_coef > 0:
         if ref_logprobs is None:
@@ -196,14 +212,55 @@ def grpo_loss(
                 ((ratio > 1 + clip_high) & (advantages > 0)).float(), mask
             ),
             dual_clip_fraction=_masked_mean(dual.float(), mask),
-            approx_kl=_masked_mean(_k3(log_ratio), mask),
+            approx_kl=_masked_mean(_k3(sampler_log_ratio), mask),
             ratio_mean=_masked_mean(ratio, mask),
             ratio_min=_masked_extreme(ratio, mask, torch.min),
             ratio_max=_masked_extreme(ratio, mask, torch.max),
             tokens=mask.sum(),
-            **_gap(log_ratio, mask if current is None else mask * current.float()),
+            **_gap(sampler_log_ratio, mask if current is None else mask * current.float()),
+            is_weight_mean=_masked_mean(is_weight, mask),
+            is_cut_fraction=_masked_mean(is_cut, mask),
         )
     return loss, metrics
+
+
+def importance_weights(
+    trainer_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    correction: Correction,
+    cap: float,
+    sequence_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the correction's importance weight (0 off the mask) and 1.0 where it
+    truncated (``tis``) or masked (``mis``) the token. ``sequence_index`` as in
+    ``grpo_loss``."""
+    mask = mask.float()
+    log_ratio = _log_ratio(trainer_logprobs, sampler_logprobs, mask)
+    if correction == "tis":
+        ratio = torch.exp(log_ratio)
+        return ratio.clamp(max=cap) * mask, (ratio > cap).float() * mask
+    if correction != "mis":
+        raise ValueError(f"no importance weights for correction {correction!r}")
+    if sequence_index is None:
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        sequence_index = rows.unsqueeze(-1).expand(mask.shape)
+    index = sequence_index.reshape(-1).long()
+    on = (index >= 0) & (mask.reshape(-1) > 0)
+    sums = torch.zeros(int(index.max().item()) + 1 if index.numel() else 0, device=mask.device)
+    sums.index_add_(0, index[on], log_ratio.reshape(-1)[on])
+    # A sequence's ratio, at each of its positions; the clamp keeps a long one finite.
+    ratio = torch.exp(sums.clamp(-_RATIO_CLAMP, _RATIO_CLAMP))[index.clamp(min=0)]
+    ratio = ratio.reshape(mask.shape)
+    kept = ratio <= cap
+    return torch.where(kept, ratio, 0.0) * mask, (~kept).float() * mask
+
+
+def _log_ratio(logprobs: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``logprobs - reference`` on the mask, 0 off it, whatever the inputs hold there (an
+    overflowing ratio times a zero weight would be NaN); clamped, so one wild token stays
+    finite."""
+    return torch.where(mask > 0, logprobs - reference, 0.0).clamp(-_RATIO_CLAMP, _RATIO_CLAMP)
 
 
 def _gap(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from libra.engine import (
 from libra.trainer import (
     Aggregation,
     Batch,
+    Correction,
     GRPOConfig,
     Layout,
     Sample,
@@ -307,11 +308,25 @@ def model_records(model: torch.nn.Module) -> list[TrajectoryRecord]:
     return records
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize(
+    ("aggregation", "correction"),
+    [
+        ("token-mean", "none"),
+        ("seq-mean-token-sum", "none"),
+        ("seq-mean-token-mean", "none"),
+        ("token-mean", "tis"),
+        ("seq-mean-token-mean", "mis"),
+    ],
+)
 def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
-    tiny_model: torch.nn.Module, model_samples: list[Sample], aggregation: Aggregation
+    tiny_model: torch.nn.Module,
+    model_samples: list[Sample],
+    aggregation: Aggregation,
+    correction: Correction,
 ) -> None:
-    grpo, samples = GRPOConfig(aggregation=aggregation), model_samples
+    """With a correction too: ``mis`` judges each sequence whole, wherever it is packed."""
+    grpo = GRPOConfig(aggregation=aggregation, correction=correction, correction_cap=1.3)
+    samples = model_samples
 
     def batch(layout: Layout, budget: int) -> Batch:
         train = TrainConfig(layout=layout, micro_batch_tokens=budget)
@@ -319,13 +334,17 @@ def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
 
     # The reference: every sample in one padded micro-batch, weights from its rows.
     [whole] = batch("padded", 10_000).micro_batches
-    reference, _ = grpo_loss(
+    reference, metrics = grpo_loss(
         micro_batch_logprobs(tiny_model, whole),
         whole.old_logprobs,
         whole.advantages,
         whole.loss_mask,
         aggregation=aggregation,
+        correction=correction,
+        correction_cap=grpo.correction_cap,
     )
+    if correction != "none":  # the cap cuts some tokens, and keeps others
+        assert 0 < metrics.is_cut_fraction < 1
     packed, padded = batch("packed", 40), batch("padded", 40)
     assert len(packed.micro_batches) > 1 and len(padded.micro_batches) > 1
     torch.testing.assert_close(step_loss(tiny_model, packed, grpo), reference)

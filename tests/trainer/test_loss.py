@@ -13,6 +13,7 @@ from libra.trainer import (
     aggregation_weights,
     group_advantages,
     grpo_loss,
+    importance_weights,
     staleness_weight,
     token_logprobs,
 )
@@ -186,3 +187,75 @@ def test_garbage_off_the_mask_cannot_reach_the_loss() -> None:
     assert float(loss.detach()) == -1.0  # the trained token, on policy: -A * 1
     assert metrics.as_floats()["ratio_max"] == 1.0
     assert new.grad is not None and new.grad.tolist() == [[-1.0, 0.0]]
+
+
+# The off-policy correction, with NEW as the trainer's logprobs and OLD the sampler's: the
+# clipped ratio is then taken against NEW itself (1 everywhere), so a token's loss is -A
+# times its importance weight. Truncated (cap 1.2), per token:
+#   A: min(1.5, 1.2) = 1.2, 0.9, 1.0 -> -3.1          B: 0.5, 1.1 -> 2 * 1.6 = 3.2
+# Masked, per sequence, the product of its trained tokens' ratios:
+#   A: 1.5 * 0.9 * 1.0 = 1.35                         B: 0.5 * 1.1 = 0.55
+
+
+def test_tis_truncates_each_tokens_ratio_at_the_cap() -> None:
+    loss, metrics = loss_of(correction="tis", correction_cap=1.2)
+    assert loss == pytest.approx((-3.1 + 3.2) / 5, abs=1e-6)
+    assert metrics["is_weight_mean"] == pytest.approx((1.2 + 0.9 + 1.0 + 0.5 + 1.1) / 5)
+    assert metrics["is_cut_fraction"] == pytest.approx(1 / 5)
+    # The clipped ratio is the trainer's against itself; the mismatch is still the sampler's.
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0
+    assert metrics["clip_fraction"] == 0.0
+    expected = sum(r - 1 - math.log(r) for r in (1.5, 0.9, 1.0, 0.5, 1.1)) / 5
+    assert metrics["approx_kl"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_tis_gradient_is_the_weighted_policy_gradient() -> None:
+    new = NEW.clone().requires_grad_(True)
+    loss, _ = grpo_loss(new, OLD, ADVANTAGES, MASK, correction="tis", correction_cap=1.2)
+    loss.backward()
+    assert new.grad is not None
+    # d/dnew of -A * w * exp(new - new.detached) / 5 is -A * w / 5; 0 on the tool token.
+    expected = torch.tensor([[-1.2, -0.9, -1.0], [2 * 0.5, 2 * 1.1, 0.0]]) / 5
+    torch.testing.assert_close(new.grad, expected)
+
+
+@pytest.mark.parametrize(
+    ("cap", "expected_loss", "weight_mean", "cut"),
+    [
+        (2.0, (-3 * 1.35 + 2 * 2 * 0.55) / 5, (3 * 1.35 + 2 * 0.55) / 5, 0.0),
+        (1.3, (2 * 2 * 0.55) / 5, (2 * 0.55) / 5, 3 / 5),  # A is above the cap: masked
+    ],
+)
+def test_mis_weights_each_sequence_by_its_ratio_or_masks_it(
+    cap: float, expected_loss: float, weight_mean: float, cut: float
+) -> None:
+    loss, metrics = loss_of(correction="mis", correction_cap=cap)
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    assert metrics["is_weight_mean"] == pytest.approx(weight_mean)
+    assert metrics["is_cut_fraction"] == pytest.approx(cut)
+
+
+def test_mis_finds_sequences_packed_in_one_row() -> None:
+    """The two sequences end to end in one row, then a padding position (index -1)."""
+    packed = [torch.cat([t[0], t[1], torch.zeros(1)]).unsqueeze(0) for t in (NEW, OLD)]
+    advantages = torch.cat([ADVANTAGES[0], ADVANTAGES[1], torch.zeros(1)]).unsqueeze(0)
+    mask = torch.cat([MASK[0], MASK[1], torch.zeros(1)]).unsqueeze(0)
+    index = torch.tensor([[0, 0, 0, 1, 1, 1, -1]])
+    weights, cut = importance_weights(packed[0], packed[1], mask, "mis", 1.3, index)
+    torch.testing.assert_close(weights, torch.tensor([[0, 0, 0, 0.55, 0.55, 0, 0]]))
+    torch.testing.assert_close(cut, torch.tensor([[1.0, 1, 1, 0, 0, 0, 0]]))
+    loss, _ = grpo_loss(
+        packed[0],
+        packed[1],
+        advantages,
+        mask,
+        correction="mis",
+        correction_cap=1.3,
+        sequence_index=index,
+    )
+    assert float(loss) == pytest.approx((2 * 2 * 0.55) / 5, abs=1e-6)
+
+
+def test_without_a_correction_every_weight_is_one() -> None:
+    _, metrics = loss_of()
+    assert metrics["is_weight_mean"] == 1.0 and metrics["is_cut_fraction"] == 0.0
