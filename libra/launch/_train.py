@@ -40,7 +40,13 @@ from libra.launch._tracking import tracking
 from libra.launch._train_config import TrainRunConfig
 from libra.launch._view import PublishedRun, ViewOptions, last_t, run_events
 from libra.sched import Scheduler
-from libra.serving import EMBEDDED_MODEL_NAME, VLLMServer, VLLMServerConfig, prepare_model
+from libra.serving import (
+    EMBEDDED_MODEL_NAME,
+    VLLMServer,
+    VLLMServerConfig,
+    prepare_model,
+    with_lora_adapter,
+)
 from libra.tracking import check_installed
 from libra.train import (
     SESSION_HEADER,
@@ -74,6 +80,7 @@ from libra.trainer import (
     checkpoint_path,
     find_latest,
     servable_model,
+    write_zero_adapter,
 )
 from libra.view import RecordFiles
 from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
@@ -257,11 +264,13 @@ async def open_run(
             trainer = await stack.enter_async_context(
                 TrainerProcess(model_dir, config.trainer, world_size=config.world_size)
             )  # it loads the model while the servers start
+        _say_how_lora_syncs(config)
         if cluster is None and server == "embedded":
             served = await anyio.to_thread.run_sync(servable_model, model_dir, run_dir)
             console = Console(stderr=True)
+            vllm = await anyio.to_thread.run_sync(_own_server, config, served, run_dir)
             with console.status(f"starting vLLM (dev mode) on {served}"):
-                vllm = await stack.enter_async_context(_own_server(config, served))
+                vllm = await stack.enter_async_context(vllm)
             console.print(f"vLLM ready at {vllm.url} (log: {vllm.log_file})", soft_wrap=True)
             server, model = vllm.url, EMBEDDED_MODEL_NAME
             own[vllm.url] = vllm  # its instance is named by its URL
@@ -384,11 +393,31 @@ async def _gateway_of(config: TrainRunConfig) -> Gateway | None:
     return await find_gateway(server, sync_timeout_s=config.sync.timeout_s)
 
 
-def _own_server(config: TrainRunConfig, served: Path) -> VLLMServer:
-    """vLLM on ``served`` in dev mode (reloads), with the logprobs the trainer expects."""
-    return VLLMServer(
-        served, served_model_name=EMBEDDED_MODEL_NAME, config=_own_server_config(config)
-    )
+def _own_server(config: TrainRunConfig, served: Path, run_dir: Path) -> VLLMServer:
+    """vLLM on ``served`` in dev mode (reloads), with the logprobs the trainer expects.
+    With LoRA adapters synced alone, the rollouts' model name is the adapter's (a zero
+    one to start: the base model), and the base model goes by another."""
+    server_config = _own_server_config(config)
+    if not config.adapter_sync:
+        return VLLMServer(served, served_model_name=EMBEDDED_MODEL_NAME, config=server_config)
+    lora = config.trainer.lora
+    adapter = write_zero_adapter(served, lora, run_dir / "weights" / "adapter-v0")
+    server_config = with_lora_adapter(server_config, EMBEDDED_MODEL_NAME, adapter, lora.rank)
+    return VLLMServer(served, served_model_name=f"{EMBEDDED_MODEL_NAME}-base", config=server_config)
+
+
+def _say_how_lora_syncs(config: TrainRunConfig) -> None:
+    lora = config.trainer.lora
+    if not lora.enabled or not config.reloads:
+        return
+    if config.adapter_sync:
+        how = "the adapters alone, loaded by vLLM at runtime"
+    else:
+        how = (
+            "the weights with the adapters merged in (these servers are not the run's own "
+            "vLLM, which loads adapters)"
+        )
+    Console(stderr=True).print(f"LoRA rank {lora.rank}: each step syncs {how}", soft_wrap=True)
 
 
 def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:

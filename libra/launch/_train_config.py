@@ -157,6 +157,12 @@ class TrainRunConfig(BaseModel):
         return self
 
     @property
+    def adapter_sync(self) -> bool:
+        """Whether each step syncs the LoRA adapters alone: the run's own vLLM loads them
+        at runtime; other servers (a URL, a gateway, the pool's) take merged weights."""
+        return self.trainer.lora.enabled and self.server == "embedded" and not self.allocating
+
+    @property
     def allocating(self) -> bool:
         return self.alloc is not None and self.alloc.enabled
 

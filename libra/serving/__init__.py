@@ -25,7 +25,7 @@ from libra.serving._supervisor import (
     SupervisorConfig,
 )
 from libra.serving._vllm import VLLMServer
-from libra.serving._vllm_config import VLLMServerConfig, VLLMServerError
+from libra.serving._vllm_config import VLLMServerConfig, VLLMServerError, with_lora_adapter
 from libra.serving._weight_sync import (
     WEIGHTS_FILE,
     ControlTransport,
@@ -60,4 +60,5 @@ __all__ = [
     "running_embedded_url",
     "server_config",
     "state_file",
+    "with_lora_adapter",
 ]

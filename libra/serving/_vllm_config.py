@@ -132,3 +132,27 @@ def vllm_environment(
         env.setdefault("HF_HUB_OFFLINE", "1")
     env.update(config.extra_env)
     return env
+
+
+# The ranks vLLM (0.32) accepts for --max-lora-rank: an adapter's rank may be lower.
+_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def with_lora_adapter(
+    config: VLLMServerConfig, name: str, adapter: Path, rank: int
+) -> VLLMServerConfig:
+    """``config`` for a server that serves the LoRA adapter in ``adapter`` under ``name``
+    (beside its base model) and loads new versions of it at runtime
+    (``libra.serving.WeightSync``)."""
+    fits = [allowed for allowed in _MAX_LORA_RANKS if allowed >= rank]
+    if not fits:
+        raise VLLMServerError(f"vLLM serves LoRA ranks up to {_MAX_LORA_RANKS[-1]}, not {rank}")
+    args: tuple[str, ...] = ("--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1")
+    args += ("--lora-modules", f"{name}={adapter}")
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    return config.model_copy(
+        update={
+            "extra_args": (*config.extra_args, *args),
+            "extra_env": {**config.extra_env, **env},
+        }
+    )

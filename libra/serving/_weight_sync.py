@@ -7,6 +7,11 @@ trainer's export, ``libra.trainer.export_weights``): pause (in the configured mo
 weights must not be reused), bump the endpoint's version, resume. The training loop and
 the gateway's admin API both sync through it.
 
+A folder of LoRA adapters (``adapter_config.json``, ``libra.trainer._lora``) is loaded
+with ``/v1/load_lora_adapter`` instead, in place, under the name the endpoint's requests
+call (``Endpoint.model``): the server must run with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (``libra.serving.with_lora_adapter``).
+
 Transport: ``disk`` (safetensors through the file system) is the only one. A GPU
 transport (NCCL broadcast into the servers, or vLLM's weight-transfer API) would be a
 second value of :attr:`WeightSyncConfig.transport` behind the same :meth:`WeightSync.sync`.
@@ -45,6 +50,8 @@ log = logging.getLogger("libra.serving")
 
 #: The file a weights folder holds (one safetensors file: the embedded model is small).
 WEIGHTS_FILE = "model.safetensors"
+#: What a folder of LoRA adapters holds (peft's files).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 class WeightSyncError(RuntimeError):
@@ -111,8 +118,8 @@ class WeightSync:
         """Load ``weights`` (a folder from ``libra.trainer.export_weights``) into every
         endpoint."""
         path = Path(await anyio.Path(weights).resolve())
-        if not await anyio.Path(path / WEIGHTS_FILE).is_file():
-            raise WeightSyncError(f"{path} holds no {WEIGHTS_FILE}")
+        if not await _holds(path, (WEIGHTS_FILE,)) and not await _holds(path, ADAPTER_FILES):
+            raise WeightSyncError(f"{path} holds neither {WEIGHTS_FILE} nor LoRA adapters")
         started = time.perf_counter()
         seconds: dict[str, float] = {}
         errors: dict[str, str] = {}
@@ -157,8 +164,12 @@ class WeightSync:
         control = _Control(transport, endpoint, self.config.timeout_s)
         await control.post("/pause", {"mode": self.config.pause_mode})
         try:
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
-            await control.post("/collective_rpc", body=rpc)
+            if await _holds(path, ADAPTER_FILES):
+                adapter = {"lora_name": endpoint.model, "lora_path": str(path)}
+                await control.post("/v1/load_lora_adapter", body={**adapter, "load_inplace": True})
+            else:
+                rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+                await control.post("/collective_rpc", body=rpc)
             await _reset_prefix_cache(control)
             endpoint.weight_version = version
         finally:
@@ -188,6 +199,13 @@ class _Control:
         if status != 200:
             raise WeightSyncError(f"POST {path} answered {status}: {answer[:200]!r}")
         return answer
+
+
+async def _holds(folder: Path, files: Sequence[str]) -> bool:
+    for name in files:
+        if not await anyio.Path(folder / name).is_file():
+            return False
+    return True
 
 
 async def _reset_prefix_cache(control: _Control) -> None:

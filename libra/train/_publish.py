@@ -71,9 +71,7 @@ class Publisher:
             return
         folder = self.run_dir / "weights" / f"v{version}"
         if not folder.is_dir():
-            folder = await self.trainer.call(
-                Export(self.run_dir, version, self.config.export_dtype)
-            )
+            folder = await self._export(version)
         await self.load(folder, version)
 
     async def probe_gap(self, records: list[TrajectoryRecord]) -> LogprobGap:
@@ -93,11 +91,16 @@ class Publisher:
     async def publish(self, version: int) -> tuple[float, float]:
         """Export ``version`` and load it into every endpoint (admission paused meanwhile)."""
         started = time.perf_counter()
-        folder = await self.trainer.call(Export(self.run_dir, version, self.config.export_dtype))
+        folder = await self._export(version)
         export_s = time.perf_counter() - started
         sync_s = await self.load(folder, version)
         self._forget_old_weights(version)
         return export_s, sync_s
+
+    async def _export(self, version: int) -> Path:
+        settings = self.config
+        export = Export(self.run_dir, version, settings.export_dtype, settings.adapter_sync)
+        return await self.trainer.call(export)
 
     async def load(self, folder: Path, version: int) -> float:
         """Load ``folder`` into every endpoint as ``version``; the seconds it took. A

@@ -56,6 +56,11 @@ class RunSettings(Protocol):
     def export_dtype(self) -> str | None: ...
 
     @property
+    def adapter_sync(self) -> bool:
+        """Whether each version is the trainer's LoRA adapters alone (else whole weights)."""
+        ...
+
+    @property
     def grpo(self) -> GRPOConfig: ...
 
     @property

@@ -53,6 +53,7 @@ from libra.trainer._logprobs import (
     server_logprob_temperature,
     server_prompt_logprobs,
 )
+from libra.trainer._lora import LoRAConfig, write_zero_adapter
 from libra.trainer._loss import (
     LossMetrics,
     aggregation_weights,
@@ -98,6 +99,7 @@ __all__ = [
     "LogprobGap",
     "Logprobs",
     "LogprobsMode",
+    "LoRAConfig",
     "LossMetrics",
     "MicroBatch",
     "Persistent",
@@ -149,4 +151,5 @@ __all__ = [
     "token_logprobs",
     "truncate_metrics",
     "write_weights_folder",
+    "write_zero_adapter",
 ]

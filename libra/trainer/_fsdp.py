@@ -36,6 +36,7 @@ from libra.trainer._logprobs import (
     sequence_logprobs,
     server_logprob_temperature,
 )
+from libra.trainer._lora import LoRAConfig, add_adapters
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +84,10 @@ class TrainerConfig(Section):
     )
     cpu_threads: int | None = Field(
         default=None, ge=1, description="torch threads per rank on CPU; None: cores / ranks"
+    )
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig,
+        description="low-rank adapters (rank > 0): only they train (libra.trainer._lora)",
     )
 
 
@@ -180,7 +185,7 @@ class FSDPTrainer:
         mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
         self.model = _load_sharded(self.model_dir, self.config, mesh, self._compute_dtype())
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
@@ -363,7 +368,8 @@ class FSDPTrainer:
 
 
 def _load_sharded(model_dir: Path, config: TrainerConfig, mesh: Any, dtype: Any) -> nn.Module:
-    """Load the HF model in fp32 (the master weights) and shard layers, then the root.
+    """Load the HF model in fp32 (the master weights), add its LoRA adapters if any, and
+    shard layers, then the root.
 
     The root group holds the embeddings and the LM head, so tied weights stay one
     parameter.
@@ -374,6 +380,8 @@ def _load_sharded(model_dir: Path, config: TrainerConfig, mesh: Any, dtype: Any)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
+    if config.lora.enabled:
+        model = add_adapters(model, config.lora)
     if config.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

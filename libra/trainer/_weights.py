@@ -19,12 +19,14 @@ after one step, 0 once untied).
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from libra.serving import WEIGHTS_FILE
+from libra.trainer._atomic import write_folder_atomically
+from libra.trainer._fsdp import full_tensor
+from libra.trainer._lora import adapter_keys, merge_adapters, write_adapter_folder
 
 if TYPE_CHECKING:
     import torch
@@ -46,23 +48,41 @@ _MARKERS = ("libra-model-complete.json",)
 
 
 def export_weights(
-    trainer: FSDPTrainer, run_dir: str | Path, version: int, *, dtype: str | None = None
+    trainer: FSDPTrainer,
+    run_dir: str | Path,
+    version: int,
+    *,
+    dtype: str | None = None,
+    adapter: bool = False,
 ) -> Path:
     """Write the trainer's weights to ``<run_dir>/weights/v<version>/`` (collective).
 
     Every rank calls this; rank 0 writes. The folder holds ``model.safetensors`` (in
     ``dtype``, default the dtype of the source folder's config; embeddings untied) and
-    the source folder's config and tokenizer files. Returns the folder on every rank
-    once it is complete.
+    the source folder's config and tokenizer files. A trainer with LoRA adapters writes
+    them folded into the weights, or, with ``adapter``, the adapters alone as a peft
+    folder (``libra.trainer._lora``). Returns the folder on every rank once it is complete.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(trainer.model, options=options)
+    lora = trainer.config.lora
     target = Path(run_dir) / "weights" / f"v{version}"
-    if trainer.dist.is_main:
-        write_weights_folder(state, trainer.model_dir, target, dtype=dtype)
+    if lora.enabled and adapter:
+        adapters = {
+            name: full_tensor(param.detach()).cpu()
+            for name, param in trainer.model.named_parameters()
+            if param.requires_grad
+        }
+        if trainer.dist.is_main:
+            write_adapter_folder(adapter_keys(adapters), lora, trainer.model_dir, target)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(trainer.model, options=options)
+        if trainer.dist.is_main:
+            if lora.enabled:
+                state = merge_adapters(state, lora)
+            write_weights_folder(state, trainer.model_dir, target, dtype=dtype)
     dist.barrier()
     return target
 
@@ -90,23 +110,16 @@ def write_weights_folder(
 
     from safetensors.torch import save_file
 
-    if target.exists():
-        raise FileExistsError(f"{target} exists: weight versions are never overwritten")
     config = json.loads((source / "config.json").read_text())
     tensors = _servable(state, config, dtype)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+
+    def write(staging: Path) -> None:
         _copy_side_files(source, staging)
         config["tie_word_embeddings"] = False
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    write_folder_atomically(target, write)
 
 
 def _servable(

@@ -88,9 +88,12 @@ class Export:
     run_dir: Path
     version: int
     dtype: str | None
+    adapter: bool = False  # a LoRA trainer's adapters alone (else merged into the weights)
 
     def run(self, trainer: FSDPTrainer) -> Path:
-        return export_weights(trainer, self.run_dir, self.version, dtype=self.dtype)
+        return export_weights(
+            trainer, self.run_dir, self.version, dtype=self.dtype, adapter=self.adapter
+        )
 
 
 @dataclass(frozen=True, slots=True)
