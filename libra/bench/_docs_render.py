@@ -224,10 +224,20 @@ def train(outputs: Sequence[Output]) -> list[str]:
             f"{row['tokens_per_s']:,.0f}",
             f"{row['ratio_to_plain']:.2f}",
             "" if row["export_s"] is None else f"{row['export_s']:.2f}",
+            "" if row.get("peak_rss_gb") is None else f"{row['peak_rss_gb']:.1f}",
         ]
         for row in outputs[0]["results"]
     ]
-    header = ("trainer", "ranks", "tokens/step", "s/step", "tokens/s", "x plain loop", "export s")
+    header = (
+        "trainer",
+        "ranks",
+        "tokens/step",
+        "s/step",
+        "tokens/s",
+        "x plain loop",
+        "export s",
+        "peak memory GB",
+    )
     return table_lines(header, rows)
 
 

@@ -10,7 +10,14 @@ micro-batches, three ways, each in processes of its own:
   starts with (``export_weights``: the shards gathered and written as a model folder);
 - the same shares on one core rank and hybrid replicas (``libra.workers._hybrid``: the
   gradients and parameters cross the hybrid gradient group's bridge every step), as the
-  :class:`~libra.workers._elastic.ElasticTrainer` runs them once hybrid workers join.
+  :class:`~libra.workers._elastic.ElasticTrainer` runs them once hybrid workers join;
+- :class:`FSDPTrainer` on 1 rank with LoRA adapters (``[trainer.lora]``, rank 8 on every
+  linear layer), exporting the adapters alone, as a sync into the run's own vLLM does;
+- :class:`FSDPTrainer` on 1 rank with the off-policy correction on (``grpo.correction =
+  "tis"``): what the correction's logprobs cost (they come from the loss's own pass).
+
+Each row also says the peak resident memory of its (first) process: the trainer's
+memory, model, optimizer state and activations together.
 
 The batch is built by ``build_batch`` from samples of real token ids (the model's
 tokenizer on chat-like prompts and answers), in GRPO groups with varied rewards. The
@@ -37,6 +44,7 @@ from libra.trainer import (
     Export,
     FSDPTrainer,
     GRPOConfig,
+    LoRAConfig,
     MicroBatch,
     Sample,
     Train,
@@ -69,6 +77,7 @@ class TrainBenchResult:
     tokens_per_step: int
     step_s: float  # median over the timed steps
     export_s: float | None  # median weight export seconds per step; None: not exported
+    peak_rss_gb: float | None = None  # the process's peak resident memory; None: unmeasured
 
     @property
     def tokens_per_s(self) -> float:
@@ -132,12 +141,41 @@ def bench_train(
             results.append(spawn(world, _fsdp_rank, model_dir, batch, steps, Path(run_dir))[0])
     if batch.ranks > 1:
         results.append(anyio.run(_hybrid_group, model_dir, batch, steps))
+    for variant in (_LORA, _TIS):
+        with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
+            results.append(spawn(1, _fsdp_rank, model_dir, batch, steps, Path(run_dir), variant)[0])
     return results
 
 
-def _loss(model: nn.Module, micro: MicroBatch, scale: float) -> torch.Tensor:
-    loss, _ = micro.loss(micro_batch_logprobs(model, micro), GRPOConfig())
+@dataclass(frozen=True, slots=True)
+class _Variant:
+    """How a row's trainer differs from the plain FSDP rows."""
+
+    label: str
+    trainer: TrainerConfig
+    grpo: GRPOConfig
+
+
+_FULL = _Variant("", TrainerConfig(lr=_LR, backend="gloo"), GRPOConfig())
+_LORA = _Variant(
+    ", LoRA rank 8",
+    TrainerConfig(lr=_LR, backend="gloo", lora=LoRAConfig(rank=8)),
+    GRPOConfig(),
+)
+_TIS = _Variant(", correction tis", _FULL.trainer, GRPOConfig(correction="tis"))
+
+
+def _loss(
+    model: nn.Module, micro: MicroBatch, scale: float, grpo: GRPOConfig | None = None
+) -> torch.Tensor:
+    loss, _ = micro.loss(micro_batch_logprobs(model, micro), grpo or GRPOConfig())
     return loss * scale
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
 
 
 def _plain_loop(model_dir: Path, batch: Batch, steps: int) -> TrainBenchResult:
@@ -162,13 +200,16 @@ def _plain_loop(model_dir: Path, batch: Batch, steps: int) -> TrainBenchResult:
         seconds.append(time.perf_counter() - started)
     tokens = sum(micro.positions for micro in micro_batches)
     return TrainBenchResult(
-        "plain torch loop", 1, steps, tokens, statistics.median(seconds[1:]), None
+        "plain torch loop", 1, steps, tokens, statistics.median(seconds[1:]), None, _peak_rss_gb()
     )
 
 
-def _fsdp_rank(model_dir: Path, batch: Batch, steps: int, run_dir: Path) -> TrainBenchResult:
-    """One rank of the trainer: its share of the micro-batches, then the export."""
-    trainer = FSDPTrainer(model_dir, TrainerConfig(lr=_LR, backend="gloo"))
+def _fsdp_rank(
+    model_dir: Path, batch: Batch, steps: int, run_dir: Path, variant: _Variant = _FULL
+) -> TrainBenchResult:
+    """One rank of the trainer: its share of the micro-batches, then the export (the
+    adapters alone where it has some)."""
+    trainer = FSDPTrainer(model_dir, variant.trainer)
     world = trainer.dist.world_size
     mine = [
         micro
@@ -179,18 +220,20 @@ def _fsdp_rank(model_dir: Path, batch: Batch, steps: int, run_dir: Path) -> Trai
     scale = float(len(mine) * world)
     step_s, export_s = [], []
     for version in range(steps + 1):
-        step_s.append(trainer.step(mine, lambda model, mb: _loss(model, mb, scale)).seconds)
+        loss = lambda model, mb: _loss(model, mb, scale, variant.grpo)  # noqa: E731
+        step_s.append(trainer.step(mine, loss).seconds)
         started = time.perf_counter()
-        export_weights(trainer, run_dir, version)
+        export_weights(trainer, run_dir, version, adapter=True)
         export_s.append(time.perf_counter() - started)
     tokens = sum(micro.positions for micro in batch.micro_batches)
     return TrainBenchResult(
-        f"FSDPTrainer, {world} rank{'s' if world > 1 else ''}",
+        f"FSDPTrainer, {world} rank{'s' if world > 1 else ''}{variant.label}",
         world,
         steps,
         tokens,
         _slowest_rank_median(step_s[1:]),
         _slowest_rank_median(export_s[1:]),
+        _peak_rss_gb(),
     )
 
 

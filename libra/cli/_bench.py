@@ -272,14 +272,15 @@ def run_train(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     table = Table(title=f"libra bench train: {model_dir.name}, {report['device']}")
-    for column in ("trainer", "ranks", "tokens/step", "s/step", "tokens/s", "ratio", "export s"):
+    columns = ("trainer", "ranks", "tokens/step", "s/step", "tokens/s", "ratio", "export s")
+    for column in (*columns, "peak memory GB"):
         table.add_column(column, justify="right")
     for row in report["results"]:
-        export = row["export_s"]
+        export, memory = row["export_s"], row["peak_rss_gb"]
         table.add_row(
             row["name"], str(row["ranks"]), f"{row['tokens_per_step']:,}", f"{row['step_s']:.2f}",
             f"{row['tokens_per_s']:,.0f}", f"{row['ratio_to_plain']:.2f}",
-            "" if export is None else f"{export:.2f}",
+            "" if export is None else f"{export:.2f}", "" if memory is None else f"{memory:.1f}",
         )  # fmt: skip
     Console().print(table)
     return 0
