@@ -26,15 +26,7 @@ from libra.trainer._checkpoint import (
     save_trainer_state,
     truncate_metrics,
 )
-from libra.trainer._config import (
-    Aggregation,
-    Correction,
-    FailureRule,
-    GRPOConfig,
-    Layout,
-    StaleRule,
-    TrainConfig,
-)
+from libra.trainer._config import GRPOConfig, TrainConfig
 from libra.trainer._fsdp import (
     DistContext,
     FSDPTrainer,
@@ -44,6 +36,7 @@ from libra.trainer._fsdp import (
     init_distributed,
     split_by_tokens,
 )
+from libra.trainer._kinds import Aggregation, Correction, FailureRule, Layout, StaleRule
 from libra.trainer._logprobs import (
     LogprobGap,
     LogprobsMode,
@@ -95,11 +88,11 @@ __all__ = [
     "FailureRule",
     "GRPOConfig",
     "Layout",
+    "LoRAConfig",
     "LoadCheckpoint",
     "LogprobGap",
     "Logprobs",
     "LogprobsMode",
-    "LoRAConfig",
     "LossMetrics",
     "MicroBatch",
     "Persistent",

@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 import torch
 
 from libra.engine import Status, TokenSource, TrajectoryRecord
-from libra.trainer._config import GRPOConfig, Layout, TrainConfig
+from libra.trainer._config import GRPOConfig, TrainConfig
+from libra.trainer._kinds import Layout
 from libra.trainer._loss import LossMetrics, grpo_loss, sequence_token_weight, staleness_weight
 
 

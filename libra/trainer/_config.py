@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from libra.config import Section
-
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-Layout = Literal["packed", "padded"]
-StaleRule = Literal["drop", "reweight"]
-FailureRule = Literal["exclude", "retry"]
-Correction = Literal["none", "tis", "mis"]
+from libra.trainer._kinds import Aggregation, Correction, FailureRule, Layout, StaleRule
 
 
 class GRPOConfig(Section):

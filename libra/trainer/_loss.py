@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from libra.trainer._config import Aggregation, Correction, GRPOConfig
+from libra.trainer._kinds import Aggregation, Correction
+
+if TYPE_CHECKING:  # a pydantic section: the loss itself runs without pydantic
+    from libra.trainer._config import GRPOConfig
 
 # The k3 estimator's exponent is clamped, as peers do, so one wild token cannot blow up.
 _KL_CLAMP = 10.0
