@@ -37,6 +37,7 @@ from libra.trainer._logprobs import (
     server_logprob_temperature,
 )
 from libra.trainer._lora import LoRAConfig, add_adapters
+from libra.trainer._shard import shard_model
 
 if TYPE_CHECKING:
     import torch
@@ -369,35 +370,14 @@ class FSDPTrainer:
 
 def _load_sharded(model_dir: Path, config: TrainerConfig, mesh: Any, dtype: Any) -> nn.Module:
     """Load the HF model in fp32 (the master weights), add its LoRA adapters if any, and
-    shard layers, then the root.
-
-    The root group holds the embeddings and the LM head, so tied weights stay one
-    parameter.
-    """
+    shard it (``libra.trainer._shard``)."""
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config.use_cache = False
     if config.lora.enabled:
         model = add_adapters(model, config.lora)
-    if config.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: the units FSDP gathers one at a time."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__} has no model.layers to shard")
-    return list(layers)
+    return shard_model(model, mesh, dtype, activation_checkpointing=config.activation_checkpointing)
 
 
 def full_tensor(tensor: Any) -> torch.Tensor:
