@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import anyio
 import anyio.abc
@@ -55,6 +55,9 @@ from libra.sched import Route, Router, RouteRequest, Scheduler
 from libra.sched.policies import LeastLoadedScheduler, RoundRobin, Track
 from libra.serving import EMBEDDED_MODEL_NAME, VLLMServerConfig
 from libra.signals import ToolSignal
+
+if TYPE_CHECKING:
+    from libra.launch import TrainRunConfig
 
 MODEL = "libra-emulated"
 EMULATED_URL = "http://emulated"
@@ -555,6 +558,103 @@ def tiny_llama(folder: Path, vocab_size: int = 320) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+# Qwen2.5's chat template, in the structure that matters here: the tools listed in the
+# system turn, each assistant tool call a <tool_call> block (Hermes), each tool result a
+# <tool_response> in a user turn.
+QWEN_CHAT_TEMPLATE = Path(__file__).with_name("qwen_chat_template.jinja")
+
+
+def tiny_qwen(folder: Path, tokenizer_from: Path) -> Path:
+    """A random 2-layer Qwen2 with tied embeddings (as Qwen2.5-0.5B's are) and Qwen2.5's
+    chat template, on ``tokenizer_from``'s tokenizer (ChatML tokens): a second
+    architecture, built here, so nothing is downloaded."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head size 64: one vLLM's CPU attention takes
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    shutil.copy(QWEN_CHAT_TEMPLATE, folder / "chat_template.jinja")
+    shutil.copy(tokenizer_from / "generation_config.json", folder / "generation_config.json")
+    return folder
+
+
+# ------------------------------------------- an [alloc] run on the embedded model
+
+NEVER = 1e9  # a re-plan trigger or ratio that never fires
+
+
+def hybrid_alloc_section(cores: list[int]) -> dict[str, Any]:
+    """Three workers on the machine's cores (one core may be in two sets): 0 trains,
+    1 serves for good, 2 serves until the loop lends it to training."""
+    return {
+        "enabled": True,
+        "workers": [[cores[0]], [cores[-1]], [cores[-1]]],
+        "training": [0],
+        "rollout": [[1]],
+        "hybrid": [[2]],
+        "loop": {
+            # Borrow as soon as training (with its export and sync) outlasts the
+            # rollout; never release (a restart of vLLM would outlast the test).
+            "borrow_ratio": 1.0001,
+            "release_ratio": 1e-9,
+            "max_pressure": NEVER,
+            "trigger": {
+                "every_steps": 1_000_000,
+                "ratio_high": NEVER,
+                "ratio_low": 1e-9,
+                "queue_pressure": NEVER,
+                "length_drift": NEVER,
+            },
+        },
+        "pool": {"fetch_timeout_s": 600, "drain_timeout_s": 60},
+    }
+
+
+def embedded_alloc_run(
+    run_dir: Path, alloc: dict[str, Any], *, steps: int, **loop: Any
+) -> TrainRunConfig:
+    """A run of ``steps`` steps on the embedded model with the ``[alloc]`` section
+    ``alloc``; ``loop`` overrides the loop's fields (group sizes, sections)."""
+    # Imported here: the launcher (and torch with it) is for the few tests that run one.
+    from libra.launch import TrainRunConfig
+
+    return TrainRunConfig.model_validate(
+        {
+            "rollout": {
+                "env": BREVITY,
+                "server": "embedded",
+                "engine": {"sampling": {"max_tokens_per_turn": 8, "temperature": 0.7}},
+            },
+            "steps": steps,
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "run_dir": str(run_dir),
+            "checkpoint_every": 0,
+            "trainer": {"lr": 1e-4},
+            "train": {"micro_batch_tokens": 1024},
+            "vllm": {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1},
+            "alloc": alloc,
+        }
+        | loop
+    )
 
 
 # ------------------------------------------- the allocation pool on an emulated cluster

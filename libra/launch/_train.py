@@ -44,7 +44,7 @@ from libra.serving import (
     EMBEDDED_MODEL_NAME,
     VLLMServer,
     VLLMServerConfig,
-    prepare_model,
+    resolve_model,
     with_lora_adapter,
 )
 from libra.tracking import check_installed
@@ -232,9 +232,7 @@ async def open_run(
     """The trainer's processes, the fleet, the engine and one session, all started;
     the run's jobs play ``tasks``, drawn from the mixture of ``shares`` (None: online,
     agents elsewhere play), and ``[eval]`` evaluates the weights on ``evaluated``."""
-    model_dir = config.model_dir
-    if model_dir is None:
-        model_dir = await anyio.to_thread.run_sync(prepare_model)
+    model_dir = await anyio.to_thread.run_sync(resolve_model, config.model)
     rollout = config.rollout
     gateway = await _gateway_of(config)
     async with AsyncExitStack() as stack:

@@ -53,8 +53,11 @@ class TrainRunConfig(BaseModel):
     max_ahead: PositiveInt = Field(
         2, description="async: how many steps' rollouts run ahead of the step that trains"
     )
-    model_dir: Path | None = Field(
-        None, description="the trainer's Hugging Face folder; None: the embedded model"
+    model: str = Field(
+        "embedded",
+        description="the model trained and served: embedded (SmolLM2-135M-Instruct, "
+        "shipped), a local Hugging Face folder, or a hub name (Qwen/Qwen2.5-0.5B-Instruct, "
+        "downloaded where the machine reaches the hub)",
     )
     serve: str | None = Field(
         None,

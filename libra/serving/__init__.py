@@ -11,11 +11,14 @@ from libra.serving._embedded import running_embedded_url, server_config, state_f
 from libra.serving._model import (
     EMBEDDED_MODEL_NAME,
     ModelError,
+    ModelRefused,
     chat_template_supports_tools,
+    check_model,
     embedded_gguf_path,
     embedded_model_dir,
     prepare_model,
     resolve_model,
+    tool_call_format,
 )
 from libra.serving._supervisor import (
     CurrentWeights,
@@ -41,6 +44,7 @@ __all__ = [
     "ControlTransport",
     "CurrentWeights",
     "ModelError",
+    "ModelRefused",
     "ServerEvent",
     "ServerProcess",
     "ServerSupervisor",
@@ -53,6 +57,7 @@ __all__ = [
     "WeightSyncConfig",
     "WeightSyncError",
     "chat_template_supports_tools",
+    "check_model",
     "embedded_gguf_path",
     "embedded_model_dir",
     "prepare_model",
@@ -60,5 +65,6 @@ __all__ = [
     "running_embedded_url",
     "server_config",
     "state_file",
+    "tool_call_format",
     "with_lora_adapter",
 ]

@@ -35,15 +35,19 @@ from pathlib import Path
 from typing import Any
 
 from libra._home import libra_home
+from libra.config import UsageError
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
     "ModelError",
+    "ModelRefused",
     "chat_template_supports_tools",
+    "check_model",
     "embedded_gguf_path",
     "embedded_model_dir",
     "prepare_model",
     "resolve_model",
+    "tool_call_format",
 ]
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
@@ -61,6 +65,10 @@ _MAX_LOGIT_GAP = 0.05
 
 class ModelError(RuntimeError):
     """A model could not be found, built or loaded."""
+
+
+class ModelRefused(ModelError, UsageError):
+    """A model the user named cannot be used here; the message says why, in one line."""
 
 
 def embedded_model_dir(home: Path | None = None) -> Path:
@@ -116,23 +124,84 @@ def prepare_model(home: Path | None = None, *, force: bool = False) -> Path:
 
 
 def resolve_model(name_or_path: str | Path | None, home: Path | None = None) -> Path:
-    """Turn a model reference into a local Hugging Face folder.
+    """Turn a model reference into a local Hugging Face folder, checked (:func:`check_model`).
 
     ``None`` or ``"embedded"`` gives the embedded model (built on first use); an existing
-    folder with a ``config.json`` is returned as it is. Anything else is an error: there is
-    no hub to download from.
+    folder with a ``config.json`` is returned as it is; anything else is a hub name
+    (``Qwen/Qwen2.5-0.5B-Instruct``), downloaded into the Hugging Face cache where the
+    machine reaches the hub.
     """
     if name_or_path is None or str(name_or_path) == "embedded":
         return prepare_model(home)
     folder = Path(name_or_path).expanduser()
     if (folder / "config.json").is_file():
-        return folder.resolve()
-    if folder.is_dir():
-        raise ModelError(f"{folder} is a folder but has no config.json: not a Hugging Face model")
-    raise ModelError(
-        f"unknown model {str(name_or_path)!r}: pass 'embedded' or the path of a local "
-        "Hugging Face model folder (models are not downloaded from a hub)"
-    )
+        folder = folder.resolve()
+    elif folder.is_dir():
+        raise ModelRefused(f"{folder} is a folder but has no config.json: not a Hugging Face model")
+    else:
+        folder = _download(str(name_or_path))
+    check_model(folder)
+    return folder
+
+
+def _download(name: str) -> Path:
+    """A hub model's weights, config and tokenizer, from the cache or the hub."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(name, allow_patterns=list(_DOWNLOADED))
+    except Exception as error:  # no network, no such repo, no access: one line, not a trace
+        raise ModelRefused(
+            f"model {name!r} is neither a local Hugging Face folder nor reachable on the hub "
+            f"({type(error).__name__}): download it where there is network "
+            f"(huggingface-cli download {name}) and pass its folder"
+        ) from None
+    return Path(path)
+
+
+_DOWNLOADED = ("*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model")
+
+
+def check_model(folder: Path) -> None:
+    """Refuse, in one line, a model the trainer and vLLM cannot train and serve here: one
+    causal-LM architecture, text only, weights in safetensors."""
+    config = json.loads((folder / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if len(architectures) != 1 or not architectures[0].endswith("ForCausalLM"):
+        raise ModelRefused(
+            f"{folder}: architecture {architectures or 'unnamed'} is not supported: Libra "
+            "trains text-only causal LMs (one *ForCausalLM architecture)"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise ModelRefused(f"{folder} holds no .safetensors weights (convert .bin weights first)")
+    if tool_call_format(folder) == "other":
+        raise ModelRefused(
+            f"{folder}: its chat template renders tool calls in a format other than Hermes "
+            "<tool_call> blocks, the one Libra's envs and gateway parse"
+        )
+
+
+def chat_template_of(folder: Path) -> str:
+    """The model's chat template (``chat_template.jinja`` or its tokenizer config's)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tokenizer_config = folder / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        template = json.loads(tokenizer_config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return ""
+
+
+def tool_call_format(folder: Path) -> str:
+    """How the model's chat template writes tool calls: ``hermes`` (``<tool_call>``
+    blocks: Qwen2.5, Qwen3, Hermes), ``none`` (it ignores tools: Libra describes them in
+    the system prompt, in Hermes form) or ``other`` (a format Libra does not parse)."""
+    template = chat_template_of(folder)
+    if "<tool_call>" in template:
+        return "hermes"
+    return "other" if "tool_calls" in template else "none"
 
 
 def chat_template_supports_tools(chat_template: str) -> bool:

@@ -19,7 +19,7 @@ from libra.cli import main
 from libra.config import load_config
 from libra.launch import TrainRunConfig
 from libra.train import EVAL_FILE, METRICS_FILE, StepRecord
-from tests._helpers import BREVITY, QUIZ, ROOT, children_of, cmdline_of
+from tests._helpers import BREVITY, QUIZ, ROOT, children_of, cmdline_of, tiny_qwen
 
 # Mean |trainer - vLLM| logprob on the records of a step, both in fp32 on the same
 # weights. Measured here: 6.7e-6 (v0) and 5.6e-6 (v1, after a real reload), 4.9e-5 at
@@ -146,6 +146,45 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
     assert _distance(run_dir / "weights" / "v0", run_dir / "weights" / "v2") > 10 * GAP_BOUND
     assert "step 1" in out and str(run_dir / "plot.png") in out
     assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_a_second_architecture_trains_end_to_end(
+    embedded_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny Qwen2 (tied embeddings, Qwen2.5's chat template with its tools), built here,
+    trains two steps on its own vLLM: every step syncs, the second step's samples are the
+    first step's weights', and trainer and server agree on them (so the reload of a tied
+    Qwen2 is exact). The calculator env's tools go through the model's own template."""
+    model = tiny_qwen(tmp_path / "qwen", embedded_model)
+    run_dir = tmp_path / "run"
+    args = ["train", "--steps", "2", "--run-dir", str(run_dir), "--no-progress"]
+    for setting in (
+        f"model={model}",
+        f'rollout.envs=[{{env="{BREVITY}"}}, {{env="calc"}}]',
+        "rollout.server=embedded",
+        "mode=sync",
+        "prompts_per_step=2",
+        "samples_per_prompt=4",
+        "rollout.engine.sampling.max_tokens_per_turn=32",
+        "trainer.lr=1e-3",
+        "trainer.cpu_threads=1",
+        "vllm.max_model_len=2048",
+        "vllm.startup_timeout_s=400",
+    ):
+        args += ["--set", setting]
+    assert main(args) == 0
+
+    lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    assert [line["weight_version"] for line in lines] == [1, 2]
+    assert all(line["sync_s"] > 0 for line in lines)
+    assert sum(line["tokens_trained"] for line in lines) > 0
+    step_1 = (run_dir / "rollouts" / "step-1.jsonl").read_text().splitlines()
+    assert {span[2] for r in map(json.loads, step_1) for span in r["weight_versions"]} == {1}
+    assert all(line["logprob_gap_tokens"] > 0 for line in lines)
+    assert all(line["logprob_gap_mean"] < GAP_BOUND for line in lines), lines
+    config = json.loads((run_dir / "weights" / "v2" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ def config_of(run_dir: Path, model_dir: Path) -> TrainRunConfig:
             },
             "eval": {"every": 2, "prompts": 2, "samples": 2},
             "tracking": {"backends": ["tensorboard", "wandb", "mlflow"], "samples": 2},
-            "model_dir": str(model_dir),
+            "model": str(model_dir),
             "steps": 2,
             "prompts_per_step": 2,
             "samples_per_prompt": 3,

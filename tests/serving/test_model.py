@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,11 +23,14 @@ import pytest
 from libra.serving import (
     EMBEDDED_MODEL_NAME,
     ModelError,
+    ModelRefused,
     _model,
     chat_template_supports_tools,
+    check_model,
     embedded_model_dir,
     prepare_model,
     resolve_model,
+    tool_call_format,
 )
 
 # A builder that writes a tiny fake model; a killed or failed build leaves only this.
@@ -161,18 +165,68 @@ def test_a_folder_without_marker_is_rebuilt(
     assert (partial / _model._COMPLETE_MARKER).is_file()
 
 
+def _hf_folder(folder: Path, architecture: str = "Qwen2ForCausalLM", template: str = "") -> Path:
+    """What resolve_model reads of a model folder: its config, weights and template."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
 def test_resolve_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(_model, "_build_embedded_model", _fake_build)
     embedded = embedded_model_dir(tmp_path)
     assert resolve_model(None, tmp_path) == embedded
     assert resolve_model("embedded", tmp_path) == embedded
-    assert resolve_model(str(embedded), tmp_path) == embedded.resolve()
+    folder = _hf_folder(tmp_path / "qwen", template="<tool_call>{{ tool_calls }}</tool_call>")
+    assert resolve_model(str(folder), tmp_path) == folder.resolve()
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
-    with pytest.raises(ModelError, match=r"no config\.json"):
+    with pytest.raises(ModelRefused, match=r"no config\.json"):
         resolve_model(not_a_model)
-    with pytest.raises(ModelError, match="unknown model 'HuggingFaceTB/SmolLM2-135M'"):
+
+
+def test_a_hub_name_out_of_reach_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without the hub
+    with pytest.raises(ModelRefused) as refused:
         resolve_model("HuggingFaceTB/SmolLM2-135M")
+    message = str(refused.value)
+    assert "'HuggingFaceTB/SmolLM2-135M' is neither a local Hugging Face folder" in message
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("architecture", "template", "weights", "refusal"),
+    [
+        ("LlavaForConditionalGeneration", "", True, "text-only causal LMs"),
+        ("LlamaForCausalLM", "", False, "no .safetensors weights"),
+        ("LlamaForCausalLM", "{{ message.tool_calls | tojson }}", True, "other than Hermes"),
+    ],
+)
+def test_what_cannot_train_here_is_refused(
+    tmp_path: Path, architecture: str, template: str, weights: bool, refusal: str
+) -> None:
+    folder = _hf_folder(tmp_path / "model", architecture, template)
+    if not weights:
+        (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelRefused, match=re.escape(refusal)):
+        check_model(folder)
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("<tool_call>{{ tool_call.function.name }}</tool_call>", "hermes"),  # Qwen2.5, Qwen3
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "none"),  # SmolLM2
+        ("{% if message.tool_calls %}[TOOL_CALLS]{% endif %}", "other"),  # Mistral's kind
+    ],
+)
+def test_the_tool_call_format_is_read_from_the_template(
+    tmp_path: Path, template: str, expected: str
+) -> None:
+    assert tool_call_format(_hf_folder(tmp_path / "model", template=template)) == expected
 
 
 def test_chat_template_supports_tools() -> None:

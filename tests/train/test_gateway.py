@@ -55,7 +55,7 @@ def run_config(run_dir: Path, model_dir: Path, serve: str) -> TrainRunConfig:
             "engine": {"concurrency": 8, "sampling": {"max_tokens_per_turn": 48, "seed": 0}},
         },
         "serve": serve,
-        "model_dir": str(model_dir),
+        "model": str(model_dir),
         "steps": 2,
         "prompts_per_step": 2,
         "samples_per_prompt": 3,

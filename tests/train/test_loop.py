@@ -66,7 +66,7 @@ def run_config(run_dir: Path, model_dir: Path, **overrides: Any) -> TrainRunConf
             "engine": {"concurrency": 8, "sampling": {"max_tokens_per_turn": 48, "seed": 0}},
             "emulator": {"agent": {"think_tokens": [0, 40]}},
         },
-        "model_dir": str(model_dir),
+        "model": str(model_dir),
         "steps": 2,
         "prompts_per_step": 2,
         "samples_per_prompt": 3,

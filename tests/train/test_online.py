@@ -71,7 +71,7 @@ async def test_an_external_openai_client_is_trained_on_through_the_gateway(
     data: dict[str, Any] = {
         "rollout": {"server": "emulated", "emulator": {"agent": {"think_tokens": [0, 12]}}},
         "online": {"port": port, "no_auth": True, "session_ttl_s": 1.5, "group_wait_s": 30},
-        "model_dir": str(tiny_model),
+        "model": str(tiny_model),
         "steps": 3,
         "prompts_per_step": 2,
         "samples_per_prompt": 2,
@@ -133,7 +133,7 @@ async def test_an_agent_framework_s_own_client_trains_through_the_session_protoc
     data: dict[str, Any] = {
         "rollout": {"server": "emulated"},
         "online": {"port": port, "no_auth": True, "group_wait_s": 30},
-        "model_dir": str(tiny_model),
+        "model": str(tiny_model),
         "steps": 2,
         "prompts_per_step": 2,
         "samples_per_prompt": 2,

@@ -148,7 +148,7 @@ async def test_a_finished_training_run_shows_a_reward_point_per_step(
                 "engine": {"concurrency": 8, "sampling": {"max_tokens_per_turn": 48, "seed": 0}},
                 "emulator": {"agent": {"think_tokens": [0, 40]}},
             },
-            "model_dir": str(tiny_model),
+            "model": str(tiny_model),
             "steps": 3,
             "prompts_per_step": 2,
             "samples_per_prompt": 3,
