@@ -146,6 +146,14 @@ class AllocConfig(Section):
         description="with backend = ray: None starts a local Ray instance on this machine's "
         "cores; 'auto' or an address attaches to a running cluster",
     )
+    ray_labels: tuple[dict[str, str], ...] = Field(
+        (),
+        description="with backend = ray: each worker's Ray label selector, the labels "
+        "(`ray start --labels`) of the node that is to hold it, e.g. {node = 'a'} "
+        "(Ray's syntax: also '!a', 'in(a,b)'), or {} for any node; the worker's trainer "
+        "rank and vLLM server run there. Empty: Ray places every worker, on as few nodes "
+        "as they fit on",
+    )
 
     @model_validator(mode="after")
     def _units_are_workers(self) -> AllocConfig:
@@ -157,7 +165,20 @@ class AllocConfig(Section):
                 raise ValueError("alloc.training: the trainer needs at least one worker")
             if not self.rollout:
                 raise ValueError("alloc.rollout: one unit serves whatever the loop lends")
+            self._check_ray_labels()
         return self
+
+    def _check_ray_labels(self) -> None:
+        """One selector per worker, and only where Ray places the workers."""
+        if not self.ray_labels:
+            return
+        if self.backend != "ray":
+            raise ValueError("alloc.ray_labels: only Ray places workers on nodes: backend = 'ray'")
+        workers = len(self.core_sets())
+        if len(self.ray_labels) != workers:
+            raise ValueError(
+                f"alloc.ray_labels: one selector per worker ({workers}), not {len(self.ray_labels)}"
+            )
 
     def core_sets(self) -> tuple[tuple[int, ...], ...]:
         if self.workers:
@@ -296,7 +317,7 @@ async def open_cluster(
         worlds = None
         if alloc.backend == "ray":
             ray = await stack.enter_async_context(
-                open_ray_workers(cores, trainer.backend, alloc.ray_address)
+                open_ray_workers(cores, trainer.backend, alloc.ray_address, alloc.ray_labels)
             )
             start_server, worlds = ray.server, ray.worlds(model_dir, trainer)
         ranks = await stack.enter_async_context(

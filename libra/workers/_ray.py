@@ -5,7 +5,9 @@ is here, and a wait on Ray that leaves the event loop free.
 Each worker is one bundle of a placement group held for the cluster's life: a GPU (with
 a CPU) on a GPU cluster, its cores' count of CPUs otherwise. Whatever runs on a worker
 is an actor scheduled into the worker's bundle, so a worker's trainer rank and its vLLM
-server land on the same accelerator, and no other worker's actor can. An actor asks for
+server land on the same accelerator, and no other worker's actor can. A worker's bundle is
+held on a node its label selector allows, when it has one (``alloc.ray_labels``): that is
+how a run says which node each worker is on. An actor asks for
 half its bundle: while the trainer's world changes (``_elastic``), the old world's rank
 and the next world's rank of the same worker live side by side until the switch.
 

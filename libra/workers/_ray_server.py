@@ -26,15 +26,17 @@ class ServerActor:
     def __init__(self, model: Path, served_model_name: str, config: VLLMServerConfig) -> None:
         self.server = VLLMServer(model, served_model_name=served_model_name, config=config)
 
-    def start(self) -> tuple[str, Path | None]:
-        """Start the server; its URL as the driver reaches it, and its log file."""
+    def start(self) -> tuple[str, Path | None, str]:
+        """Start the server; its URL as the driver reaches it, its log file, and the id of
+        the Ray node it runs on."""
         import ray
 
         self.server.start()
         host = self.server.config.host
         if host in ("0.0.0.0", "::"):  # listening on every interface: the node's address
             host = ray.util.get_node_ip_address()
-        return f"http://{host}:{self.server.port}", self.server.log_file
+        node_id: str = ray.get_runtime_context().get_node_id()
+        return f"http://{host}:{self.server.port}", self.server.log_file, node_id
 
     def reload_weights_from(self, folder: Path, timeout_s: float) -> None:
         self.server.reload_weights_from(folder, timeout_s)
@@ -63,6 +65,8 @@ class RayServer:
         self._actor: Any = None
         self._url: str | None = None
         self._log_file: Path | None = None
+        #: The Ray node it runs on (its hex id), once started: where its log file is.
+        self.node_id: str | None = None
 
     @property
     def url(self) -> str:
@@ -81,7 +85,7 @@ class RayServer:
             self.model, self.served_model_name, self.config
         )
         try:
-            self._url, self._log_file = await ray_get(self._actor.start.remote())
+            self._url, self._log_file, self.node_id = await ray_get(self._actor.start.remote())
         except BaseException:
             self._kill()  # its guard stops the server's tree as the actor dies
             raise

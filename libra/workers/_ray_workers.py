@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
@@ -37,10 +37,20 @@ def _not_the_sigterm_warning(record: logging.LogRecord) -> bool:
 class RayWorkers:
     """The cluster's workers on Ray: ``cores[w]`` is worker ``w``'s CPU cores (a CPU
     cluster: the bundle holds that many CPUs, its actors pin themselves to them), or one
-    GPU each when ``gpus``."""
+    GPU each when ``gpus``. ``labels[w]`` (when given) is the label selector of the node
+    that is to hold worker ``w``'s bundle, and so its ranks and servers."""
 
-    def __init__(self, cores: Sequence[tuple[int, ...]], *, gpus: bool) -> None:
+    def __init__(
+        self,
+        cores: Sequence[tuple[int, ...]],
+        *,
+        gpus: bool,
+        labels: Sequence[Mapping[str, str]] = (),
+    ) -> None:
+        if labels and len(labels) != len(cores):
+            raise ValueError(f"{len(labels)} label selectors for {len(cores)} workers")
         self.cores, self.gpus = [tuple(c) for c in cores], gpus
+        self.labels = [dict(selector) for selector in labels]
         self._group: Any = None
 
     def bundles(self) -> list[dict[str, float]]:
@@ -51,7 +61,14 @@ class RayWorkers:
     async def __aenter__(self) -> Self:
         from ray.util.placement_group import placement_group
 
-        self._group = placement_group(self.bundles(), strategy="PACK", name="libra-workers")
+        # PACK still applies among the nodes a bundle's selector allows (Ray's selectors
+        # are hard constraints: a bundle no node matches waits for one to join).
+        self._group = placement_group(
+            self.bundles(),
+            strategy="PACK",
+            name="libra-workers",
+            bundle_label_selector=self.labels or None,
+        )
         try:
             await ray_get(self._group.ready())
         except BaseException:
@@ -119,11 +136,12 @@ async def open_ray_workers(
     cores: Sequence[tuple[int, ...]],
     backend: Literal["auto", "gloo", "nccl"],
     address: str | None,
+    labels: Sequence[Mapping[str, str]] = (),
 ) -> AsyncIterator[RayWorkers]:
     """Ray (already initialized in this process; else started here when ``address`` is
-    None, attached to otherwise) with a bundle per worker: GPUs when the trainer's
-    ``backend`` is NCCL (``auto``: when the cluster has GPUs). A Ray started or attached
-    here is shut down on exit."""
+    None, attached to otherwise) with a bundle per worker, on a node ``labels[w]``
+    selects when given: GPUs when the trainer's ``backend`` is NCCL (``auto``: when the
+    cluster has GPUs). A Ray started or attached here is shut down on exit."""
     ray = import_ray()
     with ExitStack() as ray_here:
         if not ray.is_initialized():
@@ -131,7 +149,7 @@ async def open_ray_workers(
         gpus = backend == "nccl" or (
             backend == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
         )
-        async with RayWorkers(cores, gpus=gpus) as workers:
+        async with RayWorkers(cores, gpus=gpus, labels=labels) as workers:
             yield workers
 
 

@@ -130,6 +130,20 @@ class RankPids:
 
 
 @dataclass(frozen=True)
+class RankNodes:
+    """The Ray node every rank runs on (its hex id), rank 0 first: for ranks that are
+    Ray actors."""
+
+    def run(self, trainer: object) -> list[str]:
+        import ray
+        import torch.distributed as dist
+
+        nodes: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+        return [str(node) for node in nodes]
+
+
+@dataclass(frozen=True)
 class SleepThenMeet:
     """Each rank sleeps, writes ``started`` (rank 0) first, then all meet in a barrier."""
 

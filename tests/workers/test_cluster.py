@@ -22,48 +22,27 @@ from libra.train import METRICS_FILE, StepRecord, TrainRun
 from libra.trainer import TrainerConfig
 from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
 from libra.workers._ray import ray_missing
-from tests._helpers import BREVITY, Brevity, emulated_engine, tiny_llama, unavailable
+from tests._helpers import (
+    BREVITY,
+    NEVER,
+    Brevity,
+    embedded_alloc_run,
+    emulated_engine,
+    hybrid_alloc_section,
+    tiny_llama,
+    unavailable,
+)
 
 pytestmark = pytest.mark.anyio
 
-NEVER = 1e9  # a re-plan trigger that never fires: the ratio rule alone decides
-
-
 STEPS = 4  # the hybrid worker is lent after step 0, 1 or 2, and trains at least once
-
-
-def alloc_section(cores: list[int]) -> dict[str, Any]:
-    """Three workers on the machine's cores (one core may be in two sets): 0 trains,
-    1 serves for good, 2 serves until the loop lends it to training."""
-    return {
-        "enabled": True,
-        "workers": [[cores[0]], [cores[-1]], [cores[-1]]],
-        "training": [0],
-        "rollout": [[1]],
-        "hybrid": [[2]],
-        "loop": {
-            # Borrow as soon as training (with its export and sync) outlasts the
-            # rollout; never release (a restart of vLLM would outlast the test).
-            "borrow_ratio": 1.0001,
-            "release_ratio": 1e-9,
-            "max_pressure": NEVER,
-            "trigger": {
-                "every_steps": 1_000_000,
-                "ratio_high": NEVER,
-                "ratio_low": 1e-9,
-                "queue_pressure": NEVER,
-                "length_drift": NEVER,
-            },
-        },
-        "pool": {"fetch_timeout_s": 600, "drain_timeout_s": 60},
-    }
 
 
 def test_the_alloc_section_loads_back_from_the_run_s_toml(tmp_path: Path) -> None:
     data = {
         "rollout": {"env": BREVITY, "server": "embedded"},
         "run_dir": str(tmp_path / "run"),
-        "alloc": alloc_section([0, 1]),
+        "alloc": hybrid_alloc_section([0, 1]),
     }
     config = TrainRunConfig.model_validate(data)
     (tmp_path / "config.toml").write_text(config.to_toml())
@@ -73,7 +52,7 @@ def test_the_alloc_section_loads_back_from_the_run_s_toml(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"rollout\.server=embedded"):
         TrainRunConfig.model_validate({**data, "rollout": {"env": BREVITY}})
     with pytest.raises(ValueError, match="at most once"):
-        bad = {**alloc_section([0, 1]), "hybrid": [[1]]}
+        bad = {**hybrid_alloc_section([0, 1]), "hybrid": [[1]]}
         TrainRunConfig.model_validate({**data, "alloc": bad})
 
 
@@ -113,7 +92,7 @@ async def test_a_worker_joins_and_leaves_the_trainer_through_the_cluster_s_opera
     model = tiny_llama(tmp_path / "model")
     cores = sorted(os.sched_getaffinity(0))
     alloc = TrainRunConfig.model_validate(
-        {"rollout": {"env": BREVITY, "server": "embedded"}, "alloc": alloc_section(cores)}
+        {"rollout": {"env": BREVITY, "server": "embedded"}, "alloc": hybrid_alloc_section(cores)}
     ).alloc
     assert alloc is not None
     trainer = TrainerConfig(backend="gloo")
@@ -146,30 +125,6 @@ async def join(cluster: WorkerCluster, worker: int) -> None:
         await operation(worker)
 
 
-def run_config(run_dir: Path, alloc: dict[str, Any], **loop: Any) -> TrainRunConfig:
-    """A run on the embedded model with the ``[alloc]`` section ``alloc``; ``loop``
-    overrides the loop's fields (steps, group sizes)."""
-    return TrainRunConfig.model_validate(
-        {
-            "rollout": {
-                "env": BREVITY,
-                "server": "embedded",
-                "engine": {"sampling": {"max_tokens_per_turn": 8, "temperature": 0.7}},
-            },
-            "steps": STEPS,
-            "prompts_per_step": 2,
-            "samples_per_prompt": 2,
-            "run_dir": str(run_dir),
-            "checkpoint_every": 0,
-            "trainer": {"lr": 1e-4},
-            "train": {"micro_batch_tokens": 1024},
-            "vllm": {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1},
-            "alloc": alloc,
-        }
-        | loop
-    )
-
-
 def assert_each_trajectory_recorded_once(run_dir: Path, lines: list[dict[str, Any]]) -> None:
     jobs = lines[0]["trajectories"]
     for step, line in enumerate(lines):
@@ -190,7 +145,9 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
         unavailable(missing)
     run_dir = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))
-    config = run_config(run_dir, alloc_section(cores) | {"backend": backend})
+    config = embedded_alloc_run(
+        run_dir, hybrid_alloc_section(cores) | {"backend": backend}, steps=STEPS
+    )
     timings: list[tuple[str, str, float]] = []
 
     async def after(run: TrainRun, record: StepRecord) -> None:
@@ -231,14 +188,14 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
     each step's ``alloc`` line. Each step ends once the pool's moves have (the next
     rollout then has both servers)."""
     cores = sorted(os.sched_getaffinity(0))
-    alloc = alloc_section(cores)
+    alloc = hybrid_alloc_section(cores)
     alloc["loop"] |= {"borrow_ratio": NEVER}
     alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5}
     # 48 samples (short ones: Brevity rewards them), ~45 s of training on one core: long
     # enough for the unit to join it (a borrow takes ~10-20 s here).
     sampling = {"max_tokens_per_turn": 96, "temperature": 0.7}
     rollout = {"env": BREVITY, "server": "embedded", "engine": {"sampling": sampling}}
-    config = run_config(
+    config = embedded_alloc_run(
         run_dir,
         alloc,
         steps=steps,
