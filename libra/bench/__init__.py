@@ -34,6 +34,7 @@ from libra.bench._serve import as_json as serve_as_json
 from libra.bench._serve import bench_serve
 from libra.bench._soak import add_arguments as add_soak_arguments
 from libra.bench._soak import main_soak
+from libra.bench._sync import TransportResult, bench_sync
 from libra.bench._train import as_json as train_as_json
 from libra.bench._train import bench_train
 
@@ -47,11 +48,13 @@ __all__ = [
     "PolicyResult",
     "PolicyRun",
     "SchedReport",
+    "TransportResult",
     "add_alloc_arguments",
     "add_docs_arguments",
     "add_soak_arguments",
     "bench_sandbox",
     "bench_serve",
+    "bench_sync",
     "bench_train",
     "default_jobs",
     "engine_as_json",

@@ -238,7 +238,20 @@ def train(outputs: Sequence[Output]) -> list[str]:
         "export s",
         "peak memory GB",
     )
-    return table_lines(header, rows)
+    lines = table_lines(header, rows)
+    transports = outputs[0].get("transports") or []
+    if transports:
+        syncs = [
+            [
+                t["transport"],
+                f"{t['megabytes']:,.0f}",
+                f"{t['sync_s']:.2f}",
+                "" if t["export_s"] is None else f"{t['export_s']:.2f}",
+            ]
+            for t in transports
+        ]
+        lines += ["", *table_lines(("weight transport", "MB", "sync s", "export s"), syncs)]
+    return lines
 
 
 # ------------------------------------------------------------------- scheduling

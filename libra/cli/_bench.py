@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import asdict
 from functools import partial
 
 import anyio
@@ -21,6 +22,7 @@ from libra.bench import (
     add_soak_arguments,
     bench_sandbox,
     bench_serve,
+    bench_sync,
     bench_train,
     default_jobs,
     engine_as_json,
@@ -101,6 +103,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--per-group", type=int, default=4, help="samples per group")
     train.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="FSDP world sizes")
     train.add_argument("--micro-batch-tokens", type=int, default=1024)
+    train.add_argument(
+        "--syncs",
+        type=int,
+        default=3,
+        help="timed weight syncs per transport (disk, gloo) into a real vLLM; 0: none",
+    )
     train.add_argument("--json", action="store_true", help="print JSON instead of a table")
     train.set_defaults(run=run_train)
     docs = benches.add_parser(
@@ -268,6 +276,8 @@ def run_train(args: argparse.Namespace) -> int:
         micro_batch_tokens=args.micro_batch_tokens,
     )
     report = train_as_json(results)
+    transports = anyio.run(bench_sync, model_dir, args.syncs) if args.syncs else []
+    report["transports"] = [asdict(t) for t in transports]
     if args.json:
         print(json.dumps(report))
         return 0
@@ -283,4 +293,12 @@ def run_train(args: argparse.Namespace) -> int:
             "" if export is None else f"{export:.2f}", "" if memory is None else f"{memory:.1f}",
         )  # fmt: skip
     Console().print(table)
+    if transports:
+        syncs = Table(title="weight sync into vLLM, by transport")
+        for column in ("transport", "MB", "sync s", "export s"):
+            syncs.add_column(column, justify="right")
+        for t in transports:
+            export = "" if t.export_s is None else f"{t.export_s:.2f}"
+            syncs.add_row(t.transport, f"{t.megabytes:,.0f}", f"{t.sync_s:.2f}", export)
+        Console().print(syncs)
     return 0

@@ -422,6 +422,8 @@ def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:
     extra: tuple[str, ...] = ("--logprobs-mode", config.logprobs_mode)
     if config.export_dtype is not None:
         extra += ("--dtype", config.export_dtype)
+    if config.sync.transport == "gloo":  # Libra's engine, from its vLLM plugin
+        extra += ("--weight-transfer-config", '{"backend": "gloo"}')
     return config.vllm.model_copy(
         update={"dev_mode": True, "extra_args": (*config.vllm.extra_args, *extra)}
     )

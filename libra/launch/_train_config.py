@@ -157,6 +157,16 @@ class TrainRunConfig(BaseModel):
             raise ValueError("grpo.kl_coef > 0 needs a reference model, which the loop lacks")
         if self.allocating and self.server != "embedded":
             raise ValueError("alloc: the pool serves the run's own model: rollout.server=embedded")
+        if self.sync.transport == "gloo" and (self.server != "embedded" or self.allocating):
+            raise ValueError(
+                "sync.transport=gloo broadcasts to the run's own vLLM: rollout.server=embedded, "
+                "without [alloc] (elsewhere the weights go by disk)"
+            )
+        if self.sync.transport == "gloo" and self.trainer.lora.enabled:
+            raise ValueError(
+                "sync.transport=gloo sends whole weights; with trainer.lora each step sends "
+                "the adapters alone, a few MB, by disk: drop one of the two"
+            )
         return self
 
     @property

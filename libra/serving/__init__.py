@@ -8,6 +8,12 @@ restarts a server that dies or hangs and gives it the run's current weights.
 """
 
 from libra.serving._embedded import running_embedded_url, server_config, state_file
+from libra.serving._gloo_weights import (
+    TensorMeta,
+    open_weights_group,
+    send_weights,
+    weights_metadata,
+)
 from libra.serving._model import (
     EMBEDDED_MODEL_NAME,
     ModelError,
@@ -22,6 +28,7 @@ from libra.serving._model import (
 )
 from libra.serving._supervisor import (
     CurrentWeights,
+    OnDisk,
     ServerEvent,
     ServerProcess,
     ServerSupervisor,
@@ -31,6 +38,7 @@ from libra.serving._vllm import VLLMServer
 from libra.serving._vllm_config import VLLMServerConfig, VLLMServerError, with_lora_adapter
 from libra.serving._weight_sync import (
     WEIGHTS_FILE,
+    CollectiveSync,
     ControlTransport,
     SyncReport,
     WeightSync,
@@ -41,15 +49,18 @@ from libra.serving._weight_sync import (
 __all__ = [
     "EMBEDDED_MODEL_NAME",
     "WEIGHTS_FILE",
+    "CollectiveSync",
     "ControlTransport",
     "CurrentWeights",
     "ModelError",
     "ModelRefused",
+    "OnDisk",
     "ServerEvent",
     "ServerProcess",
     "ServerSupervisor",
     "SupervisorConfig",
     "SyncReport",
+    "TensorMeta",
     "VLLMServer",
     "VLLMServerConfig",
     "VLLMServerError",
@@ -60,11 +71,14 @@ __all__ = [
     "check_model",
     "embedded_gguf_path",
     "embedded_model_dir",
+    "open_weights_group",
     "prepare_model",
     "resolve_model",
     "running_embedded_url",
+    "send_weights",
     "server_config",
     "state_file",
     "tool_call_format",
+    "weights_metadata",
     "with_lora_adapter",
 ]

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -48,7 +48,16 @@ class ServerProcess(Protocol):
 
 CurrentWeights = Callable[[], tuple[Path | None, int]]
 """The weights the run serves now: an exported folder and its version, or ``(None, v)``
-when the servers' start-up weights are current (version ``v``, 0 for a fresh run)."""
+when the servers' start-up weights are current (version ``v``, 0 for a fresh run) or,
+for :class:`OnDisk` weights, when version ``v`` was sent without the disk."""
+
+
+@runtime_checkable
+class OnDisk(Protocol):
+    """Weights a collective transport sent (no folder holds them): a restarted server,
+    outside the transport's group, is given them through a folder written on demand."""
+
+    async def on_disk(self, version: int) -> Path: ...
 
 
 class SupervisorConfig(Section):
@@ -206,6 +215,9 @@ class ServerSupervisor:
         endpoint = self.router.by_name[name].endpoint
         while True:
             folder, version = self.weights()
+            weights: object = self.weights  # any CurrentWeights; some are OnDisk too
+            if folder is None and version > 0 and isinstance(weights, OnDisk):
+                folder = await weights.on_disk(version)
             if folder is not None:
                 await WeightSync([endpoint], self.sync).sync(folder, version)
             endpoint.weight_version = version

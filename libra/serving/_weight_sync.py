@@ -12,9 +12,13 @@ with ``/v1/load_lora_adapter`` instead, in place, under the name the endpoint's 
 call (``Endpoint.model``): the server must run with ``--enable-lora`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (``libra.serving.with_lora_adapter``).
 
-Transport: ``disk`` (safetensors through the file system) is the only one. A GPU
-transport (NCCL broadcast into the servers, or vLLM's weight-transfer API) would be a
-second value of :attr:`WeightSyncConfig.transport` behind the same :meth:`WeightSync.sync`.
+Transports (:attr:`WeightSyncConfig.transport`): ``disk``, a folder through the file
+system (:class:`WeightSync`), and ``gloo``, the tensors broadcast from the trainer's rank 0
+over a process group the servers joined (:class:`CollectiveSync`: vLLM's weight-transfer
+API, ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, with Libra's gloo engine in the servers,
+``libra.serving._vllm_gloo_engine``). Both pause, reset the prefix cache, bump the
+version and resume the same way.
 """
 
 from __future__ import annotations
@@ -23,22 +27,25 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Protocol, Self
+from typing import Any, Literal, Protocol, Self
 
 import anyio
 import httpx
-from pydantic import Field
+from pydantic import Field, PositiveInt
 
 from libra.config import Section
 from libra.fleet import Endpoint
+from libra.serving._gloo_weights import TensorMeta
 
 __all__ = [
     "WEIGHTS_FILE",
+    "CollectiveSync",
     "ControlTransport",
     "SyncReport",
     "WeightSync",
@@ -65,8 +72,13 @@ class WeightSyncError(RuntimeError):
 class WeightSyncConfig(Section):
     """How new weights reach the servers."""
 
-    transport: Literal["disk"] = Field(
-        default="disk", description="disk: safetensors folder + reload_weights (CPU and GPU)"
+    transport: Literal["disk", "gloo"] = Field(
+        default="disk",
+        description="disk: a safetensors folder, reloaded by the servers; gloo: the tensors "
+        "broadcast from the trainer over a process group (the run's own vLLM only; CPU and GPU)",
+    )
+    bucket_mb: PositiveInt = Field(
+        256, description="gloo: the most MiB broadcast at once (one tensor may be more)"
     )
     pause_mode: Literal["abort", "keep", "wait"] = Field(
         default="keep",
@@ -131,15 +143,12 @@ class WeightSync:
             except Exception as error:  # each endpoint's failure is reported, none lost
                 errors[name] = str(error) if isinstance(error, WeightSyncError) else repr(error)
 
-        async with AsyncExitStack() as stack:
-            transport: ControlTransport
-            if self.transport is not None:
-                transport = self.transport
-            else:
-                transport = await stack.enter_async_context(_HttpxControl())
-            async with anyio.create_task_group() as group:
-                for endpoint in self.endpoints:
-                    group.start_soon(sync_one, transport, endpoint)
+        async with (
+            _transport_or_own(self.transport) as transport,
+            anyio.create_task_group() as group,
+        ):
+            for endpoint in self.endpoints:
+                group.start_soon(sync_one, transport, endpoint)
         if errors:
             raise WeightSyncError(
                 f"weights v{version} not loaded into "
@@ -177,6 +186,109 @@ class WeightSync:
             with anyio.CancelScope(shield=True):
                 await control.post("/resume")
         return time.perf_counter() - started
+
+
+class CollectiveSync:
+    """Loads weights the trainer broadcasts into every endpoint (``transport = "gloo"``).
+
+    :meth:`join` makes each endpoint's workers join the trainer's group (rank 0: the
+    trainer, which joins meanwhile); :meth:`sync` loads one version: pause, start the
+    update, tell each server the tensors' metadata while the trainer broadcasts them,
+    finish the update, reset the prefix cache, bump the version, resume. The servers run
+    with ``--weight-transfer-config '{"backend": "gloo"}'`` and in dev mode.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        config: WeightSyncConfig,
+        transport: ControlTransport | None = None,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.config = config
+        self.transport = transport  # None: an httpx client per call, of its own
+
+    async def join(
+        self, host: str, port: int, trainer_joins: Callable[[], Awaitable[object]]
+    ) -> None:
+        world = 1 + len(self.endpoints)
+        info = {"master_address": host, "master_port": port, "world_size": world}
+        info["bucket_bytes"] = self.config.bucket_mb * 1024**2
+
+        async def init(control: _Control, offset: int) -> None:
+            body = {"init_info": {**info, "rank_offset": offset}}
+            await control.post("/init_weight_transfer_engine", body=body)
+
+        async with self._controls() as controls, anyio.create_task_group() as group:
+            for offset, control in enumerate(controls, start=1):
+                group.start_soon(init, control, offset)
+            await trainer_joins()
+
+    async def sync(
+        self, version: int, metas: Sequence[TensorMeta], send: Callable[[], Awaitable[object]]
+    ) -> SyncReport:
+        started = time.perf_counter()
+        update: dict[str, list[Any]] = {
+            "names": [meta.name for meta in metas],
+            "dtype_names": [meta.dtype for meta in metas],
+            "shapes": [list(meta.shape) for meta in metas],
+        }
+        async with self._controls() as controls:
+            await self._load(controls, version, update, send)
+        seconds = time.perf_counter() - started
+        log.info(
+            "weights v%d broadcast into %d endpoints in %.2f s", version, len(controls), seconds
+        )
+        return SyncReport(version, Path(), seconds, {})
+
+    async def _load(
+        self,
+        controls: Sequence[_Control],
+        version: int,
+        update: dict[str, list[Any]],
+        send: Callable[[], Awaitable[object]],
+    ) -> None:
+        await _each(controls, lambda c: c.post("/pause", {"mode": self.config.pause_mode}))
+        try:
+            await _each(controls, lambda c: c.post("/start_weight_update"))
+            async with anyio.create_task_group() as group:
+                for control in controls:
+                    group.start_soon(
+                        partial(control.post, "/update_weights"), None, {"update_info": update}
+                    )
+                await send()
+            finish = {"weight_version": str(version)}
+            await _each(controls, lambda c: c.post("/finish_weight_update", body=finish))
+            await _each(controls, _reset_prefix_cache)
+            for endpoint in self.endpoints:
+                endpoint.weight_version = version
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _each(controls, lambda c: c.post("/resume"))
+
+    @asynccontextmanager
+    async def _controls(self) -> AsyncIterator[list[_Control]]:
+        async with _transport_or_own(self.transport) as transport:
+            timeout_s = self.config.timeout_s
+            yield [_Control(transport, endpoint, timeout_s) for endpoint in self.endpoints]
+
+
+@asynccontextmanager
+async def _transport_or_own(transport: ControlTransport | None) -> AsyncIterator[ControlTransport]:
+    """``transport``, or an httpx client of the caller's own while the block runs."""
+    if transport is not None:
+        yield transport
+        return
+    async with _HttpxControl() as own:
+        yield own
+
+
+async def _each(
+    controls: Sequence[_Control], call: Callable[[_Control], Coroutine[Any, Any, object]]
+) -> None:
+    async with anyio.create_task_group() as group:
+        for control in controls:
+            group.start_soon(call, control)
 
 
 @dataclass(frozen=True, slots=True)

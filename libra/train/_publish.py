@@ -1,32 +1,43 @@
 """Weight publishing: each version the trainer exports is loaded into every serving
 endpoint (admission paused meanwhile; through a ``libra serve`` gateway's admin API when
 the run serves there), the exports kept to what the servers may still need, and the
-logprob probe of a version just served."""
+logprob probe of a version just served. With ``[sync] transport = "gloo"`` no folder is
+written: the trainer broadcasts each version to the servers, which joined its group at
+the first publish (and join again after one of them restarted)."""
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import anyio
 import httpx
 
+from libra._net import free_port
 from libra.engine import RolloutSession, TrajectoryRecord
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
-from libra.serving import WeightSync, WeightSyncError
+from libra.serving import CollectiveSync, TensorMeta, WeightSync, WeightSyncError
 from libra.train._gateway import Gateway
 from libra.train._settings import RunSettings
 from libra.trainer import (
     Export,
+    JoinWeightGroup,
     LogprobGap,
     Logprobs,
+    SendWeights,
     TrainerWorld,
+    WeightsMetadata,
     logprob_gap,
     server_prompt_logprobs,
 )
+
+_LOOPBACK = "127.0.0.1"
+_PROBE_TOKENS = 1024
 
 
 @dataclass
@@ -39,9 +50,19 @@ class ServedWeights:
     #: Held while new weights load into the fleet: an instance starting meanwhile takes
     #: them once the load is over.
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: Writes a version that was broadcast (no folder holds it) to the disk.
+    export: Callable[[int], Awaitable[Path]] | None = None
+    #: A server restarted since the servers joined the trainer's group: join again.
+    rejoin: bool = False
 
     def __call__(self) -> tuple[Path | None, int]:
         return self.folder, self.version
+
+    async def on_disk(self, version: int) -> Path:
+        """For a restarted server (``libra.serving.OnDisk``): it is out of the group."""
+        assert self.export is not None, "a broadcast version without an exporter"
+        self.rejoin = True
+        return await self.export(version)
 
 
 @dataclass
@@ -56,6 +77,7 @@ class Publisher:
     scheduler: Scheduler
     served: ServedWeights = field(default_factory=ServedWeights)
     gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
+    _metas: list[TensorMeta] | None = None  # what each broadcast sends, once joined
 
     def forget_lost_weights(self, version: int) -> None:
         """Remove the exports of versions after ``version``: steps the killed run took
@@ -75,13 +97,15 @@ class Publisher:
         await self.load(folder, version)
 
     async def probe_gap(self, records: list[TrajectoryRecord]) -> LogprobGap:
-        """Trainer versus the first server on the longest exact record's ids, both at the
-        weights just synced (prompt logprobs are raw: temperature 1 on both sides)."""
+        """Trainer versus the first server on the longest exact record's first ids, both at
+        the weights just synced (prompt logprobs are raw: temperature 1 on both sides)."""
         exact = [r for r in records if r.tokens == "exact" and len(r.token_ids) > 1]
         # A gateway serves no prompt logprobs: there the gap is the trained tokens' only.
         if not exact or not self.config.reloads or not self.endpoints or self.gateway:
             return LogprobGap(mean_abs=0.0, max_abs=0.0, tokens=0)
-        ids = max(exact, key=lambda r: len(r.token_ids)).token_ids
+        # A cut of it: a record may outgrow the server's context (one cut at
+        # max_context_tokens does), and a thousand tokens measure the numerics as well.
+        ids = max(exact, key=lambda r: len(r.token_ids)).token_ids[:_PROBE_TOKENS]
         endpoint = await self._serving_endpoint()
         async with httpx.AsyncClient(timeout=self.config.sync.timeout_s) as client:
             served = await server_prompt_logprobs(client, endpoint.url, endpoint.model, ids)
@@ -89,13 +113,46 @@ class Publisher:
         return logprob_gap(mine, served)
 
     async def publish(self, version: int) -> tuple[float, float]:
-        """Export ``version`` and load it into every endpoint (admission paused meanwhile)."""
+        """Export ``version`` and load it into every endpoint (admission paused meanwhile):
+        the seconds of each; or broadcast it (``transport = "gloo"``: no export)."""
+        if self.config.sync.transport == "gloo" and self.config.reloads:
+            return 0.0, await self._broadcast(version)
         started = time.perf_counter()
         folder = await self._export(version)
         export_s = time.perf_counter() - started
         sync_s = await self.load(folder, version)
         self._forget_old_weights(version)
         return export_s, sync_s
+
+    async def _broadcast(self, version: int) -> float:
+        """The trainer sends ``version`` to every live endpoint over its group; the
+        seconds it took, the group's join included when it happens."""
+        async with self.served.lock:
+            self.served.folder, self.served.version = None, version
+            self.served.export = self._export
+            started = time.perf_counter()
+            self.session.pause()
+            try:
+                endpoints = self.scheduler.router.endpoints().values()
+                live = [e for e in endpoints if self._serving(e.name)]
+                sync = CollectiveSync(live, self.config.sync, self.session.engine.http)
+                if self._metas is None or self.served.rejoin:
+                    await self._join(sync, len(live))
+                bucket_bytes = self.config.sync.bucket_mb * 1024**2
+                send = SendWeights(self.config.export_dtype, bucket_bytes)
+                assert self._metas is not None
+                await sync.sync(version, self._metas, partial(self.trainer.call, send))
+            finally:
+                self.session.resume()
+            return time.perf_counter() - started
+
+    async def _join(self, sync: CollectiveSync, servers: int) -> None:
+        # The run's own servers share the trainer's machine (the transport's scope).
+        port = free_port()
+        join = JoinWeightGroup(_LOOPBACK, port, 1 + servers, self.config.sync.timeout_s)
+        await sync.join(_LOOPBACK, port, partial(self.trainer.call, join))
+        self._metas = await self.trainer.call(WeightsMetadata(self.config.export_dtype))
+        self.served.rejoin = False
 
     async def _export(self, version: int) -> Path:
         settings = self.config

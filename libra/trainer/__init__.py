@@ -56,10 +56,12 @@ from libra.trainer._loss import (
     staleness_weight,
     token_logprobs,
 )
+from libra.trainer._send import JoinWeightGroup, SendWeights, WeightsMetadata
 from libra.trainer._spawn import spawn
 from libra.trainer._weights import (
     export_weights,
     servable_model,
+    servable_tensors,
     write_weights_folder,
 )
 from libra.trainer._worker import (
@@ -87,6 +89,7 @@ __all__ = [
     "FSDPTrainer",
     "FailureRule",
     "GRPOConfig",
+    "JoinWeightGroup",
     "Layout",
     "LoRAConfig",
     "LoadCheckpoint",
@@ -100,6 +103,7 @@ __all__ = [
     "RestoreCheckpoint",
     "RunState",
     "Sample",
+    "SendWeights",
     "StaleRule",
     "StepMetrics",
     "Train",
@@ -110,6 +114,7 @@ __all__ = [
     "TrainerError",
     "TrainerProcess",
     "TrainerWorld",
+    "WeightsMetadata",
     "WriteCheckpoint",
     "aggregation_weights",
     "build_batch",
@@ -136,6 +141,7 @@ __all__ = [
     "sequence_logprobs",
     "sequence_token_weight",
     "servable_model",
+    "servable_tensors",
     "server_logprob_temperature",
     "server_prompt_logprobs",
     "spawn",

@@ -196,6 +196,9 @@ class FSDPTrainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         self.steps_done = 0
+        #: Rank 0's process group with the serving workers, for a collective weight
+        #: transport (``libra.trainer._send``); None: the weights go by disk.
+        self.weight_group: Any = None
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "export_weights",
     "servable_model",
+    "servable_tensors",
     "write_weights_folder",
 ]
 
@@ -64,7 +65,6 @@ def export_weights(
     folder (``libra.trainer._lora``). Returns the folder on every rank once it is complete.
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     lora = trainer.config.lora
     target = Path(run_dir) / "weights" / f"v{version}"
@@ -77,14 +77,34 @@ def export_weights(
         if trainer.dist.is_main:
             write_adapter_folder(adapter_keys(adapters), lora, trainer.model_dir, target)
     else:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(trainer.model, options=options)
+        state = _plain_state(trainer)
         if trainer.dist.is_main:
-            if lora.enabled:
-                state = merge_adapters(state, lora)
             write_weights_folder(state, trainer.model_dir, target, dtype=dtype)
     dist.barrier()
     return target
+
+
+def servable_tensors(trainer: FSDPTrainer, dtype: str | None = None) -> list[tuple[str, Any]]:
+    """The tensors :func:`export_weights` writes, in memory, by name (collective; rank 0's
+    are the whole model, the other ranks' empty): what a collective transport sends."""
+    import json
+
+    state = _plain_state(trainer)
+    if not trainer.dist.is_main:
+        return []
+    config = json.loads((trainer.model_dir / "config.json").read_text())
+    return sorted(_servable(state, config, dtype).items())
+
+
+def _plain_state(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU on rank 0 (collective), adapters merged in."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state: dict[str, torch.Tensor] = get_model_state_dict(trainer.model, options=options)
+    if trainer.dist.is_main and trainer.config.lora.enabled:
+        state = merge_adapters(state, trainer.config.lora)
+    return state
 
 
 def servable_model(model_dir: str | Path, run_dir: str | Path) -> Path:

@@ -1,33 +1,27 @@
-"""``libra bench train``: the trainer and the plain loop train the same tokens, timed."""
+"""``libra bench train``: the trainer and the plain loop train the same tokens, timed; each
+weight transport syncs the same weights into a real vLLM."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from libra.cli import main
-from libra.serving import prepare_model
-from tests.trainer._ranks import save_llama
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+from tests._helpers import tiny_qwen
 
 
 @pytest.mark.slow
 def test_bench_train_measures_the_trainer_against_a_plain_loop(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    embedded_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A tiny Llama that reads the embedded model's tokens: real ids, seconds per step.
-    model_dir = save_llama(tmp_path / "model", hidden=32, layers=2, vocab=49152)
-    embedded = prepare_model()
-    for name in _TOKENIZER_FILES:
-        if (embedded / name).exists():
-            shutil.copy(embedded / name, model_dir / name)
+    # A tiny Qwen2 that reads the embedded model's tokens: real ids, seconds per step,
+    # and a model vLLM serves for the transports' rows.
+    model_dir = tiny_qwen(tmp_path / "model", embedded_model)
 
     argv = ["bench", "train", "--model", str(model_dir), "--steps", "1", "--groups", "2"]
-    assert main([*argv, "--per-group", "2", "--json"]) == 0
+    assert main([*argv, "--per-group", "2", "--syncs", "1", "--json"]) == 0
 
     report = json.loads(capsys.readouterr().out)
     plain, one, two, hybrid, lora, tis = report["results"]
@@ -42,6 +36,10 @@ def test_bench_train_measures_the_trainer_against_a_plain_loop(
     tokens = {row["tokens_per_step"] for row in report["results"]}
     assert len(tokens) == 1 and tokens.pop() > 4 * 40
     assert plain["ratio_to_plain"] == 1.0
+    disk, gloo = report["transports"]
+    assert (disk["transport"], gloo["transport"]) == ("disk", "gloo")
+    assert disk["sync_s"] > disk["export_s"] > 0 and gloo["sync_s"] > 0
+    assert gloo["export_s"] is None and disk["megabytes"] == gloo["megabytes"] > 0
     for row in (one, two, hybrid, lora, tis):
         assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
         assert row["ratio_to_plain"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])

@@ -47,6 +47,24 @@ def test_a_wrong_setting_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert "mode" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("settings", "refusal"),
+    [
+        (["rollout.server=emulated"], "broadcasts to the run's own vLLM"),
+        (["rollout.server=embedded", "trainer.lora.rank=8"], "drop one of the two"),
+    ],
+)
+def test_the_gloo_transport_is_refused_where_it_cannot_run(
+    settings: list[str], refusal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--dry-run", "--set", "rollout.env=calc", "--set", "sync.transport=gloo"]
+    for setting in settings:
+        args += ["--set", setting]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert refusal in err and len(err.strip().splitlines()) == 1
+
+
 def test_plot_draws_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first = StepRecord(
         step=0,
@@ -149,13 +167,16 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["disk", "gloo"])
 def test_a_second_architecture_trains_end_to_end(
-    embedded_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    embedded_model: Path, tmp_path: Path, transport: str
 ) -> None:
     """A tiny Qwen2 (tied embeddings, Qwen2.5's chat template with its tools), built here,
     trains two steps on its own vLLM: every step syncs, the second step's samples are the
     first step's weights', and trainer and server agree on them (so the reload of a tied
-    Qwen2 is exact). The calculator env's tools go through the model's own template."""
+    Qwen2 is exact). The calculator env's tools go through the model's own template.
+    Through the disk (a folder a version) and through the gloo transport (no folder: the
+    trainer broadcasts into Libra's engine inside vLLM)."""
     model = tiny_qwen(tmp_path / "qwen", embedded_model)
     run_dir = tmp_path / "run"
     args = ["train", "--steps", "2", "--run-dir", str(run_dir), "--no-progress"]
@@ -171,6 +192,7 @@ def test_a_second_architecture_trains_end_to_end(
         "trainer.cpu_threads=1",
         "vllm.max_model_len=2048",
         "vllm.startup_timeout_s=400",
+        f"sync.transport={transport}",
     ):
         args += ["--set", setting]
     assert main(args) == 0
@@ -178,12 +200,14 @@ def test_a_second_architecture_trains_end_to_end(
     lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     assert [line["weight_version"] for line in lines] == [1, 2]
     assert all(line["sync_s"] > 0 for line in lines)
+    folders = sorted(path.name for path in (run_dir / "weights").iterdir())
+    assert folders == (["v0"] if transport == "gloo" else ["v0", "v1", "v2"])
     assert sum(line["tokens_trained"] for line in lines) > 0
     step_1 = (run_dir / "rollouts" / "step-1.jsonl").read_text().splitlines()
     assert {span[2] for r in map(json.loads, step_1) for span in r["weight_versions"]} == {1}
     assert all(line["logprob_gap_tokens"] > 0 for line in lines)
     assert all(line["logprob_gap_mean"] < GAP_BOUND for line in lines), lines
-    config = json.loads((run_dir / "weights" / "v2" / "config.json").read_text())
+    config = json.loads((run_dir / "weights" / "v0" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -64,19 +65,36 @@ async def until(condition: object, timeout_s: float = 30.0) -> None:
             await anyio.sleep(0.01)
 
 
-@pytest.mark.parametrize("fault", ["killed", "hung"])
+@dataclass
+class Broadcast:
+    """Weights a collective transport sent: on disk only once a restart asks."""
+
+    folder: Path
+    asked: list[int] = field(default_factory=list)
+
+    def __call__(self) -> tuple[Path | None, int]:
+        return None, 3
+
+    async def on_disk(self, version: int) -> Path:
+        self.asked.append(version)
+        return self.folder
+
+
+@pytest.mark.parametrize(
+    ("fault", "sent"), [("killed", "disk"), ("hung", "disk"), ("killed", "broadcast")]
+)
 async def test_a_lost_server_comes_back_with_the_current_weights(
-    fault: str, tmp_path: Path
+    fault: str, sent: str, tmp_path: Path
 ) -> None:
     (tmp_path / WEIGHTS_FILE).write_bytes(b"")  # the emulator reloads nothing from it
+    broadcast = Broadcast(tmp_path)
+    weights = broadcast if sent == "broadcast" else lambda: (tmp_path, 3)
     jobs = jobs_for(Calc, "calc", 40)
     records: list[TrajectoryRecord] = []
     async with two_servers() as servers:
         policy = make_policy("cmlfq", fleet_of(servers))
         router = policy.router
-        supervisor = ServerSupervisor(
-            router, servers, weights=lambda: (tmp_path, 3), config=QUICK_PROBES
-        )
+        supervisor = ServerSupervisor(router, servers, weights=weights, config=QUICK_PROBES)
         config = EngineConfig(concurrency=40, retry_backoff_s=0.05, call_timeout_s=2.0)
         async with http_transport("httpx") as http, anyio.create_task_group() as group:
             group.start_soon(supervisor.run)
@@ -94,6 +112,7 @@ async def test_a_lost_server_comes_back_with_the_current_weights(
     assert kinds == ["died" if fault == "killed" else "hung", "restarted"]
     assert servers["b"].starts == 2
     assert router.by_name["b"].endpoint.weight_version == 3
+    assert broadcast.asked == ([3] if sent == "broadcast" else [])
     # Turns went to b again after its restart, on the weights it was given (a stays on v0).
     assert any(span.version == 3 for r in records for span in r.weight_versions)
 
