@@ -65,6 +65,17 @@ def test_the_gloo_transport_is_refused_where_it_cannot_run(
     assert refusal in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("server", "adapters"),
+    [("embedded", True), ("http://127.0.0.1:8000", False), ("emulated", False)],
+)
+def test_lora_syncs_adapters_only_into_the_run_s_own_vllm(server: str, adapters: bool) -> None:
+    """The run's own vLLM loads adapters at runtime; other servers get merged weights."""
+    overrides = [f"rollout.server={server}", "trainer.lora.rank=8", "rollout.env=calc"]
+    config = load_config(TrainRunConfig, overrides=overrides)
+    assert config.adapter_sync is adapters
+
+
 def test_plot_draws_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first = StepRecord(
         step=0,
