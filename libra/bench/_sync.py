@@ -23,6 +23,7 @@ from libra._net import free_port
 from libra.fleet import Endpoint
 from libra.serving import (
     CollectiveSync,
+    TensorMeta,
     VLLMServer,
     VLLMServerConfig,
     WeightSync,
@@ -42,6 +43,7 @@ __all__ = ["TransportResult", "bench_sync"]
 
 _LOOPBACK = "127.0.0.1"
 _SERVED = "bench"
+_DTYPE = "float32"  # as libra train exports by default
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ class TransportResult:
     syncs: int
     sync_s: float  # all of it: export (or broadcast) and load, the servers paused
     export_s: float | None  # disk: the folder written; gloo: None (nothing is written)
-    megabytes: float  # what each sync moves
+    megabytes: float  # what each sync moves: the served tensors, in fp32
 
 
 async def bench_sync(model_dir: Path, syncs: int = 3) -> list[TransportResult]:
@@ -64,7 +66,7 @@ async def bench_sync(model_dir: Path, syncs: int = 3) -> list[TransportResult]:
             dev_mode=True,
             max_model_len=1024,
             startup_timeout_s=900.0,
-            extra_args=("--dtype", "float32", "--weight-transfer-config", '{"backend": "gloo"}'),
+            extra_args=("--dtype", _DTYPE, "--weight-transfer-config", '{"backend": "gloo"}'),
         )
         trainer_config = TrainerConfig(backend="gloo", cpu_threads=1)
         async with (
@@ -72,9 +74,10 @@ async def bench_sync(model_dir: Path, syncs: int = 3) -> list[TransportResult]:
             VLLMServer(served, served_model_name=_SERVED, config=config) as server,
         ):
             endpoint = Endpoint(url=server.url, model=_SERVED, name="vllm-0")
-            megabytes = sum(f.stat().st_size for f in served.glob("*.safetensors")) / 1024**2
+            metas = await trainer.call(WeightsMetadata(_DTYPE))
+            megabytes = sum(meta.nbytes for meta in metas) / 1024**2
             disk = await _disk(trainer, endpoint, run_dir, syncs)
-            gloo = await _gloo(trainer, endpoint, syncs)
+            gloo = await _gloo(trainer, endpoint, metas, syncs)
     return [
         TransportResult(
             "disk", syncs, statistics.median(disk[0]), statistics.median(disk[1]), megabytes
@@ -89,7 +92,7 @@ async def _disk(
     sync_s, export_s = [], []
     for version in range(1, syncs + 2):
         started = time.perf_counter()
-        folder = await trainer.call(Export(run_dir, version, "float32"))
+        folder = await trainer.call(Export(run_dir, version, _DTYPE))
         exported = time.perf_counter()
         await WeightSync([endpoint]).sync(folder, version)
         sync_s.append(time.perf_counter() - started)
@@ -97,14 +100,15 @@ async def _disk(
     return sync_s[1:], export_s[1:]
 
 
-async def _gloo(trainer: TrainerProcess, endpoint: Endpoint, syncs: int) -> list[float]:
+async def _gloo(
+    trainer: TrainerProcess, endpoint: Endpoint, metas: list[TensorMeta], syncs: int
+) -> list[float]:
     config = WeightSyncConfig(transport="gloo")
     sync = CollectiveSync([endpoint], config)
     port = free_port()
     join = JoinWeightGroup(_LOOPBACK, port, 2, config.timeout_s)
     await sync.join(_LOOPBACK, port, partial(trainer.call, join))
-    metas = await trainer.call(WeightsMetadata("float32"))
-    send = SendWeights("float32", config.bucket_mb * 1024**2)
+    send = SendWeights(_DTYPE, config.bucket_mb * 1024**2)
     seconds = []
     for version in range(1, syncs + 2):
         started = time.perf_counter()
