@@ -47,5 +47,5 @@ async def test_each_failed_endpoint_is_named_in_one_error(tmp_path: Path) -> Non
 
 
 async def test_a_folder_without_weights_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(WeightSyncError, match=f"holds no {WEIGHTS_FILE}"):
+    with pytest.raises(WeightSyncError, match=f"holds neither {WEIGHTS_FILE} nor LoRA adapters"):
         await WeightSync([Endpoint("http://127.0.0.1:9")]).sync(tmp_path, 1)
