@@ -78,6 +78,7 @@ class Publisher:
     served: ServedWeights = field(default_factory=ServedWeights)
     gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
     _metas: list[TensorMeta] | None = None  # what each broadcast sends, once joined
+    _members: tuple[str, ...] = ()  # the endpoints in the trainer's group, by name
 
     def forget_lost_weights(self, version: int) -> None:
         """Remove the exports of versions after ``version``: steps the killed run took
@@ -136,8 +137,10 @@ class Publisher:
                 endpoints = self.scheduler.router.endpoints().values()
                 live = [e for e in endpoints if self._serving(e.name)]
                 sync = CollectiveSync(live, self.config.sync, self.session.engine.http)
-                if self._metas is None or self.served.rejoin:
+                members = tuple(e.name for e in live)
+                if self._metas is None or self.served.rejoin or members != self._members:
                     await self._join(sync, len(live))
+                    self._members = members
                 bucket_bytes = self.config.sync.bucket_mb * 1024**2
                 send = SendWeights(self.config.export_dtype, bucket_bytes)
                 assert self._metas is not None

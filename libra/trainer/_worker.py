@@ -332,6 +332,9 @@ class TrainerProcess:
         self._child, self._reporter = child, reporter
         self._ready = False
         self._exit: RankExit | None = None
+        # One command at a time on the pipe: a restarted server's export (the weights a
+        # broadcast sent) may be asked for while a step trains.
+        self._calling = anyio.Lock()
 
     async def __aenter__(self) -> TrainerProcess:
         self._process.start()
@@ -368,13 +371,15 @@ class TrainerProcess:
             self._reports.close()
 
     async def call(self, command: TrainerCommand[T]) -> T:
-        """Run ``command`` on every rank; rank 0's result."""
+        """Run ``command`` on every rank; rank 0's result. Calls made at once run one after
+        the other."""
         await self.ready()
-        try:
-            await anyio.to_thread.run_sync(self._conn.send, command)
-        except (BrokenPipeError, OSError):
-            raise await self._ended() from None
-        result: T = await self._answer()
+        async with self._calling:
+            try:
+                await anyio.to_thread.run_sync(self._conn.send, command)
+            except (BrokenPipeError, OSError):
+                raise await self._ended() from None
+            result: T = await self._answer()
         return result
 
     async def call_sized(self, make: Callable[[int], TrainerCommand[T] | None]) -> T | None:
