@@ -112,13 +112,12 @@ def write_adapter_folder(
     tensors = {key: value.detach().float().contiguous() for key, value in adapters.items()}
     settings = config.peft_config()
     settings.base_model_name_or_path = str(base)
-    write_folder_atomically(
-        target,
-        lambda staging: (
-            settings.save_pretrained(str(staging)),
-            save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"}),
-        ),
-    )
+
+    def write(staging: Path) -> None:
+        settings.save_pretrained(str(staging))
+        save_file(tensors, str(staging / ADAPTER_FILE), metadata={"format": "pt"})
+
+    write_folder_atomically(target, write)
 
 
 def write_zero_adapter(model_dir: Path, config: LoRAConfig, target: Path) -> Path:
@@ -132,9 +131,9 @@ def write_zero_adapter(model_dir: Path, config: LoRAConfig, target: Path) -> Pat
         return target
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    model = add_adapters(model, config)
-    zeros = {key: torch.zeros(value.shape) for key, value in model.state_dict().items()}
-    write_adapter_folder(adapter_keys(zeros), config, model_dir, target)
+    shapes = adapter_keys(add_adapters(model, config).state_dict())
+    zeros = {key: torch.zeros(meta.shape) for key, meta in shapes.items()}
+    write_adapter_folder(zeros, config, model_dir, target)
     return target
 
 
