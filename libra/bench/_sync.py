@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from libra._net import free_port
 from libra.fleet import Endpoint
 from libra.serving import (
     CollectiveSync,
@@ -31,17 +30,16 @@ from libra.serving import (
 )
 from libra.trainer import (
     Export,
-    JoinWeightGroup,
     SendWeights,
     TrainerConfig,
     TrainerProcess,
     WeightsMetadata,
+    join_weight_group,
     servable_model,
 )
 
 __all__ = ["TransportResult", "bench_sync"]
 
-_LOOPBACK = "127.0.0.1"
 _SERVED = "bench"
 _DTYPE = "float32"  # as libra train exports by default
 
@@ -105,9 +103,7 @@ async def _gloo(
 ) -> list[float]:
     config = WeightSyncConfig(transport="gloo")
     sync = CollectiveSync([endpoint], config)
-    port = free_port()
-    join = JoinWeightGroup(_LOOPBACK, port, 2, config.timeout_s)
-    await sync.join(_LOOPBACK, port, partial(trainer.call, join))
+    await join_weight_group(trainer, sync)
     send = SendWeights(_DTYPE, config.bucket_mb * 1024**2)
     seconds = []
     for version in range(1, syncs + 2):

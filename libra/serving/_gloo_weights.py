@@ -14,6 +14,7 @@ trainer's side.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,11 +49,8 @@ class TensorMeta:
     def nbytes(self) -> int:
         import torch
 
-        count = 1
-        for size in self.shape:
-            count *= size
         itemsize: int = getattr(torch, self.dtype).itemsize
-        return count * itemsize
+        return math.prod(self.shape) * itemsize
 
     @property
     def padded(self) -> int:

@@ -17,7 +17,6 @@ from pathlib import Path
 import anyio
 import httpx
 
-from libra._net import free_port
 from libra.engine import RolloutSession, TrajectoryRecord
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
@@ -26,17 +25,16 @@ from libra.train._gateway import Gateway
 from libra.train._settings import RunSettings
 from libra.trainer import (
     Export,
-    JoinWeightGroup,
     LogprobGap,
     Logprobs,
     SendWeights,
     TrainerWorld,
     WeightsMetadata,
+    join_weight_group,
     logprob_gap,
     server_prompt_logprobs,
 )
 
-_LOOPBACK = "127.0.0.1"
 _PROBE_TOKENS = 1024
 
 
@@ -79,6 +77,9 @@ class Publisher:
     gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
     _metas: list[TensorMeta] | None = None  # what each broadcast sends, once joined
     _members: tuple[str, ...] = ()  # the endpoints in the trainer's group, by name
+
+    def __post_init__(self) -> None:
+        self.served.export = self._export  # for a restarted server, after a broadcast
 
     def forget_lost_weights(self, version: int) -> None:
         """Remove the exports of versions after ``version``: steps the killed run took
@@ -130,16 +131,14 @@ class Publisher:
         seconds it took, the group's join included when it happens."""
         async with self.served.lock:
             self.served.folder, self.served.version = None, version
-            self.served.export = self._export
             started = time.perf_counter()
             self.session.pause()
             try:
-                endpoints = self.scheduler.router.endpoints().values()
-                live = [e for e in endpoints if self._serving(e.name)]
+                live = self._live_endpoints()
                 sync = CollectiveSync(live, self.config.sync, self.session.engine.http)
                 members = tuple(e.name for e in live)
                 if self._metas is None or self.served.rejoin or members != self._members:
-                    await self._join(sync, len(live))
+                    await self._join(sync)
                     self._members = members
                 bucket_bytes = self.config.sync.bucket_mb * 1024**2
                 send = SendWeights(self.config.export_dtype, bucket_bytes)
@@ -149,11 +148,8 @@ class Publisher:
                 self.session.resume()
             return time.perf_counter() - started
 
-    async def _join(self, sync: CollectiveSync, servers: int) -> None:
-        # The run's own servers share the trainer's machine (the transport's scope).
-        port = free_port()
-        join = JoinWeightGroup(_LOOPBACK, port, 1 + servers, self.config.sync.timeout_s)
-        await sync.join(_LOOPBACK, port, partial(self.trainer.call, join))
+    async def _join(self, sync: CollectiveSync) -> None:
+        await join_weight_group(self.trainer, sync)
         self._metas = await self.trainer.call(WeightsMetadata(self.config.export_dtype))
         self.served.rejoin = False
 
@@ -180,9 +176,7 @@ class Publisher:
                 return 0.0
             if self.gateway is not None:
                 return await self._load_through_gateway(self.gateway, folder, version)
-            # The router's, not the run's first ones: the pool adds and removes instances.
-            endpoints = self.scheduler.router.endpoints().values()
-            live = [e for e in endpoints if self._serving(e.name)]
+            live = self._live_endpoints()
             sync = WeightSync(live, self.config.sync, self.session.engine.http)
             try:
                 await sync.sync(folder, version)
@@ -209,6 +203,11 @@ class Publisher:
                 if self._serving(endpoint.name):
                     return endpoint
             await self.scheduler.router.membership.wait()
+
+    def _live_endpoints(self) -> list[Endpoint]:
+        # The router's, not the run's first ones: the pool adds and removes instances.
+        endpoints = self.scheduler.router.endpoints().values()
+        return [e for e in endpoints if self._serving(e.name)]
 
     def _serving(self, name: str) -> bool:
         instance = self.scheduler.router.by_name.get(name)

@@ -56,7 +56,7 @@ from libra.trainer._loss import (
     staleness_weight,
     token_logprobs,
 )
-from libra.trainer._send import JoinWeightGroup, SendWeights, WeightsMetadata
+from libra.trainer._send import JoinWeightGroup, SendWeights, WeightsMetadata, join_weight_group
 from libra.trainer._spawn import spawn
 from libra.trainer._weights import (
     export_weights,
@@ -129,6 +129,7 @@ __all__ = [
     "grpo_micro_batch_loss",
     "importance_weights",
     "init_distributed",
+    "join_weight_group",
     "load_trainer_state",
     "logprob_gap",
     "mark_best",

@@ -8,13 +8,33 @@ only rank 0 joins and sends."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
-from libra.serving import TensorMeta, open_weights_group, send_weights, weights_metadata
+from libra._net import free_port
+from libra.serving import (
+    CollectiveSync,
+    TensorMeta,
+    open_weights_group,
+    send_weights,
+    weights_metadata,
+)
 from libra.trainer._weights import servable_tensors
 
 if TYPE_CHECKING:
     from libra.trainer._fsdp import FSDPTrainer
+    from libra.trainer._worker import TrainerWorld
+
+# The transport's scope: servers on the trainer's machine (the run's own vLLM).
+_LOOPBACK = "127.0.0.1"
+
+
+async def join_weight_group(trainer: TrainerWorld, sync: CollectiveSync) -> None:
+    """``sync``'s servers and the trainer's rank 0 join one group (rank 0 hosts it)."""
+    port = free_port(_LOOPBACK)
+    world = 1 + len(sync.endpoints)
+    join = JoinWeightGroup(_LOOPBACK, port, world, sync.config.timeout_s)
+    await sync.join(_LOOPBACK, port, partial(trainer.call, join))
 
 
 @dataclass(frozen=True, slots=True)
