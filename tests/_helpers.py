@@ -49,6 +49,7 @@ from libra.engine import (
     http_transport,
 )
 from libra.envs import Env, Sandbox, Task
+from libra.events import EventBus
 from libra.fleet import BucketSpec, Endpoint, FleetSpec, InstanceSpec, Model
 from libra.openai import ChatCompletion, Completion, FunctionCall, Message, ToolCall, tool_schema
 from libra.sched import Route, Router, RouteRequest, Scheduler
@@ -97,10 +98,11 @@ async def emulated_engine(
     api: Literal["auto", "tokens", "chat"] = "auto",
     config: EngineConfig | None = None,
     scheduler: Scheduler | None = None,
+    events: EventBus | None = None,
     **emulator: Any,
 ) -> AsyncIterator[tuple[Engine, list[TrajectoryRecord]]]:
     """An engine whose one endpoint is the emulator, in-process, with zero latency
-    (``scheduler``, if given, routes over ``EMULATED_URL``)."""
+    (``scheduler``, if given, routes over ``EMULATED_URL``), publishing to ``events``."""
     emulator.setdefault("latency", LatencyModel.zero())
     app = create_app(EmulatorConfig(**emulator), ScriptedReplies(replies) if replies else None)
     records: list[TrajectoryRecord] = []
@@ -111,6 +113,7 @@ async def emulated_engine(
             scheduler or LeastLoadedScheduler([endpoint]),
             config=config or EngineConfig(),
             on_record=records.append,
+            events=events,
         )
         yield engine, records
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import signal
 import time
-from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
@@ -52,8 +51,7 @@ from libra.launch import (
     local_templates,
     run_events,
 )
-from libra.sched import Scheduler
-from libra.sched.policies import CMLFQConfig, RoutedPolicy
+from libra.sched.policies import CMLFQConfig
 from libra.serving import SupervisorConfig
 from libra.view import RecordFiles
 
@@ -169,12 +167,12 @@ async def serve(config: ServeConfig, keys: Keys, view: ViewOptions | None = None
     is (``libra.launch``): a server started for it is restarted when it dies or hangs.
     With ``view``, the live view is served too; its events go beside the recorded
     sessions (``FILE.events.jsonl``), whose conversations it shows."""
-    bus = EventBus() if view is not None else None
+    bus = EventBus()  # /metrics counts what it publishes; the view, when on, shows it
     record = config.record
     log = record.with_name(record.stem + ".events.jsonl") if record is not None else None
     found = RecordFiles(lambda: [record] if record is not None and record.is_file() else [])
     async with (
-        run_events(bus, log=log, view=view, find_record=found) if bus else nullcontext(),
+        run_events(bus, log=log, view=view, find_record=found) if view else nullcontext(),
         assemble_engine(config, config.policy, templates=local_templates(), events=bus) as run,
     ):
         scheduler = run.engine.scheduler
@@ -182,7 +180,7 @@ async def serve(config: ServeConfig, keys: Keys, view: ViewOptions | None = None
         if config.record is not None:
             gateway = gateway.model_copy(update={"record_path": config.record})
         async with Sessions(run.engine, gateway) as core:
-            metrics = GatewayMetrics(scheduler.router, _reasons(scheduler))
+            metrics = GatewayMetrics(scheduler.router, bus)
             app = create_gateway(
                 core,
                 keys,
@@ -215,14 +213,6 @@ async def _announce(server: GatewayServer, config: ServeConfig, keys: Keys) -> N
     port = server.port
     auth = "API key required" if keys.enabled else "no auth (loopback)"
     print(f"libra serve: http://{config.host}:{port}/v1 ({config.policy}, {auth})", flush=True)
-
-
-def _reasons(scheduler: Scheduler) -> Callable[[], Mapping[str, int]] | None:
-    """The policy's decisions by reason (promotions and demotions among them), when it
-    keeps them."""
-    if isinstance(scheduler, RoutedPolicy):
-        return lambda: scheduler.reasons
-    return None
 
 
 async def console_view(

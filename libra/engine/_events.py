@@ -28,8 +28,15 @@ class TrajectoryEvents:
         self.bus.publish(TrajectoryStarted(t=self.bus.t(), id=key, env=env, step=step, task=task))
 
     def call(
-        self, key: str, turn: int, route: Route, seconds: float, new_tokens: int, outcome: str
+        self,
+        key: str,
+        turn: int,
+        route: Route,
+        seconds: float,
+        tokens: tuple[int, int],
+        outcome: str,
     ) -> None:
+        """``tokens``: the call's prompt and what it sampled."""
         t = self.bus.t()
         last = self._bucket.get(key)
         if last is not None and last != route.bucket:
@@ -53,9 +60,10 @@ class TrajectoryEvents:
                 instance=route.endpoint.name,
                 bucket=route.bucket,
                 seconds=seconds,
-                new_tokens=new_tokens,
+                new_tokens=tokens[1],
                 outcome=outcome,
                 weight_version=route.weight_version,
+                prompt_tokens=tokens[0],
             )
         )
 
@@ -66,9 +74,13 @@ class TrajectoryEvents:
         self._tool[key] = event
         self.bus.publish(event)
 
+    def forget(self, key: str) -> None:
+        """``key`` makes no more calls (a gateway completion, which has no record)."""
+        self._bucket.pop(key, None)
+        self._tool.pop(key, None)
+
     def ended(self, record: TrajectoryRecord) -> None:
-        self._bucket.pop(record.id, None)
-        self._tool.pop(record.id, None)
+        self.forget(record.id)
         self.bus.publish(
             TrajectoryEnded(
                 t=self.bus.t(),

@@ -225,9 +225,20 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             sampled = len(generation.token_ids or ()) if generation is not None else 0
             scheduler.release(route, outcome=outcome, new_tokens=sampled)
             if engine.published is not None:
-                engine.published.call(d.key, d.turns, route, now() - sent, sampled, outcome)
+                tokens = (_prompt_tokens(d, turn, generation), sampled)
+                engine.published.call(d.key, d.turns, route, now() - sent, tokens, outcome)
         await anyio.sleep(backoff)
         backoff *= 2
+
+
+def _prompt_tokens(d: Dialogue, turn: Turn, generation: Generation | None) -> int:
+    """The prompt a call sent, in tokens: the server's count of a chat, else the token
+    list (0 for a chat that got no answer)."""
+    if generation is not None and generation.prompt_token_ids is not None:
+        return len(generation.prompt_token_ids)
+    if d.tokens.source == "exact" and (generation is None or generation.path == "tokens"):
+        return len(d.tokens) + turn.produced
+    return 0
 
 
 def _failed_attempts(attempts: int, last: Exception) -> str:

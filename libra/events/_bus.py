@@ -1,7 +1,9 @@
 """One process's event bus: publishing is a few appends (the engine publishes from its
 hot path), and each subscriber reads what was published since in batches, at its pace.
 A subscriber that falls behind by more than its limit loses the oldest events it had
-not read, counted in ``dropped``: publishing never waits."""
+not read, counted in ``dropped``: publishing never waits. A listener instead folds each
+event as it is published (a counter such as the gateway's ``/metrics``): nothing queues,
+nothing is lost, and it must cost no more than the append it replaces."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class EventBus:
         self._clock = clock
         self.started = clock() - offset
         self._subscriptions: list[Subscription] = []
+        self._listeners: list[Callable[[Event], None]] = []
 
     def t(self) -> float:
         """Seconds since the bus started: an event's ``t``."""
@@ -29,6 +32,12 @@ class EventBus:
     def publish(self, event: Event) -> None:
         for subscription in self._subscriptions:
             subscription.put(event)
+        for listener in self._listeners:
+            listener(event)
+
+    def listen(self, listener: Callable[[Event], None]) -> None:
+        """Call ``listener`` with each event as it is published, from the publisher."""
+        self._listeners.append(listener)
 
     def subscribe(self, limit: int = 1_000_000) -> Subscription:
         subscription = Subscription(self, limit)

@@ -21,8 +21,8 @@ class TrajectoryStarted(Event, tag="start"):
 
 
 class CallEnded(Event, tag="call"):
-    """One generation call: on which instance and bucket, how long, what it sampled,
-    how it ended (``libra.sched.CallOutcome``)."""
+    """One generation call: on which instance and bucket, how long, the prompt it sent
+    and what it sampled (in tokens), how it ended (``libra.sched.CallOutcome``)."""
 
     id: str
     turn: int
@@ -32,6 +32,7 @@ class CallEnded(Event, tag="call"):
     new_tokens: int
     outcome: str
     weight_version: int
+    prompt_tokens: int = 0
 
 
 class ToolEnded(Event, tag="tool"):

@@ -10,6 +10,7 @@ import anyio
 import msgspec
 
 from libra import openai
+from libra._clock import now
 from libra.engine import Engine, RequestRejected, ServerUnavailable, TransportError
 from libra.fleet import Endpoint
 from libra.gateway._config import GatewayConfig
@@ -70,11 +71,11 @@ class Admin:
 
     def status(self) -> FleetStatus:
         router = self.engine.scheduler.router
-        now = router.clock()
+        at = router.clock()
         instances = router.instances
         return FleetStatus(
             versions={i.name: i.endpoint.weight_version for i in instances},
-            healthy={i.name: i.state == "active" and not i.is_down(now) for i in instances},
+            healthy={i.name: i.state == "active" and not i.is_down(at) for i in instances},
             paused=self.paused,
         )
 
@@ -109,8 +110,8 @@ class Admin:
         ``/tokenize``, or in-process by a local template that renders as it does): the
         fleet serves one model, so any of them renders as all would."""
         router = self.engine.scheduler.router
-        now = router.clock()
-        healthy = [i for i in router.instances if i.state == "active" and not i.is_down(now)]
+        at = router.clock()
+        healthy = [i for i in router.instances if i.state == "active" and not i.is_down(at)]
         if not healthy:
             raise ServerUnavailable("no healthy model server to render the chat")
         endpoint = healthy[0].endpoint
@@ -132,14 +133,17 @@ class Admin:
             failed.clear()
             raise ServerUnavailable(str(exc)) from exc
         outcome: CallOutcome = "cancelled"
-        produced = 0
+        prompt, produced = ask.context_tokens, 0
+        sent = now()
         try:
             upstream = msgspec.structs.replace(
                 request, model=route.endpoint.model, priority=route.priority, stream=None
             )
             completion = await self.engine.client.completion(route.endpoint, upstream)
             outcome = "ok"
-            produced = completion.usage.completion_tokens if completion.usage else 0
+            if completion.usage is not None:
+                prompt = completion.usage.prompt_tokens
+                produced = completion.usage.completion_tokens
             session.turns += 1
             session.output_tokens += produced
             session.last_endpoint = route.endpoint
@@ -153,6 +157,10 @@ class Admin:
             raise
         finally:
             scheduler.release(route, outcome=outcome, new_tokens=produced)
+            if self.engine.published is not None:
+                self.engine.published.call(
+                    session.key, ask.turn, route, now() - sent, (prompt, produced), outcome
+                )
 
     async def _each_endpoint(self, path: str) -> None:
         async with anyio.create_task_group() as group:

@@ -324,9 +324,6 @@ class GatewayApp:
         key = header(request.scope, _SESSION)
         turn = chat_turn(chat, key.decode("latin-1") if key is not None else None)
         reply = await self._in_core("chat", request.watch, partial(self.core.chat, turn))
-        self.metrics.generated(
-            reply.bucket, reply.endpoint, reply.prompt_tokens, reply.completion_tokens
-        )
         return self._chat_response(chat, reply)
 
     def _chat_response(self, chat: ChatRequest, reply: ChatReply) -> _Response:
@@ -355,8 +352,6 @@ class GatewayApp:
             completion.model,
             token_ids=bool(completion.return_token_ids),
         )
-        usage = result.usage
-        self.metrics.counted(usage.prompt_tokens, usage.completion_tokens)
         headers = ((_SESSION, _header_value(session)),) if session is not None else ()
         return self._completion_response(completion, result, headers)
 

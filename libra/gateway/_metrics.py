@@ -1,10 +1,11 @@
 """The gateway's Prometheus metrics (``/metrics``) and the figures of its console line.
 
-Counted by the surface as requests go by: requests by route and status, requests and
-tokens per bucket, the latency of whole requests and of the time spent in the core,
-requests in progress. Read from the scheduler when scraped: calls in flight and queue
-depth per upstream endpoint, and (for a policy that logs its decisions' reasons, as
-C-MLFQ does) promotions and demotions between buckets.
+Counted by the surface as requests go by: requests by route and status, the latency of
+whole requests and of the time spent in the core, requests in progress. Folded from the
+run's events (``libra.events``) as they are published, as the view and the events log
+read them: generation calls upstream and their tokens per bucket and endpoint, and the
+moves between buckets (a promotion: to a shorter one). Read from the router when
+scraped: calls in flight and queue depth per upstream endpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,11 +26,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from libra.events import BucketMoved, CallEnded, Event, EventBus
 from libra.sched import Router
-
-Reasons = Callable[[], Mapping[str, int]]
-"""The scheduler's decisions so far, counted by reason (``to_shorter``: a promotion to a
-shorter bucket, ``to_longer``: a demotion), e.g. C-MLFQ's ``reasons``."""
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
@@ -96,26 +94,40 @@ class RouteMetrics:
 
 @dataclass
 class BucketMetrics:
-    """Generation requests to one endpoint in one bucket, and their tokens."""
+    """Generation calls to one endpoint in one bucket, by outcome, and their tokens."""
 
-    requests: Count = field(default_factory=Count)
+    calls: dict[str, Count] = field(default_factory=dict)
     prompt_tokens: Count = field(default_factory=Count)
     completion_tokens: Count = field(default_factory=Count)
 
 
+@dataclass
+class Moves:
+    """Calls that went to another bucket than their trajectory's last one."""
+
+    promotions: Count = field(default_factory=Count)  # to a shorter bucket
+    demotions: Count = field(default_factory=Count)
+
+
 class GatewayMetrics:
     """The metrics of one gateway, in a registry of its own (several apps per process in
-    tests each count their own). Requests update plain numbers; the registry reads them
-    when scraped."""
+    tests each count their own). Requests update plain numbers, and so do the events of
+    ``bus`` (the engine's); the registry reads them when scraped. Without ``router``
+    nothing is read from a fleet, and moves are not counted (the router orders the
+    buckets)."""
 
-    def __init__(self, router: Router | None = None, reasons: Reasons | None = None) -> None:
+    def __init__(self, router: Router | None = None, bus: EventBus | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.totals = Totals()
+        self.router = router
+        self.moves = Moves()
         self._routes: dict[str, RouteMetrics] = {}
         self._buckets: dict[tuple[str, str], BucketMetrics] = {}
-        self.registry.register(_CountsCollector(self._routes, self._buckets))
+        self.registry.register(_CountsCollector(self._routes, self._buckets, self.moves))
         if router is not None:
-            self.registry.register(_FleetCollector(router, reasons))
+            self.registry.register(_FleetCollector(router))
+        if bus is not None:
+            bus.listen(self.fold)
 
     def route(self, name: str) -> RouteMetrics:
         """The metrics of one route."""
@@ -134,46 +146,62 @@ class GatewayMetrics:
         if status >= 400:
             self.totals.errors += 1
 
-    def generated(self, bucket: str, endpoint: str, prompt: int, completion: int) -> None:
-        counts = self._buckets.get((bucket, endpoint))
-        if counts is None:
-            counts = self._buckets[bucket, endpoint] = BucketMetrics()
-        counts.requests.value += 1
-        counts.prompt_tokens.value += prompt
-        counts.completion_tokens.value += completion
-        self.counted(prompt, completion)
+    def fold(self, event: Event) -> None:
+        """Count one published event (the bus calls this as it publishes)."""
+        if type(event) is CallEnded:
+            self._called(event)
+        elif type(event) is BucketMoved and self.router is not None:
+            order = {bucket.name: bucket.index for bucket in self.router.buckets}
+            source, target = order.get(event.source), order.get(event.target)
+            if source is not None and target is not None:
+                (self.moves.promotions if target < source else self.moves.demotions).inc()
 
-    def counted(self, prompt: int, completion: int) -> None:
-        """Tokens of a call whose bucket is not known (a stateless completion)."""
-        self.totals.prompt_tokens += prompt
-        self.totals.completion_tokens += completion
+    def _called(self, call: CallEnded) -> None:
+        counts = self._buckets.get((call.bucket, call.instance))
+        if counts is None:
+            counts = self._buckets[call.bucket, call.instance] = BucketMetrics()
+        outcome = counts.calls.get(call.outcome)
+        if outcome is None:
+            outcome = counts.calls[call.outcome] = Count()
+        outcome.value += 1
+        counts.prompt_tokens.value += call.prompt_tokens
+        counts.completion_tokens.value += call.new_tokens
+        self.totals.prompt_tokens += call.prompt_tokens
+        self.totals.completion_tokens += call.new_tokens
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _CountsCollector(Collector):
-    """The requests' own counts, as Prometheus metrics."""
+    """The requests' and the events' counts, as Prometheus metrics."""
 
     def __init__(
-        self, routes: dict[str, RouteMetrics], buckets: dict[tuple[str, str], BucketMetrics]
+        self,
+        routes: dict[str, RouteMetrics],
+        buckets: dict[tuple[str, str], BucketMetrics],
+        moves: Moves,
     ) -> None:
         self.routes = routes
         self.buckets = buckets
+        self.moves = moves
 
     def collect(self) -> Iterator[Metric]:
         yield from self._per_route()
-        requests = CounterMetricFamily(
-            "libra_gateway_bucket_requests", "Generation requests by bucket and endpoint",
-            labels=["bucket", "endpoint"],
-        )  # fmt: skip
+        calls = CounterMetricFamily(
+            "libra_gateway_bucket_requests",
+            "Generation calls upstream by bucket, endpoint and outcome (ok; migrated: cut "
+            "short by a pause or drain, and continued; failed; rejected; cancelled)",
+            labels=["bucket", "endpoint", "outcome"],
+        )
         tokens = CounterMetricFamily(
             "libra_gateway_tokens", "Tokens by bucket and kind (prompt, completion)",
             labels=["bucket", "kind"],
         )  # fmt: skip
         totals: dict[tuple[str, str], float] = {}
         for (bucket, endpoint), counts in self.buckets.items():
-            requests.add_metric([bucket, endpoint], counts.requests.value)
+            for outcome, count in counts.calls.items():
+                calls.add_metric([bucket, endpoint, outcome], count.value)
             for kind, count in (
                 ("prompt", counts.prompt_tokens),
                 ("completion", counts.completion_tokens),
@@ -181,8 +209,18 @@ class _CountsCollector(Collector):
                 totals[bucket, kind] = totals.get((bucket, kind), 0.0) + count.value
         for labels, value in totals.items():
             tokens.add_metric(list(labels), value)
-        yield requests
+        yield calls
         yield tokens
+        yield CounterMetricFamily(
+            "libra_gateway_promotions",
+            "Calls that went to a shorter bucket than their trajectory's last one",
+            self.moves.promotions.value,
+        )
+        yield CounterMetricFamily(
+            "libra_gateway_demotions",
+            "Calls that went to a longer bucket than their trajectory's last one",
+            self.moves.demotions.value,
+        )
 
     def _per_route(self) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -215,11 +253,10 @@ class _CountsCollector(Collector):
 
 
 class _FleetCollector(Collector):
-    """Read when scraped: the router's live load, and the policy's moves so far."""
+    """Read when scraped: the router's live load."""
 
-    def __init__(self, router: Router, reasons: Reasons | None) -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
-        self.reasons = reasons
 
     def collect(self) -> Iterator[Metric]:
         labels = ["endpoint", "bucket"]
@@ -239,16 +276,3 @@ class _FleetCollector(Collector):
             queued.add_metric([instance.name, instance.bucket], instance.queued)
         yield in_flight
         yield queued
-        if self.reasons is not None:
-            yield from _moves(self.reasons())
-
-
-def _moves(reasons: Mapping[str, int]) -> Iterator[CounterMetricFamily]:
-    promotions = sum(n for reason, n in reasons.items() if reason.startswith("to_shorter"))
-    demotions = sum(n for reason, n in reasons.items() if reason.startswith("to_longer"))
-    yield CounterMetricFamily(
-        "libra_gateway_promotions", "Calls the scheduler moved to a shorter bucket", promotions
-    )
-    yield CounterMetricFamily(
-        "libra_gateway_demotions", "Calls the scheduler moved to a longer bucket", demotions
-    )

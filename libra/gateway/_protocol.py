@@ -45,7 +45,6 @@ class ChatReply(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     endpoint: str  # the upstream instance that generated it
-    bucket: str
     weight_version: int
 
 

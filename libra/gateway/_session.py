@@ -274,7 +274,6 @@ class Session:
             else len(generation.prompt_token_ids or ()),
             completion_tokens=generation.completion_tokens,
             endpoint=last.endpoint.name,
-            bucket=last.bucket,
             weight_version=last.weight_version,
         )
 

@@ -187,6 +187,7 @@ class Sessions:
             return await self.admin.complete(request, CompletionSession(key, key))
         finally:
             self.engine.scheduler.on_finish(key, key, output_tokens=0, failed=True)
+            self._forget(key)
 
     def _completion_session(
         self, client_key: str, request: openai.CompletionRequest
@@ -211,6 +212,11 @@ class Sessions:
                 output_tokens=live.output_tokens,
                 failed=reason in _CUT_SHORT,
             )
+            self._forget(live.key)
+
+    def _forget(self, key: str) -> None:
+        if self.engine.published is not None:
+            self.engine.published.forget(key)
 
     async def report(
         self,

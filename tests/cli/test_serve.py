@@ -25,6 +25,7 @@ from rich.console import Console
 from libra.cli._serve import ServeConfig, console_view
 from libra.config import load_config
 from libra.engine import TrajectoryRecord
+from libra.events import EventBus
 from libra.gateway import GatewayConfig, GatewayMetrics, Keys, Sessions, create_gateway
 from tests._helpers import (
     CALCULATOR,
@@ -78,6 +79,12 @@ def test_an_sdk_agent_with_tools_is_served_streamed_and_recorded(tmp_path: Path)
         report = {"session": "agent-1", "reward": 1.0, "done": True}
         sdk.post("/libra/report", body=report, cast_to=dict)
         assert [m.id for m in sdk.models.list()] == [MODEL]
+        auth = {"Authorization": f"Bearer {USER_KEY}"}
+        scraped = httpx2.get(f"{url}/metrics", headers=auth).text
+    # /metrics counts each call upstream from the engine's events (the bus is always on).
+    calls = [line for line in scraped.splitlines() if line.startswith("libra_gateway_bucket_req")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in calls) == turns + 1
+    assert all('outcome="ok"' in line for line in calls)
     records = [
         msgspec.json.decode(line, type=TrajectoryRecord) for line in record.read_text().splitlines()
     ]
@@ -199,10 +206,10 @@ def test_the_example_config_is_a_valid_serve_config() -> None:
 @pytest.mark.anyio
 async def test_the_console_line_counts_requests_sessions_and_tokens() -> None:
     async with (
-        emulated_engine(["Hello there."]) as (engine, _),
+        emulated_engine(["Hello there."], events=(bus := EventBus())) as (engine, _),
         Sessions(engine, GatewayConfig()) as core,
     ):
-        metrics = GatewayMetrics(engine.scheduler.router)
+        metrics = GatewayMetrics(engine.scheduler.router, bus)
         app = create_gateway(core, Keys.of([], [], enabled=False), metrics=metrics)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
         async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as http:
@@ -214,4 +221,6 @@ async def test_the_console_line_counts_requests_sessions_and_tokens() -> None:
             await console_view(metrics, core, 0.1, console)
     line = [text for text in screen.getvalue().splitlines() if "libra serve" in text][-1]
     assert "libra serve 1 requests" in line and "0 errors" in line and "1 sessions" in line
-    assert "0 upstream calls" in line and "completion tokens" in line
+    assert "0 upstream calls" in line
+    assert metrics.totals.prompt_tokens > 0 and metrics.totals.completion_tokens > 0
+    assert f"{metrics.totals.completion_tokens} completion tokens" in line

@@ -21,6 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from libra._asgi import ASGIMessage
 from libra.emulation import LatencyModel
 from libra.engine import Engine, EngineConfig, http_transport
+from libra.events import EventBus
 from libra.fleet import Endpoint
 from libra.gateway import GatewayConfig, Sessions
 from libra.gateway._app import GatewayApp, create_gateway
@@ -56,13 +57,16 @@ async def gateway(
 ) -> AsyncIterator[tuple[GatewayApp, Sessions, PathRecorder]]:
     """The gateway over an in-process emulated server; ``options`` go to the app or, for
     the emulator's ``latency``, to the emulator."""
-    scheduler = PathRecorder()
+    scheduler, bus = PathRecorder(), EventBus()
     emulator = {"latency": options.pop("latency")} if "latency" in options else {}
     async with (
-        emulated_engine(replies or REPLIES, scheduler=scheduler, **emulator) as (engine, _),
+        emulated_engine(replies or REPLIES, scheduler=scheduler, events=bus, **emulator) as (
+            engine,
+            _,
+        ),
         Sessions(engine, GatewayConfig()) as core,
     ):
-        metrics = GatewayMetrics(scheduler.router, lambda: scheduler.reasons)
+        metrics = GatewayMetrics(scheduler.router, bus)
         yield create_gateway(core, keys, metrics=metrics, **options), core, scheduler
 
 
@@ -241,6 +245,8 @@ async def test_models_health_and_metrics() -> None:
     assert health.status_code == 200
     assert 'libra_gateway_requests_total{route="chat",status="200"} 1.0' in metrics
     assert 'libra_gateway_tokens_total{bucket="all",kind="completion"}' in metrics
+    ok = 'libra_gateway_bucket_requests_total{bucket="all",endpoint="emulated",outcome="ok"}'
+    assert f"{ok} 1.0" in metrics
     assert 'libra_gateway_upstream_in_flight{bucket="all",endpoint="emulated"} 0.0' in metrics
     assert "libra_gateway_core_seconds_bucket" in metrics
     assert "libra_gateway_promotions_total 0.0" in metrics

@@ -152,7 +152,7 @@ def test_completions_accept_text_or_ids_and_refuse_what_they_cannot_do() -> None
 
 def test_a_reply_streams_as_role_content_tool_call_head_and_arguments_finish_and_usage() -> None:
     call = ToolCall("c9", FunctionCall("calculator", '{"expression": "1+1"}'))
-    reply = ChatReply("s", "Sure.", [call], "tool_calls", 10, 5, "e", "b", 0)
+    reply = ChatReply("s", "Sure.", [call], "tool_calls", 10, 5, "e", 0)
     chunks = chat_chunks(reply, Head("id", 1, "m"), include_usage=True)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant" and deltas[1].content == "Sure."
