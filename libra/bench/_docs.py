@@ -15,6 +15,12 @@ several, in order)::
 bench docs`` rewrites every region from the saved outputs; ``--check`` only compares, and
 fails naming the regions that differ (a test runs it, so a figure edited by hand fails
 ``make test``). ``make bench-docs`` runs them all.
+
+A list that outlasts one sitting (ten seeds of six workloads) is run in parts: the
+file is saved after each command, ``--resume`` runs only the commands it lacks, and
+``--shard I/N`` only the I-th of N interleaved parts of the list (on one machine after
+another, or on several, their files' runs joined by ``--resume`` on the union). A
+region whose runs are not all saved yet is left as it is, and says so.
 """
 
 from __future__ import annotations
@@ -114,6 +120,17 @@ _SCHED_MORE = Runs(
         for seed in range(5)
     ),
 )
+#: The restated goal's runs (issue 35): ten seeds of every workload under ``datasheet``,
+#: seed by seed (a list measured in parts is then spread over the workloads).
+SEED_WORKLOADS = ("swe-agent", "math-code", "search-agent", "web-research", "swe-memoryless")
+_SCHED_SEEDS = Runs(
+    "sched-seeds",
+    tuple(
+        _command(f"bench sched --workload {workload} --seed {seed} --json")
+        for seed in range(10)
+        for workload in SEED_WORKLOADS
+    ),
+)
 #: The docs' figure of a scheduling run: drawn by the run whose makespans it shows.
 _SCHED_FIGURE = Runs(
     "sched-figure",
@@ -151,6 +168,7 @@ RUNS: dict[str, Runs] = {
         _SCHED_MORE,
         _SCHED_FIGURE,
         _QUICK,
+        _SCHED_SEEDS,
     )
 }
 TABLES: dict[str, DocTable] = {
@@ -218,6 +236,16 @@ TABLES: dict[str, DocTable] = {
             SCHED_PAGE,
             also=(_SCHED_MORE, _SCHED_WEB),
         ),
+        *(
+            DocTable(
+                f"sched-ten-seeds-{workload}",
+                _SCHED_SEEDS,
+                partial(sched_render.seeds, workload, "datasheet", columns=PLAIN),
+                SCHED_PAGE,
+            )
+            for workload in SEED_WORKLOADS
+        ),
+        DocTable("sched-goals", _SCHED_SEEDS, sched_render.goals, SCHED_PAGE),
         DocTable("sched-figure", _SCHED_FIGURE, sched_render.sched_figure, SCHED_PAGE),
         DocTable("sched-quick", _QUICK, sched_render.policies, POLICIES_PAGE),
     )
@@ -227,18 +255,69 @@ TABLES: dict[str, DocTable] = {
 # ------------------------------------------------------------------------ measuring
 
 
-def run(runs: Runs, saved_dir: Path = SAVED) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Shard:
+    """The ``index``-th (from 1) of ``count`` interleaved parts of a list of commands."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        index, _, count = text.partition("/")
+        if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+            raise argparse.ArgumentTypeError(f"--shard takes I/N with 1 <= I <= N, not {text!r}")
+        return cls(int(index), int(count))
+
+    def holds(self, position: int) -> bool:
+        return position % self.count == self.index - 1
+
+
+def run(
+    runs: Runs, saved_dir: Path = SAVED, *, resume: bool = False, shard: Shard | None = None
+) -> dict[str, Any]:
     """Run each of the commands here, in turn, and save what they printed, with where they
-    ran (after each command: a long list keeps what it has measured)."""
-    records: list[dict[str, Any]] = []
+    ran (after each command: a long list keeps what it has measured). ``resume`` keeps
+    the saved runs of commands still on the list and runs the others; ``shard`` runs
+    only its part of the list (keeping the saved runs of the other parts)."""
     path = saved_dir / f"{runs.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    for command in runs.commands:
-        print(f"bench docs: running `libra {' '.join(command)}`", file=sys.stderr)
-        records.append(_measure(command))
-        saved = records[0] if len(runs.commands) == 1 else {"runs": records}
+    kept = _saved_runs(path) if resume or shard else {}
+    done = {key: record for key, record in kept.items() if key in _lines(runs)}
+    for position, command in enumerate(runs.commands):
+        line = _line(command)
+        if (shard is not None and not shard.holds(position)) or (resume and line in done):
+            continue
+        print(f"bench docs: running `{line}`", file=sys.stderr)
+        done[line] = _measure(command)
+        saved = _saved(runs, done)
         path.write_text(json.dumps(saved, indent=1) + "\n")
-    return saved
+    missing = len(runs.commands) - len(done)
+    if missing:
+        resume_with = f"`libra bench docs --run {runs.name} --resume`"
+        print(f"bench docs: {runs.name}: {missing} of {len(runs.commands)} runs still to "
+              f"measure ({resume_with})", file=sys.stderr)  # fmt: skip
+    return _saved(runs, done)
+
+
+def _line(command: Command) -> str:
+    return "libra " + " ".join(command)
+
+
+def _lines(runs: Runs) -> list[str]:
+    return [_line(command) for command in runs.commands]
+
+
+def _saved_runs(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    return {record["command"]: record for record in records(json.loads(path.read_text()))}
+
+
+def _saved(runs: Runs, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the file holds: the runs measured, in the list's order."""
+    ordered = [done[line] for line in _lines(runs) if line in done]
+    return ordered[0] if len(runs.commands) == 1 and ordered else {"runs": ordered}
 
 
 def _measure(command: Command) -> dict[str, Any]:
@@ -249,7 +328,7 @@ def _measure(command: Command) -> dict[str, Any]:
         raise BenchDocsError(f"`libra {' '.join(command)}` failed:\n{done.stderr[-2000:]}")
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     return {
-        "command": "libra " + " ".join(command),
+        "command": _line(command),
         "commit": _commit(),
         "cores": os.cpu_count(),
         "load_average": round(load, 1),
@@ -281,9 +360,7 @@ def region(table: DocTable, *saved: dict[str, Any]) -> str:
     done: list[dict[str, Any]] = []
     for runs, contents in zip(table.sources, saved, strict=True):
         these = records(contents)
-        if [record["command"] for record in these] != [
-            "libra " + " ".join(command) for command in runs.commands
-        ]:
+        if [record["command"] for record in these] != _lines(runs):
             raise BenchDocsError(
                 f"docs/bench/{runs.name}.json holds other commands than {runs.name!r}"
                 f" runs: run `libra bench docs --run {runs.name}`"
@@ -323,7 +400,7 @@ def rewrite(
     changed = []
     for table in tables:
         paths = [saved_dir / f"{runs.name}.json" for runs in table.sources]
-        if not all(path.exists() for path in paths):
+        if not all(path.exists() for path in paths) or _partial(table, saved_dir):
             continue
         name = re.escape(table.name)
         pattern = re.compile(rf"<!-- bench:{name} -->\n(.*?)<!-- /bench:{name} -->", re.DOTALL)
@@ -340,6 +417,18 @@ def rewrite(
     return text, changed
 
 
+def _partial(table: DocTable, saved_dir: Path) -> list[str]:
+    """The names of ``table``'s lists whose runs are only partly saved (a sitting of a
+    long list): every saved command on the list, some not saved yet."""
+    partial = []
+    for runs in table.sources:
+        saved = list(_saved_runs(saved_dir / f"{runs.name}.json"))
+        in_order = [line for line in _lines(runs) if line in saved]
+        if saved and saved == in_order and len(saved) < len(runs.commands):
+            partial.append(runs.name)
+    return partial
+
+
 # ------------------------------------------------------------------------ the command
 
 
@@ -353,6 +442,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"measure first ({', '.join(RUNS)}, or all) and save under docs/bench/",
     )
     parser.add_argument(
+        "--resume", action="store_true", help="with --run: measure only what is not saved yet"
+    )
+    parser.add_argument(
+        "--shard",
+        type=Shard.parse,
+        metavar="I/N",
+        help="with --run: measure only the I-th of N interleaved parts of each list",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="write nothing; fail if a region is out of date"
     )
 
@@ -362,7 +460,10 @@ def main_docs(args: argparse.Namespace) -> int:
         raise BenchDocsError("run `libra bench docs` in the repository's root (no docs/bench here)")
     names = list(RUNS) if args.measure and "all" in args.measure else (args.measure or [])
     for name in names:
-        run(RUNS[name])
+        run(RUNS[name], resume=args.resume, shard=args.shard)
+    for name in sorted({n for table in TABLES.values() for n in _partial(table, SAVED)}):
+        print(f"bench docs: {name} is partly measured: its regions are left as they are "
+              f"(`libra bench docs --run {name} --resume`)", file=sys.stderr)  # fmt: skip
     rewritten = {}
     for file in dict.fromkeys(table.file for table in TABLES.values()):
         tables = [table for table in TABLES.values() if table.file == file]

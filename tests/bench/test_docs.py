@@ -3,6 +3,7 @@ what the code measures today for the quick case."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -19,6 +20,7 @@ from libra.bench._docs import (
     BenchDocsError,
     DocTable,
     Runs,
+    Shard,
     outputs,
     region,
     rewrite,
@@ -89,6 +91,26 @@ def test_several_commands_are_saved_together_and_read_in_order(
         rewrite(readme, [other], SAVED)  # the saved file holds other commands
 
 
+def test_a_long_list_is_measured_in_shards_and_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sizes = ("20", "30", "40")
+    runs = Runs("soaks", tuple(("bench", "soak", "--n", n, "--json") for n in sizes))
+    table = DocTable("soaks", runs, lambda soaks: [str(s["trajectories"]) for s in soaks])
+    page = "<!-- bench:soaks -->\nold\n<!-- /bench:soaks -->\n"
+    first = run(runs, shard=Shard.parse("1/2"))  # the 1st and 3rd commands
+    assert [r["command"].split()[-2] for r in first["runs"]] == ["20", "40"]
+    assert rewrite(page, [table], SAVED) == (page, [])  # partly measured: left as it is
+    done = run(runs, resume=True)  # only the 2nd runs; the others are kept as saved
+    assert [r["command"].split()[-2] for r in done["runs"]] == ["20", "30", "40"]
+    assert done["runs"][::2] == first["runs"]
+    text, changed = rewrite(page, [table], SAVED)
+    assert changed == ["soaks"] and text.endswith("\n20\n30\n40\n<!-- /bench:soaks -->\n")
+    with pytest.raises(argparse.ArgumentTypeError, match="I/N"):
+        Shard.parse("3/2")
+
+
 def test_a_table_reads_several_saved_files_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,6 +155,27 @@ def test_the_robustness_table_weighs_each_policy_against_the_best_of_the_others(
         "`cmlfq` is fastest or within 2% of the fastest baseline on 2 of 2 runs, worst 1.010; "
         "by the same measure the strongest baseline, `sorted`, on 1 of 2, worst 1.111."
     )
+
+
+def test_the_goals_say_where_cmlfq_stands_and_its_largest_gap_to_the_oracle() -> None:
+    spans = {"round_robin": 300.0, "least_loaded": 200.0, "least_loaded_capacity": 190.0}
+    spans |= {"length_pred": 250.0, "cmlfq_fit": 100.0}
+    outputs = [
+        _sched_output("a", 0, sorted=100.0, plas=110.0, cmlfq=101.0, oracle=90.0, **spans),
+        _sched_output("a", 1, sorted=110.0, plas=100.0, cmlfq=109.0, oracle=80.0, **spans),
+        _sched_output("b", 0, sorted=100.0, plas=120.0, cmlfq=97.0, oracle=95.0, **spans),
+    ]
+    lines = sched_render.goals(outputs)
+    assert lines[0].startswith("3 runs (a, b): `cmlfq` over the best of the other policies, "
+                               "median 1.010, worst 1.090, within 2% on 2 runs")  # fmt: skip
+    met = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in lines[4:8]}
+    assert met == {
+        "the most runs within 2% of the best": "yes",  # sorted: 1, plas: 1
+        "the smallest worst case": "yes",  # sorted 1.1, plas 1.2
+        "worst at most 1.08": "**no**",
+        "median at most 0.99": "**no**",
+    }
+    assert lines[-1] == "`cmlfq` over the oracle: median 1.122, largest 1.363 (a, seed 1)."
 
 
 def test_a_saved_run_without_its_region_says_which_markers_to_add(

@@ -32,9 +32,8 @@ def test_a_workload_written_from_the_documentation_loads_and_plays(tmp_path: Pat
 
 
 def test_missing_files_and_names_and_broken_toml_are_explained(tmp_path: Path) -> None:
-    with pytest.raises(
-        WorkloadError, match="shipped: math-code, search-agent, swe-agent, swe-drift, web-research"
-    ):
+    shipped = "math-code, search-agent, swe-agent, swe-drift, swe-memoryless, web-research"
+    with pytest.raises(WorkloadError, match=f"shipped: {shipped}"):
         load_workload("no-such-workload")
     with pytest.raises(WorkloadError, match="no such file"):
         load_workload(str(tmp_path / "missing.toml"))
