@@ -42,7 +42,7 @@ def step_bounds(settings: Settings, run: ConfigRun) -> list[float]:
         )
         train_worker_s = min(w * trainer.formula_s(trained, w) for w in sizes)
         floors = (
-            longest_alone_s(scripts, fleet, tps, settings.workload.limits.tool_timeout_s),
+            longest_alone_s(scripts, fleet, tps),
             min(trainer.formula_s(trained, w) for w in sizes),
             (decode_worker_s + train_worker_s) / settings.gpus,
         )

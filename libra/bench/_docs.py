@@ -122,7 +122,14 @@ _SCHED_MORE = Runs(
 )
 #: The restated goal's runs (issue 35): ten seeds of every workload under ``datasheet``,
 #: seed by seed (a list measured in parts is then spread over the workloads).
-SEED_WORKLOADS = ("swe-agent", "math-code", "search-agent", "web-research", "swe-memoryless")
+SEED_WORKLOADS = (
+    "swe-agent",
+    "math-code",
+    "search-agent",
+    "web-research",
+    "swe-memoryless",
+    "search-swe-mix",
+)
 _SCHED_SEEDS = Runs(
     "sched-seeds",
     tuple(

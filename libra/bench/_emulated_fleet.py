@@ -12,7 +12,7 @@ from trio.testing import MockClock
 
 from libra.bench._sched_fleet import FleetFile
 from libra.emulation import EmulatorApp, EmulatorConfig, create_app
-from libra.emulation.workloads import ScriptBook, Workload, WorkloadScript
+from libra.emulation.workloads import Book, Mix, Workload, WorkloadScript
 from libra.engine import EngineConfig, SamplingConfig
 
 MODEL = "libra-emulated"
@@ -22,7 +22,7 @@ _FOREVER_S = 1e7  # request, call and trajectory limits: a benchmark step never 
 
 
 def server_config(
-    workload: Workload, fleet: FleetFile, seed: int, context_margin: int
+    workload: Workload | Mix, fleet: FleetFile, seed: int, context_margin: int
 ) -> EmulatorConfig:
     """The settings of one emulated server of a benchmark step (its latency is the
     caller's to set)."""
@@ -34,9 +34,7 @@ def server_config(
     )
 
 
-def emulated_servers(
-    configs: dict[str, EmulatorConfig], book: ScriptBook
-) -> dict[str, EmulatorApp]:
+def emulated_servers(configs: dict[str, EmulatorConfig], book: Book) -> dict[str, EmulatorApp]:
     """One emulated server per instance (by name), all playing ``book``'s scripts, each
     with a batching engine for its caller to observe."""
     script = WorkloadScript(book)
@@ -47,7 +45,7 @@ def emulated_servers(
     return apps
 
 
-def engine_config(workload: Workload, concurrency: int, seed: int) -> EngineConfig:
+def engine_config(workload: Workload | Mix, concurrency: int, seed: int) -> EngineConfig:
     """The engine's settings for a benchmark step: the workload's limits, no timeouts."""
     limits = workload.limits
     return EngineConfig(

@@ -52,7 +52,15 @@ from libra.bench._sched_report import (
 )
 from libra.bench._sched_summary import result_of, summarise
 from libra.emulation import EmulatorApp, FleetApp
-from libra.emulation.workloads import EnvClasses, ScriptBook, Workload, WorkloadError, load_workload
+from libra.emulation.workloads import (
+    Book,
+    EnvClasses,
+    Mix,
+    Workload,
+    WorkloadError,
+    book_of,
+    load_step,
+)
 from libra.engine import ASGITransport, Engine, TrajectoryJob, TrajectoryRecord, rollout
 from libra.envs import Task
 from libra.sched.policies import ABLATIONS, DEFAULT_POLICIES, POLICIES, CMLFQConfig, make_policy
@@ -64,7 +72,7 @@ DEFAULT_WORKLOAD = "swe-agent"
 
 
 def run_policy(
-    workload: Workload,
+    workload: Workload | Mix,
     fleet: FleetFile,
     policy: str,
     seed: int = 0,
@@ -76,19 +84,21 @@ def run_policy(
 
 
 async def _run_policy(
-    workload: Workload, fleet: FleetFile, name: str, seed: int, config: CMLFQConfig | None
+    workload: Workload | Mix, fleet: FleetFile, name: str, seed: int, config: CMLFQConfig | None
 ) -> PolicyRun:
-    book = ScriptBook(workload, seed)
-    step = workload.rollout.history_steps
+    book = book_of(workload, seed)
+    step = workload.history_steps
     scripts = book.step(step)
     spec = fleet.spec(MODEL)
-    truth = truth_of(scripts, workload.limits.tool_timeout_s)
+    truth = truth_of(scripts)
     policy = make_policy(name, spec, truth=truth, config=config)
     replay_history(policy, book, step)
     apps, timelines = _fleet_apps(workload, fleet, book, seed)
     env_classes = EnvClasses(book)
     jobs = [
-        TrajectoryJob(env_classes(step, s.sample), Task(s.task_id, s.task_seed), s.sample, step)
+        TrajectoryJob(
+            env_classes(step, s.sample, s.workload), Task(s.task_id, s.task_seed), s.sample, step
+        )
         for s in scripts
     ]
     records: list[TrajectoryRecord] = []
@@ -101,7 +111,7 @@ async def _run_policy(
 
 
 def _fleet_apps(
-    workload: Workload, fleet: FleetFile, book: ScriptBook, seed: int
+    workload: Workload | Mix, fleet: FleetFile, book: Book, seed: int
 ) -> tuple[dict[str, EmulatorApp], dict[str, Timeline]]:
     """One emulated server per instance, each recording its occupancy."""
     base = server_config(workload, fleet, seed, CONTEXT_MARGIN)
@@ -130,7 +140,7 @@ def _recorder(timeline: Timeline) -> Callable[[float, int, int], None]:
 
 
 def run_sched_bench(
-    workload: Workload,
+    workload: Workload | Mix,
     fleet: FleetFile,
     policies: list[str],
     *,
@@ -148,9 +158,9 @@ def run_sched_bench(
             runs = [future.result() for future in futures]
     else:
         runs = [run_policy(workload, fleet, policy, seed) for policy in policies]
-    step = workload.rollout.history_steps
-    scripts = ScriptBook(workload, seed).step(step)
-    bound = lower_bound(scripts, fleet, workload.limits.tool_timeout_s)
+    step = workload.history_steps
+    scripts = book_of(workload, seed).step(step)
+    bound = lower_bound(scripts, fleet)
     oracle = next((run.makespan_s for run in runs if run.policy == "oracle"), None)
     cmlfq = next((run.makespan_s for run in runs if run.policy == "cmlfq"), None)
     return SchedReport(
@@ -176,7 +186,7 @@ def default_jobs() -> int:
 def main_sched(args: argparse.Namespace) -> int:
     """``libra bench sched``: run, then print the table (or JSON) and draw the plot."""
     try:
-        workload = load_workload(args.workload)
+        workload = load_step(args.workload)
         fleet = with_mismatch(load_fleet(args.fleet), args.mismatch)
         policies = parse_policies(args.policies, ablate=args.ablate)
     except (WorkloadError, ValueError) as exc:

@@ -13,15 +13,13 @@ from libra.bench._sched_report import LowerBound
 from libra.emulation.workloads import TrajectoryScript
 
 
-def lower_bound(
-    scripts: list[TrajectoryScript], fleet: FleetFile, tool_timeout_s: float
-) -> LowerBound:
+def lower_bound(scripts: list[TrajectoryScript], fleet: FleetFile) -> LowerBound:
     """See the module docstring. Template tokens are left out, which only lowers it."""
     tps = sorted({plan.tp for plan in fleet.instances})
     demand = decode_demand(scripts, fleet)
     throughput = sum(full_batch_throughput(fleet, plan.tp, demand) for plan in fleet.instances)
     return LowerBound(
-        chain_s=longest_alone_s(scripts, fleet, tps, tool_timeout_s),
+        chain_s=longest_alone_s(scripts, fleet, tps),
         work_s=demand.tokens / throughput,
     )
 
@@ -58,14 +56,12 @@ def decode_demand(scripts: list[TrajectoryScript], fleet: FleetFile) -> DecodeDe
     )
 
 
-def longest_alone_s(
-    scripts: list[TrajectoryScript], fleet: FleetFile, tps: list[int], tool_timeout_s: float
-) -> float:
+def longest_alone_s(scripts: list[TrajectoryScript], fleet: FleetFile, tps: list[int]) -> float:
     """The slowest trajectory, each run alone on its fastest instance size of ``tps``."""
-    return max(min(_alone(s, fleet, tp, tool_timeout_s) for tp in tps) for s in scripts)
+    return max(min(_alone(s, fleet, tp) for tp in tps) for s in scripts)
 
 
-def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: float) -> float:
+def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int) -> float:
     cost = fleet.latency(tp)  # what the servers really play
     seconds, context, fresh = 0.0, float(script.prompt_tokens), float(script.prompt_tokens)
     for turn in script.turns:
@@ -73,7 +69,7 @@ def _alone(script: TrajectoryScript, fleet: FleetFile, tp: int, tool_timeout_s: 
         seconds += cost.prefill_time(fresh)
         first = cost.step_time(1, context)
         seconds += n * first + cost.step_per_ctx_token_s * n * (n - 1) / 2
-        seconds += tool_seconds(turn, tool_timeout_s)
+        seconds += tool_seconds(turn, script.tool_timeout_s)
         context += n + turn.output_chars
         fresh = turn.output_chars
     return seconds

@@ -5,28 +5,28 @@ for the oracles every trajectory's future (each turn's length and its tool's sec
 from __future__ import annotations
 
 from libra import signals
-from libra.emulation.workloads import ScriptBook, ScriptTurn, TrajectoryScript, scripted_result
+from libra.emulation.workloads import Book, ScriptTurn, TrajectoryScript, scripted_result
 from libra.envs import ToolResult, ToolTimeout
 from libra.sched import RouteRequest, Scheduler
 from libra.sched.policies import RoutedPolicy, Truth
 from libra.signals import ToolSignal
 
 
-def replay_history(policy: Scheduler, book: ScriptBook, step: int) -> None:
+def replay_history(policy: Scheduler, book: Book, step: int) -> None:
     """Show ``policy`` the earlier steps' trajectories through the protocol, one at a
     time (what a running system would have seen), then clear its decision log."""
     if isinstance(policy, RoutedPolicy) and policy.needs_truth:
         return  # it knows the truth and learns nothing
-    first = max(0, step - book.workload.rollout.history_steps)
+    first = max(0, step - book.workload.history_steps)
     for earlier in range(first, step):
         for script in book.step(earlier):
-            _replay(policy, script, book.workload.limits.tool_timeout_s)
+            _replay(policy, script)
     if isinstance(policy, RoutedPolicy):
         policy.decisions.clear()
         policy.reasons.clear()
 
 
-def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> None:
+def _replay(policy: Scheduler, script: TrajectoryScript) -> None:
     generated, context, previous = 0, script.prompt_tokens, None
     trajectory, prompt = str(script.trajectory_id), str(script.task_id)  # as the engine's
     for index, turn in enumerate(script.turns):
@@ -45,7 +45,7 @@ def _replay(policy: Scheduler, script: TrajectoryScript, timeout_s: float) -> No
         generated += turn.output_tokens
         context += turn.output_tokens
         if turn.tool is not None:
-            policy.on_tool_return(trajectory, signal_of(turn, timeout_s))
+            policy.on_tool_return(trajectory, signal_of(turn, script.tool_timeout_s))
             context += turn.output_chars
     policy.on_finish(trajectory, prompt, output_tokens=generated)
 
@@ -61,13 +61,14 @@ def signal_of(turn: ScriptTurn, timeout_s: float) -> ToolSignal:
     return signals.signal_of(turn.tool, result.content, result.status)
 
 
-def truth_of(scripts: list[TrajectoryScript], tool_timeout_s: float) -> Truth:
+def truth_of(scripts: list[TrajectoryScript]) -> Truth:
     """What the oracles are fed: every turn's output and its tool's seconds, by the
     scheduler's key (the engine's rendered trajectory id)."""
     return Truth(
         {
             str(script.trajectory_id): [
-                (turn.output_tokens, tool_seconds(turn, tool_timeout_s)) for turn in script.turns
+                (turn.output_tokens, tool_seconds(turn, script.tool_timeout_s))
+                for turn in script.turns
             ]
             for script in scripts
         }

@@ -46,7 +46,7 @@ def test_the_bench_repeats_exactly_for_a_seed_and_respects_the_bound(tiny: Path)
 def test_the_lower_bound_is_the_larger_of_the_longest_chain_and_the_work(tiny: Path) -> None:
     workload, fleet = load_workload(str(tiny)), load_fleet()
     scripts = ScriptBook(workload).step(1)
-    bound = lower_bound(scripts, fleet, workload.limits.tool_timeout_s)
+    bound = lower_bound(scripts, fleet)
     assert bound.seconds == max(bound.chain_s, bound.work_s) > 0
     longest_tools = max(s.tool_s for s in scripts)
     assert bound.chain_s >= longest_tools
@@ -54,6 +54,23 @@ def test_the_lower_bound_is_the_larger_of_the_longest_chain_and_the_work(tiny: P
     assert run.makespan_s >= bound.seconds
     assert run.output_tokens == sum(s.output_tokens for s in scripts)
     assert set(run.occupancy) == {"short", "medium", "long"}
+
+
+def test_a_mixed_step_runs_each_env_to_its_end(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mix = tiny.with_name("mix.toml")
+    mix.write_text(
+        'name = "mixed"\n[[mix]]\nworkload = "tiny.toml"\nprompts = 2\n'
+        '[[mix]]\nworkload = "search-agent"\nprompts = 2\n'
+    )
+    argv = ["bench", "sched", "--workload", str(mix), "--policies", "cmlfq,oracle"]
+    assert main([*argv, "--json", "--jobs", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "mixed" and report["trajectories"] == 2 * 3 + 2 * 5
+    for result in report["results"]:
+        assert result["failed"] == 0 and result["trajectories"] == 16
+        assert result["vs_bound"] >= 1.0
 
 
 def test_the_command_prints_the_json_the_issue_asks_for(

@@ -24,7 +24,12 @@ import anyio
 
 from libra.emulation._scripts import Conversation, Reply
 from libra.emulation.workloads._format import Workload
-from libra.emulation.workloads._trajectory_scripts import ScriptBook, ScriptTurn, TrajectoryScript
+from libra.emulation.workloads._trajectory_scripts import (
+    Book,
+    ScriptBook,
+    ScriptTurn,
+    TrajectoryScript,
+)
 from libra.envs import Env, ToolResult, tool
 
 _TAG = re.compile(r"\[libra-workload (\S+) step=(\d+) task=(\d+)\]")
@@ -81,7 +86,7 @@ def _turns_so_far(prompt: str) -> int:
 class WorkloadScript:
     """The emulated model of a workload: replies as the trajectory's script says."""
 
-    def __init__(self, book: ScriptBook) -> None:
+    def __init__(self, book: Book) -> None:
         self.book = book
 
     def __call__(self, conversation: Conversation, /) -> Reply:
@@ -99,13 +104,13 @@ class WorkloadScript:
         # The tags open and close the first user message: found without parsing the chat.
         text = conversation.prompt_text
         match = _TAG.search(text)
-        if match is None or match.group(1) != self.book.workload.name:
+        if match is None or match.group(1) not in self.book.names:
             raise ValueError("the prompt carries no tag of this workload")
         sample = _SAMPLE_TAG.search(text, match.end())
         if sample is None:
             raise ValueError("the prompt carries no sample tag")
         step, task = (int(group) for group in match.groups()[1:])
-        return self.book.script(step, task, int(sample.group(1)))
+        return self.book.script(step, task, int(sample.group(1)), match.group(1))
 
 
 class WorkloadEnv(Env):
@@ -147,29 +152,36 @@ def _tool_method(name: str, description: str) -> ToolMethod:
 
 
 class EnvClasses:
-    """One env class per (step, sample) of a workload, made once."""
+    """One env class per (workload, step, sample) of a workload or a mixed step, made
+    once: each plays its own workload's tools within its limits."""
 
-    def __init__(self, book: ScriptBook) -> None:
+    def __init__(self, book: Book) -> None:
         self.book = book
-        self._classes: dict[tuple[int, int], type[WorkloadEnv]] = {}
-        workload = book.workload
-        descriptions = {tool.name: tool.description for tool in workload.explore}
-        descriptions.setdefault(workload.check.name, workload.check.description)
-        self._tools = {name: _tool_method(name, text) for name, text in descriptions.items()}
+        self._classes: dict[tuple[str, int, int], type[WorkloadEnv]] = {}
+        self._tools = {name: _tools_of(book.part(name).workload) for name in book.names}
 
-    def __call__(self, step: int, sample: int) -> type[WorkloadEnv]:
-        key = (step, sample)
+    def __call__(self, step: int, sample: int, workload: str | None = None) -> type[WorkloadEnv]:
+        """The class of sample ``sample`` at ``step`` (of ``workload``: a mixture's part)."""
+        name = workload or self.book.names[0]
+        key = (name, step, sample)
         if key not in self._classes:
-            workload: Workload = self.book.workload
+            book = self.book.part(name)
+            limits = book.workload.limits
             attributes = {
-                "name": workload.name,
-                "book": self.book,
+                "name": name,
+                "book": book,
                 "step": step,
                 "sample": sample,
-                "max_turns": workload.limits.max_turns,
-                "tool_timeout_s": workload.limits.tool_timeout_s,
-                **self._tools,
+                "max_turns": limits.max_turns,
+                "tool_timeout_s": limits.tool_timeout_s,
+                **self._tools[name],
             }
-            class_name = f"{workload.name.replace('-', '_')}_step{step}_sample{sample}"
+            class_name = f"{name.replace('-', '_')}_step{step}_sample{sample}"
             self._classes[key] = type(class_name, (WorkloadEnv,), attributes)
         return self._classes[key]
+
+
+def _tools_of(workload: Workload) -> dict[str, ToolMethod]:
+    descriptions = {tool.name: tool.description for tool in workload.explore}
+    descriptions.setdefault(workload.check.name, workload.check.description)
+    return {name: _tool_method(name, text) for name, text in descriptions.items()}

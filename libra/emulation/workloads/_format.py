@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
@@ -168,7 +169,54 @@ class Workload(Section):
         return self.rollout.prompts * self.rollout.samples_per_prompt
 
     @property
+    def history_steps(self) -> int:
+        return self.rollout.history_steps
+
+    @property
     def tool_names(self) -> list[str]:
         """Distinct tool names (the check may reuse an explore tool's name, as an agent
         with one code interpreter does)."""
         return list(dict.fromkeys([*(tool.name for tool in self.explore), self.check.name]))
+
+
+class MixPart(Section):
+    """One workload of a mixed step, and how many of the step's prompts are its."""
+
+    workload: str = Field(description="a shipped workload's name, or a workload file")
+    prompts: PositiveInt = Field(description="its prompts per RL step")
+
+
+class MixFile(Section):
+    """A mixture file: one RL step drawing prompts from several workloads."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    description: str = ""
+    sources: list[str] = Field(default_factory=list)
+    history_steps: int = Field(
+        2, ge=0, description="earlier steps whose finished trajectories the policies have seen"
+    )
+    mix: list[MixPart] = Field(min_length=2)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A step of several workloads (``parts``: each with the mixture's prompts and
+    history), each trajectory played by its own workload (its samples per prompt, turns,
+    tools and limits) and named by it, as an env mixture's are. The engine and the servers
+    get the largest of the parts' limits."""
+
+    name: str
+    parts: tuple[Workload, ...]
+    history_steps: int
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_turns=max(p.limits.max_turns for p in self.parts),
+            max_context_tokens=max(p.limits.max_context_tokens for p in self.parts),
+            tool_timeout_s=max(p.limits.tool_timeout_s for p in self.parts),
+        )
+
+    @property
+    def trajectories_per_step(self) -> int:
+        return sum(part.trajectories_per_step for part in self.parts)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic
 
-from libra.emulation.workloads._format import Workload
+from libra.emulation.workloads._format import Mix, MixFile, Workload
 
 
 class WorkloadError(ValueError):
@@ -57,10 +57,37 @@ def read_toml(path: Path) -> dict[str, Any]:
 def load_workload(name_or_path: str) -> Workload:
     """A shipped workload by name, or a workload file by path; validated."""
     path = package_file(name_or_path)
+    data = read_toml(path)
+    if "mix" in data:
+        raise WorkloadError(f"{path}: a mixture of workloads; only `libra bench sched` runs those")
     try:
-        return Workload.model_validate(read_toml(path))
+        return Workload.model_validate(data)
     except pydantic.ValidationError as exc:
         raise WorkloadError(f"{path}: invalid workload:\n{_brief(exc)}") from exc
+
+
+def load_step(name_or_path: str) -> Workload | Mix:
+    """A workload, or a mixture of workloads (a file with ``[[mix]]`` parts, each a
+    workload by name or path, relative to the mixture's folder), by name or path."""
+    path = package_file(name_or_path)
+    data = read_toml(path)
+    if "mix" not in data:
+        return load_workload(str(path))
+    try:
+        mix = MixFile.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise WorkloadError(f"{path}: invalid mixture:\n{_brief(exc)}") from exc
+    parts = []
+    for part in mix.mix:
+        given = path.parent / part.workload
+        workload = load_workload(str(given) if given.is_file() else part.workload)
+        rollout = workload.rollout.model_copy(
+            update={"prompts": part.prompts, "history_steps": mix.history_steps}
+        )
+        parts.append(workload.model_copy(update={"rollout": rollout}))
+    if len({part.name for part in parts}) != len(parts):
+        raise WorkloadError(f"{path}: a workload appears twice in the mixture")
+    return Mix(mix.name, tuple(parts), mix.history_steps)
 
 
 def _brief(exc: pydantic.ValidationError) -> str:

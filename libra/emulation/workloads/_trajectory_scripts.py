@@ -12,7 +12,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from libra.emulation.workloads._format import CheckTool, ExploreTool, Output, Workload
+from libra.emulation.workloads._format import CheckTool, ExploreTool, Mix, Output, Workload
 from libra.envs import TaskId, TrajectoryId
 from libra.signals import ToolStatus
 
@@ -45,6 +45,7 @@ class TrajectoryScript:
     solve_rate: float
     solved: bool
     turns: tuple[ScriptTurn, ...]
+    tool_timeout_s: float  # its workload's: how long a scripted timeout lasts
 
     @property
     def task_id(self) -> TaskId:
@@ -94,8 +95,24 @@ class ScriptBook:
             for sample in range(samples)
         ]
 
-    def script(self, step: int, task_seed: int, sample: int) -> TrajectoryScript:
-        """The script of sample ``sample`` of task ``task_seed`` at RL step ``step``."""
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The workloads whose scripts it draws (the envs its trajectories name)."""
+        return (self.workload.name,)
+
+    def part(self, name: str) -> ScriptBook:
+        """The book of workload ``name`` (this one)."""
+        if name != self.workload.name:
+            raise KeyError(f"no workload {name!r} in {self.workload.name!r}")
+        return self
+
+    def script(
+        self, step: int, task_seed: int, sample: int, workload: str | None = None
+    ) -> TrajectoryScript:
+        """The script of sample ``sample`` of task ``task_seed`` at RL step ``step`` (of
+        ``workload``, if named: it must be this book's)."""
+        if workload is not None:
+            self.part(workload)
         key = (step, task_seed, sample)
         found = self._cache.get(key)
         if found is not None:
@@ -106,6 +123,43 @@ class ScriptBook:
         if len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
         return script
+
+
+class MixBook:
+    """The scripts of a mixed step: each part's own book, its prompts after the last's."""
+
+    def __init__(self, workload: Mix, seed: int = 0) -> None:
+        self.workload = workload
+        self.seed = seed
+        self._parts = {part.name: ScriptBook(part, seed) for part in workload.parts}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._parts)
+
+    def part(self, name: str) -> ScriptBook:
+        found = self._parts.get(name)
+        if found is None:
+            raise KeyError(f"no workload {name!r} in the mixture {self.workload.name!r}")
+        return found
+
+    def step(self, step: int) -> list[TrajectoryScript]:
+        return [script for book in self._parts.values() for script in book.step(step)]
+
+    def script(
+        self, step: int, task_seed: int, sample: int, workload: str | None = None
+    ) -> TrajectoryScript:
+        if workload is None:
+            raise ValueError("a mixture's script is named by its workload")
+        return self.part(workload).script(step, task_seed, sample)
+
+
+Book = ScriptBook | MixBook
+
+
+def book_of(workload: Workload | Mix, seed: int = 0) -> Book:
+    """The scripts of a workload or of a mixed step."""
+    return MixBook(workload, seed) if isinstance(workload, Mix) else ScriptBook(workload, seed)
 
 
 def draw_script(
@@ -122,7 +176,15 @@ def draw_script(
     scale = (1.0 + workload.rollout.drift_per_step) ** step
     turns, solved = _play(workload, rng, scale, prompt_tokens, solve_rate)
     return TrajectoryScript(
-        workload.name, step, task_seed, sample, prompt_tokens, solve_rate, solved, turns
+        workload.name,
+        step,
+        task_seed,
+        sample,
+        prompt_tokens,
+        solve_rate,
+        solved,
+        turns,
+        workload.limits.tool_timeout_s,
     )
 
 
