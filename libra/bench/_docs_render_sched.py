@@ -302,6 +302,7 @@ def goals(outputs: Sequence[Output]) -> list[str]:
     gaps = [s["cmlfq"] / s["oracle"] for s in spans]
     largest = max(range(len(runs)), key=gaps.__getitem__)
     others = max((p for p in contenders if p != "cmlfq"), key=lambda p: within[p])
+    worst_run = runs[largest]
     return [
         f"{len(runs)} runs ({', '.join(dict.fromkeys(o['workload'] for o in runs))}): `cmlfq` "
         f"over the best of the other policies, median {median(mine):.3f}, worst "
@@ -311,5 +312,19 @@ def goals(outputs: Sequence[Output]) -> list[str]:
         *table_lines(("goal", "met"), [[name, "yes" if met else "**no**"] for name, met in checks]),
         "",
         f"`cmlfq` over the oracle: median {median(gaps):.3f}, largest {gaps[largest]:.3f} "
-        f"({runs[largest]['workload']}, seed {runs[largest]['seed']}).",
+        f"({worst_run['workload']}, seed {worst_run['seed']}). {_guessed(worst_run)}",
     ]
+
+
+def _guessed(output: Output) -> str:
+    """What the oracle knew there that ``cmlfq`` had to guess."""
+    result = next(r for r in output["results"] if r["policy"] == "cmlfq")
+    if result.get("guess_ratio_median") is None:
+        return ""
+    return (
+        f"There `cmlfq`'s guess of a trajectory's remaining output was a median "
+        f"{result['guess_ratio_median']:.2f}x the truth at its calls, off by more than 2x "
+        f"on {result['guess_off_2x']:.0%} of them, and it did not see a mean "
+        f"{result['tool_s_unseen']:.0f} s of tool time still to come, which the oracle "
+        "knows."
+    )

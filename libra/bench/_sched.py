@@ -107,7 +107,7 @@ async def _run_policy(
         started = anyio.current_time()
         await rollout(jobs, engine, on_record=records.append)
         makespan = anyio.current_time() - started
-    return summarise(name, policy, fleet, apps, timelines, records, makespan)
+    return summarise(name, policy, fleet, apps, timelines, records, makespan, truth)
 
 
 def _fleet_apps(

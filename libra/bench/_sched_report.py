@@ -37,6 +37,20 @@ class PolicyRun:
     preemptions: int = 0  # requests the servers preempted (KV ran short), all instances
     #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
     fitted: dict[str, StepCost] = field(default_factory=dict)
+    guess: Guess | None = None  # how far its estimates were from the truth, if it estimates
+
+
+@dataclass(frozen=True)
+class Guess:
+    """What a policy that estimates guessed against what the oracle knows, over its
+    logged routing decisions: the remaining output it expected over the true remaining
+    (the median; and the share of calls off by more than 2x either way), and the tool
+    seconds still to come, which it does not estimate (their mean)."""
+
+    calls: int
+    tokens_ratio_median: float
+    tokens_off_2x: float
+    tool_s_unseen: float
 
 
 @dataclass
@@ -57,6 +71,9 @@ class PolicyResult:
     trajectories: int
     failed: int
     preemptions: int
+    guess_ratio_median: float | None = None  # see Guess
+    guess_off_2x: float | None = None
+    tool_s_unseen: float | None = None
 
 
 @dataclass

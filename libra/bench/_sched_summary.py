@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import math
+from statistics import fmean, median
 
 from libra.bench._sched_fleet import FleetFile
-from libra.bench._sched_report import LowerBound, PolicyResult, PolicyRun, Timeline
+from libra.bench._sched_report import Guess, LowerBound, PolicyResult, PolicyRun, Timeline
 from libra.emulation import EmulatorApp
 from libra.engine import TrajectoryRecord
 from libra.sched import Scheduler
-from libra.sched.policies import CMLFQ, RoutedPolicy
+from libra.sched.policies import CMLFQ, RoutedPolicy, Truth
 
 
 def summarise(
@@ -22,6 +23,7 @@ def summarise(
     timelines: dict[str, Timeline],
     records: list[TrajectoryRecord],
     makespan: float,
+    truth: Truth | None = None,
 ) -> PolicyRun:
     plans = fleet.instances
     busy = 0.0
@@ -57,7 +59,28 @@ def summarise(
         reasons=reasons,
         preemptions=preemptions,
         fitted=fitted,
+        guess=guess_of(policy, truth) if truth is not None else None,
     )
+
+
+def guess_of(policy: Scheduler, truth: Truth) -> Guess | None:
+    """``policy``'s remaining-output estimates at its logged decisions against
+    ``truth``; None for a policy that does not estimate, or knows (an oracle)."""
+    if not isinstance(policy, RoutedPolicy) or policy.needs_truth:
+        return None
+    ratios, unseen = [], []
+    for decision in policy.decisions:
+        if decision.expected is None or decision.trajectory_id not in truth.turns:
+            continue
+        left = truth.output_tokens(decision.trajectory_id) - decision.generated
+        if left <= 0:
+            continue
+        ratios.append(max(decision.expected, 1.0) / left)
+        unseen.append(truth.tool_s_left(decision.trajectory_id, decision.generated))
+    if not ratios:
+        return None
+    off = sum(not 0.5 <= ratio <= 2.0 for ratio in ratios) / len(ratios)
+    return Guess(len(ratios), median(ratios), off, fmean(unseen))
 
 
 def _bucket_occupancy(
@@ -116,4 +139,7 @@ def result_of(
         trajectories=run.trajectories,
         failed=run.failed,
         preemptions=run.preemptions,
+        guess_ratio_median=run.guess.tokens_ratio_median if run.guess else None,
+        guess_off_2x=run.guess.tokens_off_2x if run.guess else None,
+        tool_s_unseen=run.guess.tool_s_unseen if run.guess else None,
     )

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,7 +130,7 @@ def test_a_table_reads_several_saved_files_in_order(
     assert rewrite("<!-- bench:both -->\nold\n<!-- /bench:both -->\n", [table], SAVED)[1] == []
 
 
-def _sched_output(workload: str, seed: int, **spans: float) -> dict[str, object]:
+def _sched_output(workload: str, seed: int, **spans: float) -> dict[str, Any]:
     results = [{"policy": policy.replace("_", "-"), "makespan_s": s} for policy, s in spans.items()]
     return {"workload": workload, "mismatch": "datasheet", "seed": seed, "results": results}
 
@@ -175,7 +176,14 @@ def test_the_goals_say_where_cmlfq_stands_and_its_largest_gap_to_the_oracle() ->
         "worst at most 1.08": "**no**",
         "median at most 0.99": "**no**",
     }
-    assert lines[-1] == "`cmlfq` over the oracle: median 1.122, largest 1.363 (a, seed 1)."
+    assert lines[-1] == "`cmlfq` over the oracle: median 1.122, largest 1.363 (a, seed 1). "
+    guessed = {"guess_ratio_median": 0.62, "guess_off_2x": 0.31, "tool_s_unseen": 48.4}
+    next(r for r in outputs[1]["results"] if r["policy"] == "cmlfq").update(guessed)
+    assert sched_render.goals(outputs)[-1].endswith(
+        "There `cmlfq`'s guess of a trajectory's remaining output was a median 0.62x the "
+        "truth at its calls, off by more than 2x on 31% of them, and it did not see a mean "
+        "48 s of tool time still to come, which the oracle knows."
+    )
 
 
 def test_a_saved_run_without_its_region_says_which_markers_to_add(

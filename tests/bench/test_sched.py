@@ -71,6 +71,12 @@ def test_a_mixed_step_runs_each_env_to_its_end(
     for result in report["results"]:
         assert result["failed"] == 0 and result["trajectories"] == 16
         assert result["vs_bound"] >= 1.0
+    # How far cmlfq's estimates of the remaining output were from the truth, and the tool
+    # seconds it did not see coming; the oracle knows both.
+    cmlfq, oracle = report["results"]
+    assert cmlfq["guess_ratio_median"] > 0 and 0 <= cmlfq["guess_off_2x"] <= 1
+    assert cmlfq["tool_s_unseen"] > 0
+    assert oracle["guess_ratio_median"] is None
 
 
 def test_the_command_prints_the_json_the_issue_asks_for(

@@ -112,6 +112,7 @@ class Decision(NamedTuple):
     reason: str
     expected: float | None = None  # remaining output the policy expected (mean), if any
     expected_upper: float | None = None  # and its upper quantile
+    generated: int = 0  # the trajectory's output so far
 
     @property
     def moved(self) -> bool:
@@ -235,6 +236,7 @@ class RoutedPolicy(ABC):
                 reason=choice.reason,
                 expected=estimate.mean if estimate is not None else None,
                 expected_upper=estimate.upper if estimate is not None else None,
+                generated=track.generated,
             )
         )
         self.reasons[choice.reason] += 1
