@@ -86,6 +86,13 @@ def summary(runs: list[ConfigRun], bounds: list[float] | None = None) -> dict[st
             for run in runs
             if any(step.borrows or step.releases for step in run.steps)
         },
+        # How the workload drifts: the split chosen up front's rollout over its training,
+        # step by step (one layout throughout, so only the workload moves it).
+        "upfront_rollout_over_train": (
+            [round(step.rollout_s / step.train_s, 3) for step in upfront.steps if step.train_s]
+            if upfront is not None
+            else None
+        ),
         "rollout_idle_frac": {
             run.config: round(run.rollout_idle_frac, 4) for run in runs if not _colocated(run)
         },
@@ -212,7 +219,8 @@ def main_alloc(args: argparse.Namespace) -> int:
     upfront = next((run for run in runs if run.config == static_name(UPFRONT_SHARE)), None)
     bounds = step_bounds(settings, upfront) if upfront is not None else None
     if args.json:
-        print(json.dumps(summary(runs, bounds)))
+        which = {"workload": settings.workload.name, "seed": settings.seed}
+        print(json.dumps(which | summary(runs, bounds)))
     else:
         print_table(settings, runs, bounds)
     if args.plot:

@@ -138,6 +138,17 @@ _SCHED_SEEDS = Runs(
         for workload in SEED_WORKLOADS
     ),
 )
+#: The restated allocation goals' runs (issue 35): seeds 0-4 of the benchmark's
+#: workload, and of one whose rollout/training ratio drifts through the run.
+ALLOC_WORKLOADS = ("swe-drift", "swe-shift")
+_ALLOC_SEEDS = Runs(
+    "alloc-seeds",
+    tuple(
+        _command(f"bench alloc --workload {workload} --seed {seed} --json")
+        for workload in ALLOC_WORKLOADS
+        for seed in range(5)
+    ),
+)
 #: The docs' figure of a scheduling run: drawn by the run whose makespans it shows.
 _SCHED_FIGURE = Runs(
     "sched-figure",
@@ -176,6 +187,7 @@ RUNS: dict[str, Runs] = {
         _SCHED_FIGURE,
         _QUICK,
         _SCHED_SEEDS,
+        _ALLOC_SEEDS,
     )
 }
 TABLES: dict[str, DocTable] = {
@@ -183,6 +195,9 @@ TABLES: dict[str, DocTable] = {
     for table in (
         DocTable("soak", RUNS["soak"], render.soak, DOCS / "reliability" / "faults.md"),
         DocTable("alloc", RUNS["alloc"], render.alloc, DOCS / "benchmarks" / "allocation.md"),
+        DocTable(
+            "alloc-seeds", _ALLOC_SEEDS, render.alloc_seeds, DOCS / "benchmarks" / "allocation.md"
+        ),
         DocTable(
             "alloc-ahead",
             RUNS["alloc-ahead"],

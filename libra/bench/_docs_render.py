@@ -66,6 +66,61 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
     ]
 
 
+#: The restated goals for full Libra on every seed: its largest calibrated plan error at
+#: most this, and at least this share of what no split and no routing can beat.
+GOAL_PLAN_ERROR, GOAL_OF_BOUND = 0.15, 0.66
+
+
+def alloc_seeds(outputs: Sequence[Output]) -> list[str]:
+    """Full Libra seed by seed (of each workload): over the split chosen up front and the
+    best static split in hindsight, its share of the bound, its plan error, and what the
+    elastic pool buys (over ``libra-no-pool``); then the restated goals, met or not."""
+    rows, checks = [], {"plan error": True, "static": True, "bound": True}
+    for output in outputs:
+        vs, results = output["libra_vs"], output["results"]
+        statics = [r for r in results if r["config"].startswith("static-")]
+        best = max(statics, key=lambda r: r["throughput_tok_s"])["config"]
+        of_bound = vs["static_upfront"] / output["bound_vs_static_upfront"]
+        pool = output["pool"].get("libra", {})
+        checks["plan error"] &= output["plan_error_max"] <= GOAL_PLAN_ERROR
+        checks["static"] &= vs["static_best_hindsight"] > 1
+        checks["bound"] &= of_bound >= GOAL_OF_BOUND
+        rows.append(
+            [
+                output["workload"],
+                f"{output['seed']}",
+                f"{vs['static_upfront']:.3f}",
+                f"{vs['static_best_hindsight']:.3f} ({best})",
+                f"{of_bound:.0%}",
+                f"{output['plan_error_max']:.1%}",
+                f"{vs['libra_no_pool']:.3f}",
+                f"{pool.get('borrows', 0)} / {pool.get('releases', 0)}",
+                _drift(output.get("upfront_rollout_over_train") or []),
+            ]
+        )
+    header = ("workload", "seed", "x upfront split", "x best static (which)", "of the bound",
+              "plan error", "pool: x libra-no-pool", "borrows / releases",
+              "rollout / training, first to last step")  # fmt: skip
+    goals: list[tuple[str, bool]] = [
+        (f"largest calibrated plan error at most {GOAL_PLAN_ERROR:.0%}", checks["plan error"]),
+        ("ahead of the best static split in hindsight", checks["static"]),
+        (f"at least {GOAL_OF_BOUND:.0%} of the bound", checks["bound"]),
+    ]
+    return [
+        *table_lines(header, rows),
+        "",
+        *table_lines(
+            ("goal, on every run", "met"),
+            [[name, "yes" if met else "**no**"] for name, met in goals],
+        ),
+    ]
+
+
+def _drift(ratios: Sequence[float]) -> str:
+    """How the split chosen up front's rollout/training ratio moved over the run."""
+    return f"{ratios[0]:.2f} to {ratios[-1]:.2f}" if ratios else ""
+
+
 def alloc_ahead(outputs: Sequence[Output]) -> list[str]:
     output = outputs[0]
     rows = [

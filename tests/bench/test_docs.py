@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from libra.bench import _docs_render as render
 from libra.bench import _docs_render_sched as sched_render
 from libra.bench._docs import (
     SAVED,
@@ -184,6 +185,45 @@ def test_the_goals_say_where_cmlfq_stands_and_its_largest_gap_to_the_oracle() ->
         "truth at its calls, off by more than 2x on 31% of them, and it did not see a mean "
         "48 s of tool time still to come, which the oracle knows."
     )
+
+
+def _alloc_output(seed: int, static: tuple[float, float], bound: float, error: float) -> Any:
+    results = [
+        {"config": "static-2:2", "throughput_tok_s": 100.0},
+        {"config": "static-1:3", "throughput_tok_s": 100.0 * static[0] / static[1]},
+    ]
+    return {
+        "workload": "w",
+        "seed": seed,
+        "results": results,
+        "libra_vs": {
+            "static_upfront": static[0],
+            "static_best_hindsight": min(static),
+            "libra_no_pool": 1.03,
+        },
+        "bound_vs_static_upfront": bound,
+        "plan_error_max": error,
+        "pool": {"libra": {"borrows": 8, "releases": 5}},
+        "upfront_rollout_over_train": [0.8, 1.1, 1.4],
+    }
+
+
+def test_the_alloc_seeds_say_where_libra_stands_on_each_goal() -> None:
+    outputs = [
+        _alloc_output(0, (1.3, 1.3), 1.95, 0.10),  # 67% of the bound
+        _alloc_output(1, (1.3, 1.25), 2.1, 0.16),  # 62%; static-1:3 the best static
+    ]
+    lines = render.alloc_seeds(outputs)
+    first = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert first == ["w", "0", "1.300", "1.300 (static-2:2)", "67%", "10.0%", "1.030", "8 / 5",
+                     "0.80 to 1.40"]  # fmt: skip
+    assert "1.250 (static-1:3)" in lines[3] and "| 62% |" in lines[3]
+    met = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in lines[-3:]}
+    assert met == {
+        "largest calibrated plan error at most 15%": "**no**",
+        "ahead of the best static split in hindsight": "yes",
+        "at least 66% of the bound": "**no**",
+    }
 
 
 def test_a_saved_run_without_its_region_says_which_markers_to_add(

@@ -40,7 +40,9 @@ def test_a_workload_written_from_the_documentation_loads_and_plays(tmp_path: Pat
 
 
 def test_missing_files_and_names_and_broken_toml_are_explained(tmp_path: Path) -> None:
-    shipped = "math-code, search-agent, search-swe-mix, swe-agent, swe-drift, swe-memoryless"
+    shipped = (
+        "math-code, search-agent, search-swe-mix, swe-agent, swe-drift, swe-memoryless, swe-shift"
+    )
     with pytest.raises(WorkloadError, match=f"shipped: {shipped}"):
         load_workload("no-such-workload")
     with pytest.raises(WorkloadError, match="no such file"):
