@@ -18,9 +18,8 @@ fails naming the regions that differ (a test runs it, so a figure edited by hand
 
 A list that outlasts one sitting (ten seeds of six workloads) is run in parts: the
 file is saved after each command, ``--resume`` runs only the commands it lacks, and
-``--shard I/N`` only the I-th of N interleaved parts of the list (on one machine after
-another, or on several, their files' runs joined by ``--resume`` on the union). A
-region whose runs are not all saved yet is left as it is, and says so.
+``--shard I/N`` only the I-th of N interleaved parts of the list, keeping the runs the
+file holds. A region whose runs are not all saved yet is left as it is, and says so.
 """
 
 from __future__ import annotations
