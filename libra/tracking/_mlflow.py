@@ -12,7 +12,6 @@ logged again: they keep the killed run's figures, and the resume says so in one 
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -24,7 +23,6 @@ from mlflow.entities import Metric, Param
 
 from libra.tracking._protocol import RunStart, StepLog
 
-_ID_FILE = "mlflow-run.json"  # under the tracking dir: the run a resume continues
 _MARKERS = ("weight_version", "eval/weight_version")  # one in every step's and eval's line
 _BATCH = 900  # MLflow takes at most 1,000 metrics a batch
 
@@ -36,7 +34,7 @@ class MLflowTracker:
         start.dir.mkdir(parents=True, exist_ok=True)
         self.uri = uri or f"sqlite:///{(start.dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=self.uri)
-        saved = _saved_id(start.dir)
+        saved = start.saved_id("mlflow")
         #: per marker, the newest step the tracked run holds: not logged again
         self._logged: dict[str, int] = {}
         if start.resume_step is not None and saved is not None:
@@ -55,7 +53,7 @@ class MLflowTracker:
                 )
         else:
             self.run_id = self._create(start)
-        (start.dir / _ID_FILE).write_text(json.dumps({"id": self.run_id, "uri": self.uri}))
+        start.save_id("mlflow", self.run_id, uri=self.uri)
 
     def _create(self, start: RunStart) -> str:
         experiment = self.client.get_experiment_by_name(start.project)
@@ -111,8 +109,3 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         elif value is not None:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def _saved_id(folder: Path) -> str | None:
-    path = folder / _ID_FILE
-    return str(json.loads(path.read_text())["id"]) if path.exists() else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +51,15 @@ class RunStart:
     config_toml: str
     dir: Path
     resume_step: int | None = None
+
+    def saved_id(self, backend: str) -> str | None:
+        """The id of the tracked run a resume continues, as ``backend`` saved it."""
+        path = self.dir / f"{backend}-run.json"
+        return str(json.loads(path.read_text())["id"]) if path.exists() else None
+
+    def save_id(self, backend: str, run_id: str, **more: str) -> None:
+        """Keep the tracked run's id (and ``more``) for a resume to continue it."""
+        (self.dir / f"{backend}-run.json").write_text(json.dumps({"id": run_id, **more}))
 
 
 class Tracker(Protocol):

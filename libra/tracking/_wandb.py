@@ -11,7 +11,6 @@ same name and group and says so in one line.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,6 @@ import wandb
 from libra.tracking._protocol import RunStart, StepLog
 
 _TABLE_COLUMNS = ["step", "id", "env", "status", "reward", "turns", "tokens", "conversation"]
-_ID_FILE = "wandb-run.json"  # under the tracking dir: the run a resume continues
 
 
 class WandbTracker:
@@ -42,7 +40,7 @@ class WandbTracker:
             # (no capture of the run's console: the trainer's own output stays as it is)
             "settings": wandb.Settings(console="off", quiet=True, x_disable_stats=True),
         }
-        saved = _saved_id(start.dir)
+        saved = start.saved_id("wandb")
         if start.resume_step is not None and saved is not None:
             if online:
                 kwargs["resume_from"] = f"{saved}?_step={start.resume_step}"
@@ -54,7 +52,7 @@ class WandbTracker:
                     file=sys.stderr,
                 )
         self._run = wandb.init(**kwargs)
-        (start.dir / _ID_FILE).write_text(json.dumps({"id": self._run.id}))
+        start.save_id("wandb", self._run.id)
 
     def log(self, entry: StepLog) -> None:
         data: dict[str, Any] = dict(entry.scalars)
@@ -76,8 +74,3 @@ class WandbTracker:
 
     def close(self) -> None:
         self._run.finish()
-
-
-def _saved_id(folder: Path) -> str | None:
-    path = folder / _ID_FILE
-    return str(json.loads(path.read_text())["id"]) if path.exists() else None
