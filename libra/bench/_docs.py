@@ -101,26 +101,29 @@ _SCHED = Runs(
 )
 #: swe-agent's seeds under ``none``, for what in-server priority does where it acts.
 _SCHED_NONE = Runs("sched-none", tuple(_sched("swe-agent", "none", seed) for seed in range(5)))
+
+
+def _seeds(
+    name: str, bench: str, workloads: Sequence[str], seeds: int, *, by_seed: bool = False
+) -> Runs:
+    """``libra bench BENCH`` on seeds ``0..seeds-1`` of each workload, workload by
+    workload (or seed by seed: a list measured in parts is then spread over them)."""
+    pairs = (
+        [(w, s) for s in range(seeds) for w in workloads]
+        if by_seed
+        else [(w, s) for w in workloads for s in range(seeds)]
+    )
+    line = "bench {} --workload {} --seed {} --json"
+    return Runs(name, tuple(_command(line.format(bench, w, s)) for w, s in pairs))
+
+
 #: The web-research workload's seeds (dozens of turns a trajectory: no ablations, to keep
 #: the run under an hour).
-_SCHED_WEB = Runs(
-    "sched-web",
-    tuple(
-        _command(f"bench sched --workload web-research --seed {seed} --json") for seed in range(5)
-    ),
-)
+_SCHED_WEB = _seeds("sched-web", "sched", ("web-research",), 5)
 #: The seeds of the other shipped workloads (no ablations: those are read on seed 0).
 _MORE_WORKLOADS = ("math-code", "search-agent")
-_SCHED_MORE = Runs(
-    "sched-more",
-    tuple(
-        _command(f"bench sched --workload {workload} --seed {seed} --json")
-        for workload in _MORE_WORKLOADS
-        for seed in range(5)
-    ),
-)
-#: The restated goal's runs (issue 35): ten seeds of every workload under ``datasheet``,
-#: seed by seed (a list measured in parts is then spread over the workloads).
+_SCHED_MORE = _seeds("sched-more", "sched", _MORE_WORKLOADS, 5)
+#: The restated goal's runs (issue 35): ten seeds of every workload under ``datasheet``.
 SEED_WORKLOADS = (
     "swe-agent",
     "math-code",
@@ -129,25 +132,11 @@ SEED_WORKLOADS = (
     "swe-memoryless",
     "search-swe-mix",
 )
-_SCHED_SEEDS = Runs(
-    "sched-seeds",
-    tuple(
-        _command(f"bench sched --workload {workload} --seed {seed} --json")
-        for seed in range(10)
-        for workload in SEED_WORKLOADS
-    ),
-)
+_SCHED_SEEDS = _seeds("sched-seeds", "sched", SEED_WORKLOADS, 10, by_seed=True)
 #: The restated allocation goals' runs (issue 35): seeds 0-4 of the benchmark's
 #: workload, and of one whose rollout/training ratio drifts through the run.
 ALLOC_WORKLOADS = ("swe-drift", "swe-shift")
-_ALLOC_SEEDS = Runs(
-    "alloc-seeds",
-    tuple(
-        _command(f"bench alloc --workload {workload} --seed {seed} --json")
-        for workload in ALLOC_WORKLOADS
-        for seed in range(5)
-    ),
-)
+_ALLOC_SEEDS = _seeds("alloc-seeds", "alloc", ALLOC_WORKLOADS, 5)
 #: The docs' figure of a scheduling run: drawn by the run whose makespans it shows.
 _SCHED_FIGURE = Runs(
     "sched-figure",
