@@ -158,6 +158,14 @@ _QUICK = Runs(
     ),
 )
 PLAIN = sched_render.PLAIN_COLUMNS  # the seeds tables' columns without the ablations
+
+
+def _seeds_table(name: str, runs: Runs, workload: str) -> DocTable:
+    """A seeds table of ``workload`` under ``datasheet``, from runs without ablations."""
+    seeds = partial(sched_render.seeds, workload, "datasheet", columns=PLAIN)
+    return DocTable(name, runs, seeds, SCHED_PAGE)
+
+
 RUNS: dict[str, Runs] = {
     runs.name: runs
     for runs in (
@@ -224,21 +232,8 @@ TABLES: dict[str, DocTable] = {
             partial(sched_render.seeds, "swe-agent", "none"),
             SCHED_PAGE,
         ),
-        DocTable(
-            "sched-seeds-web",
-            _SCHED_WEB,
-            partial(sched_render.seeds, "web-research", "datasheet", columns=PLAIN),
-            SCHED_PAGE,
-        ),
-        *(
-            DocTable(
-                f"sched-seeds-{workload}",
-                _SCHED_MORE,
-                partial(sched_render.seeds, workload, "datasheet", columns=PLAIN),
-                SCHED_PAGE,
-            )
-            for workload in _MORE_WORKLOADS
-        ),
+        _seeds_table("sched-seeds-web", _SCHED_WEB, "web-research"),
+        *(_seeds_table(f"sched-seeds-{w}", _SCHED_MORE, w) for w in _MORE_WORKLOADS),
         DocTable(
             "sched-robustness",
             _SCHED,
@@ -246,15 +241,7 @@ TABLES: dict[str, DocTable] = {
             SCHED_PAGE,
             also=(_SCHED_MORE, _SCHED_WEB),
         ),
-        *(
-            DocTable(
-                f"sched-ten-seeds-{workload}",
-                _SCHED_SEEDS,
-                partial(sched_render.seeds, workload, "datasheet", columns=PLAIN),
-                SCHED_PAGE,
-            )
-            for workload in SEED_WORKLOADS
-        ),
+        *(_seeds_table(f"sched-ten-seeds-{w}", _SCHED_SEEDS, w) for w in SEED_WORKLOADS),
         DocTable("sched-goals", _SCHED_SEEDS, sched_render.goals, SCHED_PAGE),
         DocTable("sched-figure", _SCHED_FIGURE, sched_render.sched_figure, SCHED_PAGE),
         DocTable("sched-quick", _QUICK, sched_render.policies, POLICIES_PAGE),
