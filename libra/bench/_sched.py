@@ -48,6 +48,7 @@ from libra.bench._sched_report import (
     Timeline,
     plot,
     print_json,
+    print_stragglers,
     print_table,
 )
 from libra.bench._sched_summary import result_of, summarise
@@ -148,6 +149,7 @@ def run_sched_bench(
     fleet_name: str = "",
     jobs: int = 1,
     mismatch: str = DEFAULT_MISMATCH,
+    trace: bool = False,
 ) -> SchedReport:
     """Every policy on the same step; ``jobs`` > 1 runs policies in parallel processes
     (each run is deterministic on its own, so the numbers do not change)."""
@@ -173,6 +175,7 @@ def run_sched_bench(
         results=[result_of(run, bound, oracle, cmlfq) for run in runs],
         runs=runs,
         mismatch=mismatch,
+        trace=trace,
     )
 
 
@@ -200,11 +203,14 @@ def main_sched(args: argparse.Namespace) -> int:
         fleet_name=fleet.name,
         jobs=args.jobs,
         mismatch=args.mismatch,
+        trace=args.trace,
     )
     if args.json:
         print_json(report)
     else:
         print_table(report)
+        if args.trace:
+            print_stragglers(report)
     if args.plot:
         plot(report, args.plot)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,34 @@ class PolicyRun:
     #: Per instance, the step cost the policy decided with at the end (a fitting policy's).
     fitted: dict[str, StepCost] = field(default_factory=dict)
     guess: Guess | None = None  # how far its estimates were from the truth, if it estimates
+    straggler: Straggler | None = None  # the trajectory that finished last
+
+
+@dataclass(frozen=True)
+class Call:
+    """One routing decision of the straggler: when, which turn, where to and why, the
+    remaining output the policy expected (None: it does not estimate) and the truth."""
+
+    at_s: float
+    turn: int
+    instance: str
+    reason: str
+    expected: float | None
+    true_left: int
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The trajectory that finished last, which decides the makespan: its seconds, in
+    generation and in tools, its output, and the policy's decisions on its calls (those
+    still in the policy's decision log)."""
+
+    id: str
+    seconds: float
+    generation_s: float
+    tool_s: float
+    output_tokens: int
+    calls: list[Call]
 
 
 @dataclass(frozen=True)
@@ -97,8 +125,10 @@ class SchedReport:
     results: list[PolicyResult]
     runs: list[PolicyRun]
     mismatch: str = DEFAULT_MISMATCH
+    trace: bool = False  # the JSON tells each policy's straggler
 
     def as_json(self) -> dict[str, Any]:
+        stragglers = {run.policy: asdict(run.straggler) for run in self.runs if run.straggler}
         return {
             "workload": self.workload,
             "fleet": self.fleet,
@@ -112,6 +142,7 @@ class SchedReport:
                 "work_s": round(self.lower_bound.work_s, 3),
             },
             "results": [_rounded(vars(result)) for result in self.results],
+            **({"stragglers": stragglers} if self.trace else {}),
         }
 
 
@@ -161,6 +192,25 @@ def print_table(report: SchedReport, console: Console | None = None) -> None:
     if console is None:  # rich narrows to 80 columns when not on a terminal: too few
         console = Console(width=None if sys.stdout.isatty() else 132)
     console.print(table)
+
+
+def print_stragglers(report: SchedReport, console: Console | None = None) -> None:
+    """Each policy's last trajectory, call by call."""
+    console = console or Console(width=None if sys.stdout.isatty() else 132)
+    for run in report.runs:
+        s = run.straggler
+        if s is None:
+            continue
+        console.print(
+            f"{run.policy}: last {s.id}, {s.seconds:.1f} s ({s.generation_s:.1f} s generating, "
+            f"{s.tool_s:.1f} s in tools), {s.output_tokens} tokens"
+        )
+        for c in s.calls:
+            guess = f"expected {c.expected:.0f}" if c.expected is not None else "no estimate"
+            console.print(
+                f"  {c.at_s:7.1f} s  turn {c.turn:2}  {c.instance:<12} {c.reason:<24} "
+                f"{guess}, {c.true_left} left"
+            )
 
 
 def print_json(report: SchedReport) -> None:

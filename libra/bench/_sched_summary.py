@@ -8,7 +8,15 @@ import math
 from statistics import fmean, median
 
 from libra.bench._sched_fleet import FleetFile
-from libra.bench._sched_report import Guess, LowerBound, PolicyResult, PolicyRun, Timeline
+from libra.bench._sched_report import (
+    Call,
+    Guess,
+    LowerBound,
+    PolicyResult,
+    PolicyRun,
+    Straggler,
+    Timeline,
+)
 from libra.emulation import EmulatorApp
 from libra.engine import TrajectoryRecord
 from libra.sched import Scheduler
@@ -60,7 +68,26 @@ def summarise(
         preemptions=preemptions,
         fitted=fitted,
         guess=guess_of(policy, truth) if truth is not None else None,
+        straggler=straggler_of(policy, records, truth) if truth is not None else None,
     )
+
+
+def straggler_of(
+    policy: Scheduler, records: list[TrajectoryRecord], truth: Truth
+) -> Straggler | None:
+    """The trajectory that finished last, and the policy's decisions on its calls."""
+    last = max(records, key=lambda record: record.timings.total_s, default=None)
+    if last is None or last.id not in truth.turns:
+        return None
+    total = truth.output_tokens(last.id)
+    decisions = policy.decisions if isinstance(policy, RoutedPolicy) else ()
+    calls = [
+        Call(d.time, d.turn, d.to_instance, d.reason, d.expected, total - d.generated)
+        for d in decisions
+        if d.trajectory_id == last.id
+    ]
+    timings = last.timings
+    return Straggler(last.id, timings.total_s, timings.generation_s, timings.tool_s, total, calls)
 
 
 def guess_of(policy: Scheduler, truth: Truth) -> Guess | None:

@@ -155,6 +155,12 @@ def _add_sched_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw occupancy and makespans")
     parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="tell each policy's last trajectory call by call: where it went, why, and the "
+        "remaining output the policy expected against the truth",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=default_jobs(),

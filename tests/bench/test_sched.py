@@ -65,7 +65,7 @@ def test_a_mixed_step_runs_each_env_to_its_end(
         '[[mix]]\nworkload = "search-agent"\nprompts = 2\n'
     )
     argv = ["bench", "sched", "--workload", str(mix), "--policies", "cmlfq,oracle"]
-    assert main([*argv, "--json", "--jobs", "1"]) == 0
+    assert main([*argv, "--json", "--jobs", "1", "--trace"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"] == "mixed" and report["trajectories"] == 2 * 3 + 2 * 5
     for result in report["results"]:
@@ -77,6 +77,13 @@ def test_a_mixed_step_runs_each_env_to_its_end(
     assert cmlfq["guess_ratio_median"] > 0 and 0 <= cmlfq["guess_off_2x"] <= 1
     assert cmlfq["tool_s_unseen"] > 0
     assert oracle["guess_ratio_median"] is None
+    # --trace: each policy's last trajectory, with the decisions on its calls.
+    last = report["stragglers"]["cmlfq"]
+    assert last["seconds"] > 0 and last["calls"]
+    assert last["seconds"] <= cmlfq["makespan_s"] + 1e-3
+    assert last["calls"][0]["true_left"] == last["output_tokens"]  # nothing out yet
+    assert all(call["expected"] is not None for call in last["calls"][1:])
+    assert {call["expected"] for call in report["stragglers"]["oracle"]["calls"]} != {None}
 
 
 def test_the_command_prints_the_json_the_issue_asks_for(
