@@ -52,6 +52,7 @@ from libra.bench._sched_report import (
     print_table,
 )
 from libra.bench._sched_summary import result_of, summarise
+from libra.config import load_config
 from libra.emulation import EmulatorApp, FleetApp
 from libra.emulation.workloads import (
     Book,
@@ -150,16 +151,18 @@ def run_sched_bench(
     jobs: int = 1,
     mismatch: str = DEFAULT_MISMATCH,
     trace: bool = False,
+    config: CMLFQConfig | None = None,
 ) -> SchedReport:
-    """Every policy on the same step; ``jobs`` > 1 runs policies in parallel processes
-    (each run is deterministic on its own, so the numbers do not change)."""
+    """Every policy on the same step (``config`` tunes ``cmlfq``); ``jobs`` > 1 runs
+    policies in parallel processes (each run is deterministic on its own, so the numbers
+    do not change)."""
     if jobs > 1 and len(policies) > 1:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(jobs, len(policies)), mp_context=context) as pool:
-            futures = [pool.submit(run_policy, workload, fleet, p, seed) for p in policies]
+            futures = [pool.submit(run_policy, workload, fleet, p, seed, config) for p in policies]
             runs = [future.result() for future in futures]
     else:
-        runs = [run_policy(workload, fleet, policy, seed) for policy in policies]
+        runs = [run_policy(workload, fleet, policy, seed, config) for policy in policies]
     step = workload.history_steps
     scripts = book_of(workload, seed).step(step)
     bound = lower_bound(scripts, fleet)
@@ -192,6 +195,7 @@ def main_sched(args: argparse.Namespace) -> int:
         workload = load_step(args.workload)
         fleet = with_mismatch(load_fleet(args.fleet), args.mismatch)
         policies = parse_policies(args.policies, ablate=args.ablate)
+        config = load_config(CMLFQConfig, overrides=args.cmlfq) if args.cmlfq else None
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +208,9 @@ def main_sched(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         mismatch=args.mismatch,
         trace=args.trace,
+        config=config,
     )
+    report.cmlfq_settings = tuple(args.cmlfq)
     if args.json:
         print_json(report)
     else:

@@ -126,6 +126,7 @@ class SchedReport:
     runs: list[PolicyRun]
     mismatch: str = DEFAULT_MISMATCH
     trace: bool = False  # the JSON tells each policy's straggler
+    cmlfq_settings: tuple[str, ...] = ()  # how cmlfq was tuned (KEY=VALUE), if it was
 
     def as_json(self) -> dict[str, Any]:
         stragglers = {run.policy: asdict(run.straggler) for run in self.runs if run.straggler}
@@ -142,6 +143,7 @@ class SchedReport:
                 "work_s": round(self.lower_bound.work_s, 3),
             },
             "results": [_rounded(vars(result)) for result in self.results],
+            **({"cmlfq_settings": list(self.cmlfq_settings)} if self.cmlfq_settings else {}),
             **({"stragglers": stragglers} if self.trace else {}),
         }
 

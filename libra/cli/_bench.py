@@ -155,6 +155,14 @@ def _add_sched_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw occupancy and makespans")
     parser.add_argument(
+        "--cmlfq",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="tune cmlfq (a CMLFQConfig setting, e.g. tree.quantile=0.97; repeatable): "
+        "a variant measured against the same baselines",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="tell each policy's last trajectory call by call: where it went, why, and the "

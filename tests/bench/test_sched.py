@@ -86,6 +86,21 @@ def test_a_mixed_step_runs_each_env_to_its_end(
     assert {call["expected"] for call in report["stragglers"]["oracle"]["calls"]} != {None}
 
 
+def test_cmlfq_is_tuned_from_the_command_line_for_a_variant(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "sched", "--workload", str(tiny), "--policies", "cmlfq", "--json"]
+    makespans = []
+    for tuned in ([], ["--cmlfq", "tree.quantile=0.97", "--cmlfq", "tie_tolerance=0.05"]):
+        assert main([*argv, "--jobs", "1", *tuned]) == 0
+        report = json.loads(capsys.readouterr().out)
+        makespans.append(report["results"][0]["makespan_s"])
+    assert report["cmlfq_settings"] == ["tree.quantile=0.97", "tie_tolerance=0.05"]
+    assert makespans[0] != makespans[1]
+    assert main([*argv, "--cmlfq", "tree.quantil=0.97"]) == 2
+    assert "did you mean tree.quantile?" in capsys.readouterr().err
+
+
 def test_the_command_prints_the_json_the_issue_asks_for(
     tiny: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
