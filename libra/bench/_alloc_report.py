@@ -93,6 +93,18 @@ def summary(runs: list[ConfigRun], bounds: list[float] | None = None) -> dict[st
             if upfront is not None
             else None
         ),
+        # Each configuration's steps: rollout and training seconds, and workers training.
+        "steps": {
+            run.config: [
+                {
+                    "rollout_s": round(step.rollout_s, 1),
+                    "train_s": round(step.train_s, 1),
+                    "train_workers": round(step.mean_train_workers, 2),
+                }
+                for step in run.steps
+            ]
+            for run in runs
+        },
         "rollout_idle_frac": {
             run.config: round(run.rollout_idle_frac, 4) for run in runs if not _colocated(run)
         },

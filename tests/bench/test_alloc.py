@@ -58,8 +58,12 @@ def test_a_run_repeats_for_its_seed_and_every_config_is_sane() -> None:
     first = run_alloc_bench(tiny(), names)
     again = run_alloc_bench(tiny(), names, jobs=2)  # in other processes too
     assert summary(first) == summary(again)
+    steps = summary(first)["steps"]
     for run in first:
         _sane(run)
+        assert [s["rollout_s"] for s in steps[run.config]] == [
+            round(step.rollout_s, 1) for step in run.steps
+        ]
     static, colocated, planner = first
     assert all(step.colocated for step in colocated.steps)
     assert not any(step.colocated for step in static.steps)
