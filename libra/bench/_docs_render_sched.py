@@ -321,10 +321,15 @@ def _guessed(output: Output) -> str:
     result = next(r for r in output["results"] if r["policy"] == "cmlfq")
     if result.get("guess_ratio_median") is None:
         return ""
+    unseen = result["tool_s_unseen"]
+    tools = (
+        f"and it did not see a mean {unseen:.0f} s of tool time still to come, which the "
+        "oracle knows"
+        if unseen >= 1
+        else "while the tool time still to come, which the oracle also knows, was under a second"
+    )
     return (
         f"There `cmlfq`'s guess of a trajectory's remaining output was a median "
         f"{result['guess_ratio_median']:.2f}x the truth at its calls, off by more than 2x "
-        f"on {result['guess_off_2x']:.0%} of them, and it did not see a mean "
-        f"{result['tool_s_unseen']:.0f} s of tool time still to come, which the oracle "
-        "knows."
+        f"on {result['guess_off_2x']:.0%} of them, {tools}."
     )
