@@ -192,7 +192,9 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
     alloc["loop"] |= {"borrow_ratio": NEVER}
     alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5}
     # 48 samples (short ones: Brevity rewards them), ~45 s of training on one core: long
-    # enough for the unit to join it (a borrow takes ~10-20 s here).
+    # enough for the unit to join it (a borrow takes ~10-20 s here). A slow learning rate
+    # keeps every step's training that long: at 1e-4 the policy may be brief by step 2,
+    # its groups' rewards all equal and its training a few seconds (nothing to lend to).
     sampling = {"max_tokens_per_turn": 96, "temperature": 0.7}
     rollout = {"env": BREVITY, "server": "embedded", "engine": {"sampling": sampling}}
     config = embedded_alloc_run(
@@ -202,6 +204,7 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
         prompts_per_step=12,
         samples_per_prompt=4,
         train={"micro_batch_tokens": 128},
+        trainer={"lr": 1e-6},
         rollout=rollout,
         mode=mode,
     )
