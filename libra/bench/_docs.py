@@ -397,7 +397,12 @@ def rewrite(
     changed = []
     for table in tables:
         paths = [saved_dir / f"{runs.name}.json" for runs in table.sources]
-        if not all(path.exists() for path in paths) or _partial(table, saved_dir):
+        if not all(path.exists() for path in paths):
+            continue
+        saved = [json.loads(path.read_text()) for path in paths]
+        if any(
+            _partly(runs, contents) for runs, contents in zip(table.sources, saved, strict=True)
+        ):
             continue
         name = re.escape(table.name)
         pattern = re.compile(rf"<!-- bench:{name} -->\n(.*?)<!-- /bench:{name} -->", re.DOTALL)
@@ -407,23 +412,23 @@ def rewrite(
                 f"{table.file} has no region for {table.name!r}: add "
                 f"`<!-- bench:{table.name} -->` and `<!-- /bench:{table.name} -->` lines"
             )
-        new = region(table, *(json.loads(path.read_text()) for path in paths))
+        new = region(table, *saved)
         if found.group(1) != new:
             changed.append(table.name)
             text = text[: found.start(1)] + new + text[found.end(1) :]
     return text, changed
 
 
-def _partial(table: DocTable, saved_dir: Path) -> list[str]:
-    """The names of ``table``'s lists whose runs are only partly saved (a sitting of a
-    long list): every saved command on the list, some not saved yet."""
-    partial = []
-    for runs in table.sources:
-        saved = list(_saved_runs(saved_dir / f"{runs.name}.json"))
-        in_order = [line for line in _lines(runs) if line in saved]
-        if saved and saved == in_order and len(saved) < len(runs.commands):
-            partial.append(runs.name)
-    return partial
+def _partly_saved(runs: Runs) -> bool:
+    return runs.saved.exists() and _partly(runs, json.loads(runs.saved.read_text()))
+
+
+def _partly(runs: Runs, contents: dict[str, Any]) -> bool:
+    """Whether ``contents`` holds ``runs`` only in part (a sitting of a long list):
+    every saved command on the list, in its order, some not saved yet."""
+    saved = [record["command"] for record in records(contents)]
+    in_order = [line for line in _lines(runs) if line in saved]
+    return bool(saved) and saved == in_order and len(saved) < len(runs.commands)
 
 
 # ------------------------------------------------------------------------ the command
@@ -458,7 +463,7 @@ def main_docs(args: argparse.Namespace) -> int:
     names = list(RUNS) if args.measure and "all" in args.measure else (args.measure or [])
     for name in names:
         run(RUNS[name], resume=args.resume, shard=args.shard)
-    for name in sorted({n for table in TABLES.values() for n in _partial(table, SAVED)}):
+    for name in (n for n, runs in RUNS.items() if _partly_saved(runs)):
         print(f"bench docs: {name} is partly measured: its regions are left as they are "
               f"(`libra bench docs --run {name} --resume`)", file=sys.stderr)  # fmt: skip
     rewritten = {}
