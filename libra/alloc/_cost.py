@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
@@ -48,6 +48,13 @@ class Request:
     copies: float = 1.0
     #: Seconds its tools take between its turns (the instance serves others meanwhile).
     tool_s: float = 0.0
+    #: The mean context its tokens are decoded at (0: its context less half its output,
+    #: as if every prompt token came before the first sampled one).
+    decode_context: float = 0.0
+
+    @property
+    def mid_decode_context(self) -> float:
+        return self.decode_context or self.context_tokens - self.output_tokens / 2
 
 
 def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
@@ -56,10 +63,11 @@ def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
     spaced quantiles, so every step counts); past ``limit``, that many quantiles, each
     standing for its share."""
     tools = workload.tool_s or (0.0,) * len(workload.output_tokens)
+    decoded = workload.decode_context_tokens or (0.0,) * len(workload.output_tokens)
     samples = [
-        Request(max(0, ctx - out), out, max(ctx, out), tool_s=tool)
-        for out, ctx, tool in zip(
-            workload.output_tokens, workload.context_tokens, tools, strict=True
+        Request(max(0, ctx - out), out, max(ctx, out), tool_s=tool, decode_context=at)
+        for out, ctx, tool, at in zip(
+            workload.output_tokens, workload.context_tokens, tools, decoded, strict=True
         )
     ]
     if not samples:
@@ -68,10 +76,7 @@ def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
     if limit is None or len(every) <= limit:
         return every
     copies = len(every) / limit
-    return [
-        Request(r.prefill_tokens, r.output_tokens, r.context_tokens, copies, r.tool_s)
-        for r in _quantiles(every, limit)
-    ]
+    return [replace(r, copies=copies) for r in _quantiles(every, limit)]
 
 
 def _quantiles(requests: list[Request], count: int) -> list[Request]:
@@ -106,14 +111,9 @@ class _Instance:
             self.prefill_tokens + request.prefill_tokens * request.copies,
             self.output_tokens + request.output_tokens * request.copies,
             max(self.longest_output, request.output_tokens),
-            self.ctx_weighted
-            + _mid_decode_context(request) * request.output_tokens * request.copies,
+            self.ctx_weighted + request.mid_decode_context * request.output_tokens * request.copies,
             longest,
         )
-
-
-def _mid_decode_context(request: Request) -> float:
-    return request.context_tokens - request.output_tokens / 2
 
 
 #: How the routing treats the longest trajectory, which bounds the rollout from below:
@@ -243,7 +243,7 @@ class RolloutCost:
         if request is None:
             return 0.0
         if self.longest_decodes == "alone":
-            batch, context = 1.0, _mid_decode_context(request)
+            batch, context = 1.0, request.mid_decode_context
         return self._decode_seconds(tp, request, batch, context) + request.tool_s
 
     def _decode_seconds(self, tp: int, request: Request, batch: float, context: float) -> float:
@@ -272,7 +272,7 @@ class RolloutCost:
             # The instance's work shares the longest one's steps, which outlast it.
             _, batch, context = self._batched(instance, span=longest.output_tokens)
             if instance.longest is not longest:  # the longest one's own turns join it
-                batch, context = batch + 1, context + _mid_decode_context(longest)
+                batch, context = batch + 1, context + longest.mid_decode_context
             decode = self._decode_seconds(instance.tp, longest, batch, context)
             seconds += instance.count / total * decode * wait
         return seconds + longest.tool_s

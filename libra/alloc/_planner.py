@@ -212,7 +212,7 @@ class ReplanTrigger(Section):
 
 
 def mean_output(workload: Workload) -> float:
-    return mean(workload.output_tokens)
+    return mean(workload.output_tokens) if workload.output_tokens else 0.0
 
 
 # ----------------------------------------------------------------------------- the log

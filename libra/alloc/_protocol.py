@@ -10,8 +10,9 @@ with a richer emulated truth is a fair one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -68,6 +69,32 @@ class Workload:
     #: trajectory's turns wait for its tools, so the longest one's tool time is on the
     #: rollout's critical path, whatever the instances do meanwhile.
     tool_s: tuple[float, ...] = ()
+    #: Per trajectory, the mean context its sampled tokens were decoded at (empty:
+    #: unknown, taken as its end context less half its output). A multi-turn trajectory
+    #: decodes its early turns on a short context, so its end context overstates what
+    #: its decode steps read by about half the tool outputs and later prompts.
+    decode_context_tokens: tuple[float, ...] = ()
+
+    @classmethod
+    def of_records(cls, records: Sequence[TrajectoryRecord], trajectories: int = 0) -> Workload:
+        """What ``records`` asked of rollout and training; ``trajectories`` per step
+        (0: as many as the records)."""
+        return cls(
+            trajectories=trajectories or len(records),
+            output_tokens=tuple(sum(r.loss_mask) for r in records),
+            context_tokens=tuple(len(r.token_ids) for r in records),
+            turns=tuple(r.turns for r in records),
+            # The longest trajectory waits on its tools between turns: a floor on rollout.
+            tool_s=tuple(r.timings.tool_s for r in records),
+            decode_context_tokens=tuple(decode_context(r.loss_mask) for r in records),
+        )
+
+
+def decode_context(loss_mask: Iterable[int]) -> float:
+    """The mean position of the sampled tokens: the context each was decoded at."""
+    mask = list(loss_mask)
+    sampled = sum(mask)
+    return sum(compress(range(len(mask)), mask)) / sampled if sampled else 0.0
 
 
 @dataclass(frozen=True, slots=True)

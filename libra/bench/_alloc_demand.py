@@ -12,13 +12,7 @@ from libra.engine import TrajectoryRecord
 def demand_of_records(steps: list[list[TrajectoryRecord]]) -> Demand:
     """What the next step will ask, from the recent steps' records pooled."""
     records = [record for records in steps for record in records]
-    return Demand(
-        trajectories=len(steps[-1]),
-        output_tokens=tuple(sum(record.loss_mask) for record in records),
-        context_tokens=tuple(len(record.token_ids) for record in records),
-        turns=tuple(record.turns for record in records),
-        tool_s=tuple(record.timings.tool_s for record in records),
-    )
+    return Demand.of_records(records, trajectories=len(steps[-1]))
 
 
 def demand_of_scripts(scripts: list[TrajectoryScript]) -> Demand:
@@ -30,7 +24,18 @@ def demand_of_scripts(scripts: list[TrajectoryScript]) -> Demand:
         context_tokens=tuple(script_tokens(s) for s in scripts),
         turns=tuple(len(s.turns) for s in scripts),
         tool_s=tuple(s.tool_s for s in scripts),
+        decode_context_tokens=tuple(map(_decode_context, scripts)),
     )
+
+
+def _decode_context(script: TrajectoryScript) -> float:
+    """The mean context its tokens are decoded at: each turn's output on the context
+    before it (the prompt, earlier outputs and tool returns) plus half its own."""
+    context, weighted = script.prompt_tokens, 0.0
+    for turn in script.turns:
+        weighted += turn.output_tokens * (context + turn.output_tokens / 2)
+        context += turn.output_tokens + turn.output_chars
+    return weighted / max(1, script.output_tokens)
 
 
 def script_tokens(script: TrajectoryScript) -> int:

@@ -369,14 +369,7 @@ class Allocation:
             train_workers=self.cluster.trainer.world_size,
             rollout_workers=self.pool.workers_in("rollout"),
         )
-        workload = Workload(
-            trajectories=len(records),
-            output_tokens=tuple(sum(r.loss_mask) for r in records) or (0,),
-            context_tokens=tuple(len(r.token_ids) for r in records) or (0,),
-            turns=tuple(r.turns for r in records),
-            # The longest trajectory waits on its tools between turns: a floor on rollout.
-            tool_s=tuple(r.timings.tool_s for r in records),
-        )
+        workload = Workload.of_records(records)
         decision = self.loop.on_step(timing, workload)
         return {
             "decision": decision.action,

@@ -10,7 +10,7 @@ import pytest
 
 from libra.alloc import A100, A800, H100, H200, PRESETS, RolloutCost, TrainCost
 from libra.alloc._cost import train_tokens
-from libra.alloc._protocol import CallTiming, StepTiming, Workload
+from libra.alloc._protocol import CallTiming, StepTiming, Workload, decode_context
 from libra.fleet import Gpu, Model, Roofline
 
 QWEN3_14B = Model(name="qwen3-14b", parameters=14.8e9, layers=40, kv_heads=8, head_dim=128)
@@ -170,6 +170,23 @@ def test_least_loaded_spreads_the_longest_trajectory_over_a_mixed_layout() -> No
     assert in_batch.makespan((4, 1), workload) > in_batch.makespan((4,), workload)
     # Between its chain alone on the TP4 and its chain alone on the TP1.
     assert in_batch.makespan((4, 1), workload) < in_batch.makespan((1,), workload)
+
+
+def test_a_multi_turn_trajectory_is_decoded_on_the_contexts_its_turns_saw() -> None:
+    """Each turn's tokens are decoded on the context before that turn: a trajectory whose
+    tools return long outputs between its turns reads less KV cache per sampled token
+    than its end context says, and is priced so."""
+    mask = [0] * 1_000 + [1] * 100 + [0] * 10_000 + [1] * 100
+    assert decode_context(mask) == (1_049.5 + 11_149.5) / 2
+    assert decode_context([0, 0, 0]) == 0.0
+    model = RolloutCost(Roofline(A100, QWEN3_14B))
+    outputs, contexts = (200,) * 64, (len(mask),) * 64
+    at_end = Workload(64, outputs, contexts)
+    per_turn = replace(at_end, decode_context_tokens=(decode_context(mask),) * 64)
+    assert model.makespan((1,), per_turn) < model.makespan((1,), at_end)
+    # Unknown, a trajectory's tokens are priced on its end context less half its output.
+    at_end_known = replace(at_end, decode_context_tokens=(len(mask) - 100.0,) * 64)
+    assert model.makespan((1,), at_end_known) == model.makespan((1,), at_end)
 
 
 def test_recent_steps_pooled_all_count() -> None:

@@ -10,11 +10,12 @@ import pytest
 
 from libra.alloc import TailRule
 from libra.bench._alloc import ConfigRun, config_names, run_alloc_bench, run_config
+from libra.bench._alloc_demand import demand_of_scripts
 from libra.bench._alloc_report import summary
 from libra.bench._alloc_settings import Settings
 from libra.bench._sched_fleet import load_fleet
 from libra.cli import main
-from libra.emulation.workloads import Workload, load_workload
+from libra.emulation.workloads import ScriptTurn, TrajectoryScript, Workload, load_workload
 
 
 def tiny_workload() -> Workload:
@@ -157,3 +158,13 @@ def test_the_pool_stays_put_when_training_ends_before_the_tail() -> None:
     run = run_config(tiny(), "libra")
     assert all(step.borrows == step.releases == 0 for step in run.steps)
     assert all(step.records == 16 for step in run.steps)
+
+
+def test_a_scripts_turns_are_decoded_on_the_context_before_each() -> None:
+    """The scripted demand's decode context: each turn's output on the prompt, earlier
+    outputs and tool returns before it, plus half its own (as a record's loss mask gives)."""
+    turns = (ScriptTurn(100, "run", output_chars=10_000), ScriptTurn(100))
+    script = TrajectoryScript("swe-drift", 0, 0, 0, 1_000, 0.5, False, turns, 60.0)
+    demand = demand_of_scripts([script])
+    assert demand.context_tokens == (11_200,)
+    assert demand.decode_context_tokens == ((1_050 + 11_150) / 2,)
