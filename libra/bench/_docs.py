@@ -19,18 +19,21 @@ fails naming the regions that differ (a test runs it, so a figure edited by hand
 A list that outlasts one sitting (ten seeds of six workloads) is run in parts: the
 file is saved after each command, ``--resume`` runs only the commands it lacks, and
 ``--shard I/N`` only the I-th of N interleaved parts of the list, keeping the runs the
-file holds. A region whose runs are not all saved yet is left as it is, and says so.
+file holds (the shards may run at once: each merges what the others saved). A region
+whose runs are not all saved yet is left as it is, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -117,12 +120,6 @@ def _seeds(
     return Runs(name, tuple(_command(line.format(bench, w, s)) for w, s in pairs))
 
 
-#: The web-research workload's seeds (dozens of turns a trajectory: no ablations, to keep
-#: the run under an hour).
-_SCHED_WEB = _seeds("sched-web", "sched", ("web-research",), 5)
-#: The seeds of the other shipped workloads (no ablations: those are read on seed 0).
-_MORE_WORKLOADS = ("math-code", "search-agent")
-_SCHED_MORE = _seeds("sched-more", "sched", _MORE_WORKLOADS, 5)
 #: The restated goal's runs (issue 35): ten seeds of every workload under ``datasheet``.
 SEED_WORKLOADS = (
     "swe-agent",
@@ -178,8 +175,6 @@ RUNS: dict[str, Runs] = {
         Runs("train", (_command("bench train --json"),)),
         _SCHED,
         _SCHED_NONE,
-        _SCHED_WEB,
-        _SCHED_MORE,
         _SCHED_FIGURE,
         _QUICK,
         _SCHED_SEEDS,
@@ -232,17 +227,9 @@ TABLES: dict[str, DocTable] = {
             partial(sched_render.seeds, "swe-agent", "none"),
             SCHED_PAGE,
         ),
-        _seeds_table("sched-seeds-web", _SCHED_WEB, "web-research"),
-        *(_seeds_table(f"sched-seeds-{w}", _SCHED_MORE, w) for w in _MORE_WORKLOADS),
-        DocTable(
-            "sched-robustness",
-            _SCHED,
-            sched_render.robustness,
-            SCHED_PAGE,
-            also=(_SCHED_MORE, _SCHED_WEB),
-        ),
-        *(_seeds_table(f"sched-ten-seeds-{w}", _SCHED_SEEDS, w) for w in SEED_WORKLOADS),
         DocTable("sched-goals", _SCHED_SEEDS, sched_render.goals, SCHED_PAGE),
+        DocTable("sched-robustness", _SCHED_SEEDS, sched_render.robustness, SCHED_PAGE),
+        *(_seeds_table(f"sched-ten-seeds-{w}", _SCHED_SEEDS, w) for w in SEED_WORKLOADS),
         DocTable("sched-figure", _SCHED_FIGURE, sched_render.sched_figure, SCHED_PAGE),
         DocTable("sched-quick", _QUICK, sched_render.policies, POLICIES_PAGE),
     )
@@ -279,16 +266,18 @@ def run(
     only its part of the list (keeping the saved runs of the other parts)."""
     path = saved_dir / f"{runs.name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    kept = _saved_runs(path) if resume or shard else {}
-    done = {key: record for key, record in kept.items() if key in _lines(runs)}
+    keep = resume or shard is not None
+    done = _kept(runs, path) if keep else {}
     for position, command in enumerate(runs.commands):
         line = _line(command)
         if (shard is not None and not shard.holds(position)) or (resume and line in done):
             continue
         print(f"bench docs: running `{line}`", file=sys.stderr)
-        done[line] = _measure(command)
-        saved = _saved(runs, done)
-        path.write_text(json.dumps(saved, indent=1) + "\n")
+        measured = _measure(command)
+        with _locked(path):  # the other shards, run at once, save to the same file
+            done = {**_kept(runs, path), **done} if keep else done
+            done[line] = measured
+            path.write_text(json.dumps(_saved(runs, done), indent=1) + "\n")
     missing = len(runs.commands) - len(done)
     if missing:
         resume_with = f"`libra bench docs --run {runs.name} --resume`"
@@ -306,9 +295,21 @@ def _lines(runs: Runs) -> list[str]:
 
 
 def _saved_runs(path: Path) -> dict[str, dict[str, Any]]:
-    if not path.exists():
-        return {}
-    return {record["command"]: record for record in records(json.loads(path.read_text()))}
+    text = path.read_text() if path.exists() else ""
+    return {record["command"]: record for record in records(json.loads(text))} if text else {}
+
+
+def _kept(runs: Runs, path: Path) -> dict[str, dict[str, Any]]:
+    """The saved runs of commands still on the list."""
+    lines = set(_lines(runs))
+    return {key: record for key, record in _saved_runs(path).items() if key in lines}
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def _saved(runs: Runs, done: dict[str, dict[str, Any]]) -> dict[str, Any]:

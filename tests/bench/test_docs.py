@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,17 @@ def test_a_long_list_is_measured_in_shards_and_resumed(
     assert changed == ["soaks"] and text.endswith("\n20\n30\n40\n<!-- /bench:soaks -->\n")
     with pytest.raises(argparse.ArgumentTypeError, match="I/N"):
         Shard.parse("3/2")
+
+
+def test_shards_run_at_once_save_every_run_to_one_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    runs = Runs("soaks", tuple(("bench", "soak", "--n", n, "--json") for n in ("20", "30", "40")))
+    with ThreadPoolExecutor(2) as pool:  # each part saves while the other measures
+        list(pool.map(lambda part: run(runs, shard=Shard.parse(part)), ("1/2", "2/2")))
+    saved = json.loads(runs.saved.read_text())
+    assert [r["command"].split()[-2] for r in saved["runs"]] == ["20", "30", "40"]
 
 
 def test_a_table_reads_several_saved_files_in_order(
