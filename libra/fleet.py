@@ -104,11 +104,24 @@ class StepCost(Section):
 
 
 class Corrections:
-    """Multiplicative corrections to the terms of a prior, fitted by ridge least squares."""
+    """Multiplicative corrections to the terms of a prior, fitted by ridge least squares.
 
-    def __init__(self, terms: int, *, window: int = 64, prior_weight: float = 0.01) -> None:
+    ``shared_pull``: every term is pulled to the prior as hard as the largest one, so a
+    term worth a sliver of each measurement cannot soak up the residual with a large
+    correction (the training fit: few steps, often at one worker count, where a constant
+    term and the compute are not yet told apart)."""
+
+    def __init__(
+        self,
+        terms: int,
+        *,
+        window: int = 64,
+        prior_weight: float = 0.01,
+        shared_pull: bool = False,
+    ) -> None:
         self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._prior_weight = prior_weight
+        self._shared_pull = shared_pull
         self._values: tuple[float, ...] | None = (1.0,) * terms
 
     def add(self, prior_terms: Sequence[float], measured_s: float) -> None:
@@ -134,8 +147,14 @@ class Corrections:
         rows = terms / numpy.array([measured for _, measured in self._rows])[:, None]
         gram = rows.T @ rows
         # The pull to the prior is relative to what the data say of the term, so a term
-        # worth 0.1% of every measurement is pulled as hard as one worth 90%.
-        pull = self._prior_weight * numpy.diag(gram) + 1e-12
+        # worth 0.1% of every measurement is pulled as hard as one worth 90% (shared: as
+        # hard as the largest term is, which keeps a small term's correction small).
+        scale = numpy.diag(gram)
+        pull = (
+            self._prior_weight
+            * (numpy.full_like(scale, scale.max()) if self._shared_pull else scale)
+            + 1e-12
+        )
         solution = numpy.linalg.solve(gram + numpy.diag(pull), rows.sum(axis=0) + pull)
         # A negative correction means a term is not separable yet: floor it, keep it positive.
         return tuple(max(float(value), 0.05) for value in solution)

@@ -362,7 +362,9 @@ class TrainCost:
     gpu: Gpu
     parameters: float
     spec: TrainSpec = field(default_factory=TrainSpec)
-    fit: Corrections = field(default_factory=lambda: Corrections(3))
+    fit: Corrections = field(
+        default_factory=lambda: Corrections(3, prior_weight=1e-4, shared_pull=True)
+    )
 
     def terms(self, tokens: int, workers: int) -> tuple[float, float, float]:
         compute = (

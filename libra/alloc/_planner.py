@@ -103,12 +103,16 @@ class RooflinePlanner:
     def observe_step(self, timing: StepTiming) -> None:
         self.train.observe(timing)
 
-    def predict(self, plan: Plan, workload: Workload) -> Prediction:
+    def predict(
+        self, plan: Plan, workload: Workload, trained_tokens: int | None = None
+    ) -> Prediction:
+        """The step ``plan`` takes on ``workload``; ``trained_tokens``: what its training
+        step trains, when known (one step off-policy, the last step's records), else the
+        workload's own."""
         rollout_s = self.rollout.makespan(plan.rollout_tps, workload)
+        tokens = train_tokens(workload) if trained_tokens is None else trained_tokens
         train_s = (
-            self.train.seconds(train_tokens(workload), plan.train_workers)
-            if plan.train_workers > 0
-            else math.inf
+            self.train.seconds(tokens, plan.train_workers) if plan.train_workers > 0 else math.inf
         )
         return Prediction(rollout_s, train_s, max(rollout_s, train_s))
 

@@ -50,7 +50,7 @@ class StepResult:
     rollout_s: float
     train_s: float
     overhead_s: float  # weight sync, switches and moves
-    train_tokens: int
+    train_tokens: int  # its records' tokens, which the next step trains
     busy_worker_s: float
     colocated: bool = False  # rollout then training on the same workers
     #: Hybrid units on the training side when the step ended (pool configs only): the
@@ -142,7 +142,8 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
     move_s = 0.0
     lent: tuple[tuple[tuple[int, ...], str], ...] = ()
     for step in range(first, first + settings.steps):
-        strategy.predict(step, plan, demand)
+        trained_tokens = pending_tokens  # one step off-policy: the last step's records
+        strategy.predict(step, plan, demand, trained_tokens)
         # What training should take, from what the run measured (the planner's fit).
         expected_train_s = strategy.expected_train_s(plan, pending_tokens)
         result, records = await _one_step(
@@ -151,7 +152,7 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
         result = _with_overhead(result, move_s)
         steps.append(result)
         pending_tokens = result.train_tokens
-        hindsight = strategy.hindsight(plan, demand_of_records([records]))
+        hindsight = strategy.hindsight(plan, demand_of_records([records]), trained_tokens)
         if hindsight is not None:
             model_errors.append(hindsight / max(result.rollout_s, result.train_s) - 1)
         recent = [*recent[-1:], records]
@@ -160,7 +161,7 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
             step,
             result.rollout_s,
             result.train_s,
-            result.train_tokens,
+            trained_tokens,
             # What trained, on average: the pool's lent workers took a share of the step.
             max(plan.train_workers, round(result.mean_train_workers)),
             plan.rollout_workers,

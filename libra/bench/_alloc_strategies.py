@@ -60,7 +60,7 @@ class Strategy:
     def observe_step(self, timing: StepTiming, workload: Workload) -> None:
         """Static configurations learn nothing."""
 
-    def predict(self, step: int, plan: Plan, workload: Workload) -> None:
+    def predict(self, step: int, plan: Plan, workload: Workload, trained_tokens: int) -> None:
         """Static configurations predict nothing."""
 
     def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
@@ -70,9 +70,10 @@ class Strategy:
         """Seconds training ``tokens`` on the plan's workers should take (0: no model)."""
         return 0.0
 
-    def hindsight(self, plan: Plan, ran: Workload) -> float | None:
+    def hindsight(self, plan: Plan, ran: Workload, trained_tokens: int) -> float | None:
         """The step time the cost model gives ``plan`` on the workload the step turned out
-        to be (its error is the model's, without the forecast's); None: no model."""
+        to be, training ``trained_tokens`` (its error is the model's, without the
+        forecast's); None: no model."""
         return None
 
 
@@ -107,13 +108,14 @@ class PlannerStrategy(Strategy):
         self._last = timing
         self._since_plan += 1
 
-    def predict(self, step: int, plan: Plan, workload: Workload) -> None:
-        """Log what the planner expects of ``plan`` on the step about to run."""
-        predicted = self._planner().predict(plan, workload)
+    def predict(self, step: int, plan: Plan, workload: Workload, trained_tokens: int) -> None:
+        """Log what the planner expects of ``plan`` on the step about to run, whose
+        training step trains ``trained_tokens`` (the last step's records)."""
+        predicted = self._planner().predict(plan, workload, trained_tokens)
         self.log.record_plan(step, Plan(plan.train_workers, plan.rollout_tps, predicted=predicted))
 
-    def hindsight(self, plan: Plan, ran: Workload) -> float | None:
-        return self._planner().predict(plan, ran).step_s
+    def hindsight(self, plan: Plan, ran: Workload, trained_tokens: int) -> float | None:
+        return self._planner().predict(plan, ran, trained_tokens).step_s
 
     def expected_train_s(self, plan: Plan, tokens: int) -> float:
         return self._planner().train.seconds(tokens, plan.train_workers)

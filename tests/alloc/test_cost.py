@@ -122,6 +122,20 @@ def test_the_training_fit_converges_from_a_prior_off_by_tens_of_percent() -> Non
     assert max(error(*case) for case in cases[6:]) < 0.03
 
 
+def test_a_training_fit_at_one_worker_count_carries_to_another() -> None:
+    """Two steps at 6 workers cannot tell the compute from the per-step constants apart:
+    the fit corrects the term that dominates them, so the step on 4 workers, whose
+    compute is half as long again, is predicted from it (not a constant inflated to
+    explain what the compute missed)."""
+    model = TrainCost(A100, QWEN3_14B.parameters)
+    for step, tokens in enumerate((4_200_000, 4_900_000)):
+        truth = _true_train_seconds(A100, tokens, 6)
+        model.observe(StepTiming(step, rollout_s=1.0, train_s=truth, train_tokens=tokens,
+                                 train_workers=6, rollout_workers=10))  # fmt: skip
+    predicted = model.seconds(4_500_000, 4)
+    assert predicted == pytest.approx(_true_train_seconds(A100, 4_500_000, 4), rel=0.02)
+
+
 def test_training_state_must_fit_in_memory() -> None:
     model = TrainCost(A100, QWEN3_14B.parameters)
     assert not model.fits(1) and not model.fits(2)  # 237 GB of state

@@ -54,6 +54,16 @@ def test_every_plan_fits_and_uses_every_worker(workers: int) -> None:
     assert plan.predicted == planner.predict(plan, WORKLOAD)
 
 
+def test_a_step_that_trains_the_last_steps_records_is_priced_on_them() -> None:
+    """One step off-policy, a step trains what the last one generated: known when the
+    step starts, so its training is priced on those tokens, not on the forecast's."""
+    planner = _planner()
+    plan = planner.plan(16, WORKLOAD)
+    known = planner.predict(plan, WORKLOAD, trained_tokens=3_000_000)
+    assert known.train_s == planner.train.seconds(3_000_000, plan.train_workers)
+    assert known.rollout_s == planner.predict(plan, WORKLOAD).rollout_s
+
+
 def test_a_model_too_big_for_one_gpu_is_served_only_on_larger_tp() -> None:
     planner = _planner(BIG)
     plan = planner.plan(32, Workload(16, (500, 2000), (1500, 4000)))

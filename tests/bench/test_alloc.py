@@ -147,7 +147,7 @@ def test_full_libra_moves_a_unit_into_training_and_back_inside_the_steps() -> No
     assert lent.borrows == 1 and lent.releases == 0
     assert lent.mean_train_workers > lent.train_workers  # the borrowed unit trained
     assert [unit for unit, _ in lent.lent] == [(8, 9, 10, 11)]
-    assert back.releases == 1 and not back.lent  # the next rollout took it back
+    assert back.releases == 1  # the next rollout took it back (its tail may lend again)
     assert all(step.records == 16 for step in run.steps)  # every trajectory, one record
     again = run_config(eager_pool(), "libra")
     assert summary([again]) == summary([run])
