@@ -101,7 +101,7 @@ class AllocationLoop:
     ) -> Decision:
         """The step is over: learn from it and decide (``pressure``: measured now from
         the router unless given)."""
-        self.planner.observe_step(timing)
+        self.planner.observe_step(timing, self.current_plan(), workload)
         self.log.record_measured(timing)
         self._steps_since_plan += 1
         pressure = self.pressure() if pressure is None else pressure

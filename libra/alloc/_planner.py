@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from pydantic import Field, PositiveInt
@@ -46,6 +48,12 @@ class PlannerConfig(Section):
         "alone",
         description="the routing's treatment of the longest trajectory: 'alone' (C-MLFQ) "
         "or 'in_batch' (least-loaded, round-robin)",
+    )
+    rollout_calibration_steps: int = Field(
+        4,
+        ge=0,
+        description="recent steps whose measured rollout over the model's (on the plan it "
+        "ran and the workload it turned out to be) scales every rollout priced; 0: none",
     )
 
 
@@ -84,6 +92,11 @@ def bucket_ceilings(tps: tuple[int, ...], workload: Workload) -> tuple[int, ...]
     return tuple(ceilings)
 
 
+#: The furthest the step-level calibration scales the model's rollout either way (a
+#: step torn by a fault says little of the next).
+_MAX_SCALE = 2.0
+
+
 class RooflinePlanner:
     """A :class:`~libra.alloc.Planner` pricing plans with fitted roofline costs."""
 
@@ -96,12 +109,35 @@ class RooflinePlanner:
             longest_decodes=self.config.longest_decodes,
         )
         self.train = TrainCost(roofline.gpu, roofline.model.parameters, self.config.train)
+        self._rollout_ratios: deque[float] = deque(maxlen=self.config.rollout_calibration_steps)
 
     def observe_call(self, timing: CallTiming) -> None:
         self.rollout.observe(timing)
 
-    def observe_step(self, timing: StepTiming) -> None:
+    def observe_step(
+        self, timing: StepTiming, plan: Plan | None = None, ran: Workload | None = None
+    ) -> None:
+        """A step is over: fit training to it; given the ``plan`` it ran and the workload
+        it turned out to be, calibrate the rollout too. The calls fit each instance's
+        costs, but not where the routing ran the longest trajectory's turns (C-MLFQ
+        learns a straggler late, so its first turns run where short ones do) nor the
+        moves that re-prefill a context: the measured rollout over the model's, a median
+        of the last few steps, scales every rollout the planner prices."""
         self.train.observe(timing)
+        if plan is None or ran is None or not self._rollout_ratios.maxlen:
+            return
+        modelled = self.rollout.makespan(plan.rollout_tps, ran)
+        if timing.rollout_s > 0 and 0 < modelled < math.inf:
+            self._rollout_ratios.append(timing.rollout_s / modelled)
+
+    @property
+    def rollout_scale(self) -> float:
+        """The measured rollout over the model's, recent steps' median (1: none yet)."""
+        ratios = self._rollout_ratios
+        return min(_MAX_SCALE, max(1 / _MAX_SCALE, median(ratios))) if ratios else 1.0
+
+    def _rollout_s(self, tps: tuple[int, ...], workload: Workload) -> float:
+        return self.rollout.makespan(tps, workload) * self.rollout_scale
 
     def predict(
         self, plan: Plan, workload: Workload, trained_tokens: int | None = None
@@ -109,7 +145,7 @@ class RooflinePlanner:
         """The step ``plan`` takes on ``workload``; ``trained_tokens``: what its training
         step trains, when known (one step off-policy, the last step's records), else the
         workload's own."""
-        rollout_s = self.rollout.makespan(plan.rollout_tps, workload)
+        rollout_s = self._rollout_s(plan.rollout_tps, workload)
         tokens = train_tokens(workload) if trained_tokens is None else trained_tokens
         train_s = (
             self.train.seconds(tokens, plan.train_workers) if plan.train_workers > 0 else math.inf
@@ -150,12 +186,15 @@ class RooflinePlanner:
     ) -> tuple[tuple[int, ...], float] | None:
         """The fastest layout of ``workers`` whose makespan is under ``bound``; layouts
         whose largest instance cannot run the longest request under it are not priced."""
-        longest = {tp: self.rollout.longest_alone(tp, workload) for tp in self.config.allowed_tps}
+        scale = self.rollout_scale
+        longest = {
+            tp: self.rollout.longest_alone(tp, workload) * scale for tp in self.config.allowed_tps
+        }
         best: tuple[tuple[int, ...], float] | None = None
         for tps in self._layouts(workers):
             if longest[tps[0]] >= bound:
                 continue
-            seconds = self.rollout.makespan(tps, workload)
+            seconds = self._rollout_s(tps, workload)
             if seconds < bound:
                 best, bound = (tps, seconds), seconds
         return best

@@ -152,7 +152,8 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
         result = _with_overhead(result, move_s)
         steps.append(result)
         pending_tokens = result.train_tokens
-        hindsight = strategy.hindsight(plan, demand_of_records([records]), trained_tokens)
+        ran = demand_of_records([records])
+        hindsight = strategy.hindsight(plan, ran, trained_tokens)
         if hindsight is not None:
             model_errors.append(hindsight / max(result.rollout_s, result.train_s) - 1)
         recent = [*recent[-1:], records]
@@ -166,7 +167,7 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
             max(plan.train_workers, round(result.mean_train_workers)),
             plan.rollout_workers,
         )
-        strategy.observe_step(timing, demand)
+        strategy.observe_step(timing, plan, ran)
         errors += [entry["error"]["step_s"] for entry in strategy.log.entries[len(errors) :]]
         new = strategy.next_plan(step, plan, demand)
         move_s = _move_seconds(settings, trainer, plan, new)

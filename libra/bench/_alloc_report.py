@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from itertools import pairwise
 from typing import Any
 
 from rich.console import Console
@@ -71,6 +72,9 @@ def summary(runs: list[ConfigRun], bounds: list[float] | None = None) -> dict[st
             else None
         ),
         "plan_error_max": round(max(map(abs, calibrated)), 4) if calibrated else None,
+        # What the step's own draw moves: libra's step over the one before it, where the
+        # layout stayed (a forecast from past steps cannot know where the longest land).
+        "step_swing_max": _swing(libra) if libra is not None else None,
         "layouts": {run.config: _layouts(run) for run in runs},
         "plan_error_max_by_config": {
             run.config: round(max(map(abs, run.plan_errors[1:])), 4)
@@ -283,3 +287,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"configs run in parallel processes; the numbers do not change (default "
         f"{default_jobs()})",
     )
+
+
+def _swing(run: ConfigRun) -> float | None:
+    """The largest change of the step (its longer half) between two calibrated steps of
+    one layout."""
+    swings = [
+        abs(max(now.rollout_s, now.train_s) / max(before.rollout_s, before.train_s) - 1)
+        for before, now in pairwise(run.steps[1:])
+        if (before.train_workers, before.rollout_tps) == (now.train_workers, now.rollout_tps)
+    ]
+    return round(max(swings), 4) if swings else None

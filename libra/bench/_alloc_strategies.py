@@ -57,7 +57,7 @@ class Strategy:
     def observe_call(self, timing: CallTiming) -> None:
         """Static configurations learn nothing."""
 
-    def observe_step(self, timing: StepTiming, workload: Workload) -> None:
+    def observe_step(self, timing: StepTiming, plan: Plan, ran: Workload) -> None:
         """Static configurations learn nothing."""
 
     def predict(self, step: int, plan: Plan, workload: Workload, trained_tokens: int) -> None:
@@ -102,8 +102,8 @@ class PlannerStrategy(Strategy):
     def observe_call(self, timing: CallTiming) -> None:
         self._planner().observe_call(timing)
 
-    def observe_step(self, timing: StepTiming, workload: Workload) -> None:
-        self._planner().observe_step(timing)
+    def observe_step(self, timing: StepTiming, plan: Plan, ran: Workload) -> None:
+        self._planner().observe_step(timing, plan, ran)
         self.log.record_measured(timing)
         self._last = timing
         self._since_plan += 1

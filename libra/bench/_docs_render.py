@@ -71,6 +71,10 @@ def alloc(outputs: Sequence[Output]) -> list[str]:
 GOAL_PLAN_ERROR, GOAL_OF_BOUND = 0.15, 0.66
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def alloc_seeds(outputs: Sequence[Output]) -> list[str]:
     """Full Libra seed by seed (of each workload): over the split chosen up front and the
     best static split in hindsight, its share of the bound, its plan error, and what the
@@ -93,13 +97,14 @@ def alloc_seeds(outputs: Sequence[Output]) -> list[str]:
                 f"{vs['static_best_hindsight']:.3f} ({best})",
                 f"{of_bound:.0%}",
                 f"{output['plan_error_max']:.1%}",
+                _percent(output.get("step_swing_max")),
                 f"{vs['libra_no_pool']:.3f}",
                 f"{pool.get('borrows', 0)} / {pool.get('releases', 0)}",
                 _drift(output.get("upfront_rollout_over_train") or []),
             ]
         )
     header = ("workload", "seed", "x upfront split", "x best static (which)", "of the bound",
-              "plan error", "pool: x libra-no-pool", "borrows / releases",
+              "plan error", "step swing, one layout", "pool: x libra-no-pool", "borrows / releases",
               "rollout / training, first to last step")  # fmt: skip
     goals: list[tuple[str, bool]] = [
         (f"largest calibrated plan error at most {GOAL_PLAN_ERROR:.0%}", checks["plan error"]),

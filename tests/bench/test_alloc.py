@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from libra.alloc import TailRule
-from libra.bench._alloc import ConfigRun, config_names, run_alloc_bench, run_config
+from libra.bench._alloc import ConfigRun, StepResult, config_names, run_alloc_bench, run_config
 from libra.bench._alloc_demand import demand_of_scripts
-from libra.bench._alloc_report import summary
+from libra.bench._alloc_report import _swing, summary
 from libra.bench._alloc_settings import Settings
 from libra.bench._sched_fleet import load_fleet
 from libra.cli import main
@@ -168,3 +168,17 @@ def test_a_scripts_turns_are_decoded_on_the_context_before_each() -> None:
     demand = demand_of_scripts([script])
     assert demand.context_tokens == (11_200,)
     assert demand.decode_context_tokens == ((1_050 + 11_150) / 2,)
+
+
+def test_the_step_swing_compares_calibrated_steps_of_one_layout() -> None:
+    """How far a step moves from the one before when nothing was moved: the first step
+    (priced by the prior) and a change of layout do not count."""
+
+    def step(k: int, train: int, tps: tuple[int, ...], rollout_s: float) -> StepResult:
+        return StepResult(k, train, tps, rollout_s, 50.0, 0.0, 1_000, 1.0)
+
+    steps = [step(1, 6, (4, 4, 2), 10.0), step(2, 6, (4, 4, 2), 100.0),
+             step(3, 6, (4, 4, 2), 120.0), step(4, 5, (4, 4, 2, 1), 200.0),
+             step(5, 5, (4, 4, 2, 1), 180.0)]  # fmt: skip
+    assert _swing(ConfigRun("libra", 16, steps, [])) == pytest.approx(0.2)
+    assert _swing(ConfigRun("libra", 16, steps[:2], [])) is None

@@ -221,6 +221,7 @@ def _alloc_output(seed: int, static: tuple[float, float], bound: float, error: f
         },
         "bound_vs_static_upfront": bound,
         "plan_error_max": error,
+        "step_swing_max": 0.2,
         "pool": {"libra": {"borrows": 8, "releases": 5}},
         "upfront_rollout_over_train": [0.8, 1.1, 1.4],
     }
@@ -233,8 +234,8 @@ def test_the_alloc_seeds_say_where_libra_stands_on_each_goal() -> None:
     ]
     lines = render.alloc_seeds(outputs)
     first = [cell.strip() for cell in lines[2].strip("|").split("|")]
-    assert first == ["w", "0", "1.300", "1.300 (static-2:2)", "67%", "10.0%", "1.030", "8 / 5",
-                     "0.80 to 1.40"]  # fmt: skip
+    assert first == ["w", "0", "1.300", "1.300 (static-2:2)", "67%", "10.0%", "20.0%", "1.030",
+                     "8 / 5", "0.80 to 1.40"]  # fmt: skip
     assert "1.250 (static-1:3)" in lines[3] and "| 62% |" in lines[3]
     met = {row.split("|")[1].strip(): row.split("|")[2].strip() for row in lines[-3:]}
     assert met == {
