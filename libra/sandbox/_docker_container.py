@@ -18,7 +18,7 @@ import posixpath
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -223,13 +223,17 @@ class DockerContainers:
             raise SandboxError(f"Docker engine error: {error}") from error
 
     async def _create(self, spec: SandboxSpec) -> str:
-        """A new container; while the Docker engine is unreachable (restarting), wait for it
+        """A new container (waiting for an engine that is restarting)."""
+        return await self.engine_waited(functools.partial(self._create_once, spec))
+
+    async def engine_waited(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``; while the Docker engine is unreachable (restarting), tried again for
         up to ``engine_wait_s`` rather than fail every trajectory that starts meanwhile."""
         deadline = anyio.current_time() + self.engine_wait_s
         delay = 0.5
         while True:
             try:
-                return await self._create_once(spec)
+                return await call()
             except DockerEngineUnreachable:
                 if anyio.current_time() + delay > deadline:
                     raise

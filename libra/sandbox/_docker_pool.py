@@ -172,7 +172,8 @@ class DockerSandboxProvider(DockerContainers):
         idle = self._idle.get(_PoolKey.of(spec))
         while idle:
             container_id = idle.pop()
-            if await self.is_running(container_id):
+            # An engine restarting now is waited for, as a new container's is.
+            if await self.engine_waited(functools.partial(self.is_running, container_id)):
                 self.stats.reused += 1
                 return container_id
             self.stats.dead_on_handout += 1
