@@ -64,6 +64,27 @@ def test_a_step_that_trains_the_last_steps_records_is_priced_on_them() -> None:
     assert known.rollout_s == planner.predict(plan, WORKLOAD).rollout_s
 
 
+def test_the_rollout_is_calibrated_on_the_steps_measured() -> None:
+    """What the call-level fit cannot see (where the routing ran the longest
+    trajectory's turns) shows in the step: rollouts measured half again as long as the
+    model gives the plan that ran scale every rollout priced after them."""
+    planner = _planner()
+    plan = planner.plan(16, WORKLOAD)
+    modelled = planner.predict(plan, WORKLOAD).rollout_s
+    for step, factor in enumerate((1.4, 1.5, 1.6)):
+        timing = StepTiming(step, modelled * factor, 10.0, 1_000_000, plan.train_workers, 8)
+        planner.observe_step(timing, plan, WORKLOAD)
+    assert planner.rollout_scale == pytest.approx(1.5)
+    assert planner.predict(plan, WORKLOAD).rollout_s == pytest.approx(1.5 * modelled)
+    # Off, or without the plan and the workload that ran, the model stands as it is.
+    off = RooflinePlanner(Roofline(A100, QWEN3_14B), PlannerConfig(rollout_calibration_steps=0))
+    off.observe_step(
+        StepTiming(0, 3 * modelled, 10.0, 1_000_000, plan.train_workers, 8), plan, WORKLOAD
+    )
+    planner.observe_step(StepTiming(3, 9 * modelled, 10.0, 1_000_000, plan.train_workers, 8))
+    assert off.rollout_scale == 1.0 and planner.rollout_scale == pytest.approx(1.5)
+
+
 def test_a_model_too_big_for_one_gpu_is_served_only_on_larger_tp() -> None:
     planner = _planner(BIG)
     plan = planner.plan(32, Workload(16, (500, 2000), (1500, 4000)))
