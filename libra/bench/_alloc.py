@@ -115,7 +115,8 @@ class ConfigRun:
 
 
 def run_config(settings: Settings, name: str) -> ConfigRun:
-    """Every step of configuration ``name``, in virtual time; deterministic for a seed."""
+    """Every step of configuration ``name``, in virtual time; deterministic for a seed
+    (but for the pool's: one run in a few lends at another moment of a step's tail)."""
     return in_virtual_time(_run_config, settings, name, seed=settings.seed)
 
 
@@ -274,7 +275,7 @@ async def _one_step(
 
 def run_alloc_bench(settings: Settings, names: list[str], jobs: int = 1) -> list[ConfigRun]:
     """Every configuration; ``jobs`` > 1 runs them in parallel processes (the same
-    numbers: each run is deterministic on its own)."""
+    numbers: each run is deterministic on its own, the pool's nearly)."""
     if jobs > 1 and len(names) > 1:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(jobs, len(names)), mp_context=context) as pool:
