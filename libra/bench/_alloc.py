@@ -146,9 +146,9 @@ async def _run_config(settings: Settings, name: str) -> ConfigRun:
         trained_tokens = pending_tokens  # one step off-policy: the last step's records
         strategy.predict(step, plan, demand, trained_tokens)
         # What training should take, from what the run measured (the planner's fit).
-        expected_train_s = strategy.expected_train_s(plan, pending_tokens)
+        expected_train_s = strategy.expected_train_s(plan, trained_tokens)
         result, records = await _one_step(
-            settings, strategy, plan, book, step, pending_tokens, lent, expected_train_s
+            settings, strategy, plan, book, step, trained_tokens, lent, expected_train_s
         )
         result = _with_overhead(result, move_s)
         steps.append(result)
