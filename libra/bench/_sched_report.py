@@ -44,7 +44,8 @@ class PolicyRun:
 @dataclass(frozen=True)
 class Call:
     """One routing decision of the straggler: when, which turn, where to and why, the
-    remaining output the policy expected (None: it does not estimate) and the truth."""
+    remaining output the policy expected (None: it does not estimate) and the truth; the
+    upper quantile of its guess is what the ``finish`` rule prices a straggler by."""
 
     at_s: float
     turn: int
@@ -52,6 +53,7 @@ class Call:
     reason: str
     expected: float | None
     true_left: int
+    expected_upper: float | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,8 @@ def print_stragglers(report: SchedReport, console: Console | None = None) -> Non
         )
         for c in s.calls:
             guess = f"expected {c.expected:.0f}" if c.expected is not None else "no estimate"
+            if c.expected_upper is not None and c.expected_upper != c.expected:
+                guess += f" (upper {c.expected_upper:.0f})"
             console.print(
                 f"  {c.at_s:7.1f} s  turn {c.turn:2}  {c.instance:<12} {c.reason:<24} "
                 f"{guess}, {c.true_left} left"

@@ -82,7 +82,10 @@ def straggler_of(
     total = truth.output_tokens(last.id)
     decisions = policy.decisions if isinstance(policy, RoutedPolicy) else ()
     calls = [
-        Call(d.time, d.turn, d.to_instance, d.reason, d.expected, total - d.generated)
+        Call(
+            d.time, d.turn, d.to_instance, d.reason, d.expected, total - d.generated,
+            d.expected_upper,
+        )
         for d in decisions
         if d.trajectory_id == last.id
     ]

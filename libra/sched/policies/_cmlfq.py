@@ -21,7 +21,12 @@ one of three rules picks the instance of its next call:
     slowed by everyone it shares a batch with). It picks the instance that finishes
     first, plus the cost of moving. Likely stragglers thus get the fastest, least
     crowded instances and short trajectories fill the rest: bucket sizing follows from
-    the load instead of being fixed.
+    the load instead of being fixed. ``TreeConfig.demote_quantile`` prices a move down
+    to a shorter bucket by a higher quantile of the residual, since the two mistakes are
+    not alike (a straggler moved down in error runs its tail on a slow instance and sets
+    the makespan, a short trajectory kept up in error costs a share of a fast instance);
+    it is off by default: on the shipped workloads it traded one run for another
+    (docs/benchmarks/scheduling.md).
 
 A call samples at most ``quantum_tokens`` (on the token path), and a turn that is not
 done by then is routed again with the tokens it has, so that the cost rules can move a
@@ -322,9 +327,20 @@ class CMLFQ(RoutedPolicy):
         step = self.cost(instance).step_time(fits, context * fits / size)
         drain = work * step / fits
         per_token = step * size / fits  # a resident's, while the batch holds them all
-        chains = [(load.longest, 0.0), (estimate.upper, estimate.tool_s), *load.with_tools]
+        upper = self._upper(instance, estimate, previous)
+        chains = [(load.longest, 0.0), (upper, estimate.tool_s), *load.with_tools]
         chain = max(tokens * per_token + tool_s for tokens, tool_s in chains)
         return max(drain, chain) + self._move_cost(instance, track, previous)
+
+    def _upper(self, instance: Instance, estimate: Residual, previous: Instance | None) -> float:
+        """The residual this trajectory's chain is priced by on ``instance``: the upper
+        quantile, or the demotion quantile where ``instance`` is in a shorter bucket
+        than the one it leaves."""
+        tail = estimate.demote_upper
+        if tail is None or tail <= estimate.upper or previous is None:
+            return estimate.upper
+        moves_down = _bucket_index(self.router, instance) < _bucket_index(self.router, previous)
+        return tail if moves_down else estimate.upper
 
 
 @dataclass(slots=True)

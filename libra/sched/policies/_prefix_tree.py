@@ -49,6 +49,14 @@ class TreeConfig(Section):
         5, description="a node answers only with at least this many samples"
     )
     quantile: float = Field(0.9, gt=0, le=1, description="the upper quantile reported")
+    demote_quantile: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="a higher upper quantile a move down to a shorter bucket is priced by "
+        "(a straggler moved down in error runs its tail on a slow instance); none: the "
+        "upper quantile, as every other move",
+    )
 
 
 class Residual(NamedTuple):
@@ -60,6 +68,7 @@ class Residual(NamedTuple):
     depth: int  # tool returns of the path matched
     source: Literal["prompt", "global", "history", "oracle", "none"]
     tool_s: float = 0.0  # tool seconds still to come (only an oracle knows them)
+    demote_upper: float | None = None  # the demotion quantile, where there is one
 
 
 NO_ESTIMATE = Residual(0.0, 0.0, 0, 0, "none")
@@ -226,12 +235,15 @@ class PrefixForest:
         fewer (the trajectory has outlived most of its samples) gives way to a shallower
         one, then to the other tree; past every node, there is no estimate.
         """
-        min_samples, quantile = self.config.min_samples, self.config.quantile
+        config = self.config
         for samples, depth, source in self._candidates(prompt_id, path):
-            reached_at = marks[depth - 1] if depth and len(marks) >= depth else 0
-            mean, upper, count = samples.residual(generated - reached_at, quantile)
-            if count >= min_samples:
-                return Residual(mean, upper, count, depth, source)
+            since = generated - (marks[depth - 1] if depth and len(marks) >= depth else 0)
+            mean, upper, count = samples.residual(since, config.quantile)
+            if count >= config.min_samples:
+                demote_upper = None
+                if config.demote_quantile is not None:
+                    demote_upper = samples.residual(since, config.demote_quantile)[1]
+                return Residual(mean, upper, count, depth, source, demote_upper=demote_upper)
         return NO_ESTIMATE
 
     def _candidates(
@@ -262,7 +274,7 @@ class PrefixForest:
     def to_bytes(self) -> bytes:
         state = _ForestState(
             version=_FORMAT_VERSION,
-            config=self.config.model_dump(),
+            config=self.config.model_dump(exclude_none=True),
             global_tree=_dump(self.global_tree.root),
             prompts=[(prompt, _dump(tree.root)) for prompt, tree in self.prompts.items()],
             by_depth=[(d, state, s.oldest_first()) for (d, state), s in self.by_depth.items()],

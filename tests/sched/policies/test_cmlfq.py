@@ -93,6 +93,33 @@ def test_finish_rule_gives_stragglers_the_fast_instance_and_keeps_others_off_it(
     assert route.priority < slow.priority
 
 
+def test_a_move_to_a_shorter_bucket_is_priced_by_the_demotion_quantile() -> None:
+    """After a failing check 19 of 20 trajectories wrote 300 tokens more and one 20,000:
+    p90 says 300, p97 says 20,000. The TP4 is busy with trajectories expected to write
+    5,000 more, so priced at p90 (the default) the new one would finish first on the TP2;
+    priced at p97, where it would run 20,000 tokens on a slower instance, it stays."""
+    only_c = frozenset({"a1", "a2", "b"})
+    landed: dict[float | None, tuple[str, str]] = {}
+    for quantile in (None, 0.97):
+        tree = TreeConfig(min_samples=3, demote_quantile=quantile)
+        policy = CMLFQ(Router(fleet()), CMLFQConfig(tree=tree))
+        for index in range(20):
+            tail = 20_000 if index == 0 else 300
+            Trajectory(policy, f"old/{index}#0").play([(500, FAIL), (tail, None)])
+            Trajectory(policy, f"long/{index}#0").play([(500, PASS), (5_000, None)])
+        for index in range(7):
+            resident = Trajectory(policy, f"busy/{index}#0")
+            resident.call(500, only_c)
+            resident.tool(PASS)
+            resident.call(100, only_c)
+        trajectory = Trajectory(policy, "new/1#0")
+        trajectory.call(500, only_c)
+        trajectory.tool(FAIL)
+        landed[quantile] = (trajectory.call(100).endpoint.name, policy.decisions[-1].reason)
+        assert policy.decisions[-1].expected_upper == 300  # the p90 it reports
+    assert landed == {None: ("b", "to_shorter"), 0.97: ("c", "stay")}
+
+
 def test_a_turn_past_its_quantum_goes_on_in_its_bucket_or_a_longer_one() -> None:
     policy = cmlfq(CMLFQConfig(quantum_tokens=150))
     teach(policy)

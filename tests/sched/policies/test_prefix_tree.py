@@ -137,7 +137,7 @@ def test_min_samples_hides_nodes_with_too_little_evidence() -> None:
 
 
 def test_the_forest_survives_a_save_and_restore(tmp_path: Path) -> None:
-    trees = forest(max_samples=4)
+    trees = forest(max_samples=4, demote_quantile=0.97)
     for index in range(6):
         trees.observe(f"p/{index % 2}", [VIEW, FAIL], [900 + index, 700 + index, 400 + index])
     path = tmp_path / "cmlfq-tree.json"
