@@ -37,7 +37,14 @@ from libra.alloc._protocol import (
     StepTiming,
     Workload,
 )
-from libra.alloc._tail import TailLender, TailRule, lend_tail, tail_borrow
+from libra.alloc._tail import (
+    TailLender,
+    TailRule,
+    borrow_pays,
+    lend_tail,
+    tail_borrow,
+    timed_restart_s,
+)
 from libra.fleet import Corrections  # moved down: the scheduler fits with it too
 
 __all__ = [
@@ -79,11 +86,13 @@ __all__ = [
     "Transition",
     "WorkerState",
     "Workload",
+    "borrow_pays",
     "bucket_ceilings",
     "instance_name",
     "lend_tail",
     "mean_output",
     "start_layout",
     "tail_borrow",
+    "timed_restart_s",
     "tp_partitions",
 ]

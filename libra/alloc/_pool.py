@@ -123,13 +123,17 @@ class HybridPool:
 
     # ------------------------------------------------------------------ moving
 
-    def borrow(self, units: int = 1) -> list[Move]:
-        """Start moving up to ``units`` hybrid units from rollout to training (the most
-        recently listed first); never the last serving unit."""
+    def borrowable(self, units: int = 1) -> list[Unit]:
+        """The hybrid units :meth:`borrow` would move for ``units`` (the most recently
+        listed first); never the last serving unit."""
         movable = self._movable("rollout")[-units:] if units > 0 else []
         if movable and not self._others_serve(movable):
             movable = movable[1:]  # the rollout keeps at least one instance
-        return [self._spawn(unit, "borrow", self._borrow) for unit in movable]
+        return movable
+
+    def borrow(self, units: int = 1) -> list[Move]:
+        """Start moving up to ``units`` hybrid units from rollout to training."""
+        return [self._spawn(unit, "borrow", self._borrow) for unit in self.borrowable(units)]
 
     def release(self, units: int = 1, *, only: Collection[str] | None = None) -> list[Move]:
         """Start moving up to ``units`` borrowed units back to rollout (of the units

@@ -4,10 +4,11 @@ Late in a rollout only a few trajectories are left: most serving instances sit i
 training (on the previous step's batch) still runs. :func:`lend_tail` watches what the run
 observes, the trajectories not finished yet, the calls in flight in the router and how long
 training ran last time, and borrows hybrid units from the pool whenever fewer instances
-would do for what is left and training has long enough to go to be worth a restart; the
-borrowed workers join the training step under way. They go back when the next step's
-rollout starts (each release restarts an instance while that rollout runs on the others).
-It never reads the emulator's truth: only counts a real run has.
+would do for what is left and the borrow pays for itself; the borrowed workers join the
+training step under way. They go back when the next step's rollout starts (each release
+restarts an instance while that rollout runs on the others), so a borrow pays when the
+training seconds it saves exceed the rollout seconds the restart costs
+(:func:`borrow_pays`). It never reads the emulator's truth: only counts a real run has.
 
 :class:`TailLender` is the same rule over a whole run (``libra train``'s ``[alloc.tail]``):
 it lends inside each step's training and gives the units back when the next rollout
@@ -44,6 +45,11 @@ class TailRule(Section):
         description="training expected to run at least this much longer, or nothing moves: "
         "a borrowed unit costs an instance restart later",
     )
+    restart_s: NonNegativeFloat = Field(
+        90.0,
+        description="seconds a released unit takes to serve again, until the pool has "
+        "timed a release of its own: what a borrow costs the next rollout",
+    )
     poll_s: PositiveFloat = Field(5.0, description="seconds between two looks")
 
 
@@ -59,13 +65,43 @@ def pressure(pool: HybridPool) -> float:
     return sum(instance.in_flight for instance in serving) / slots if slots else math.inf
 
 
+def borrow_pays(
+    train_left_s: float, training: int, lent: int, serving: int, restart_s: float
+) -> bool:
+    """Whether ``lent`` more workers joining ``training`` ones save more training seconds
+    (it scales with its workers) than the next rollout loses while they restart
+    (it runs without them for ``restart_s``, its throughput in proportion to its
+    ``serving`` workers)."""
+    saved = train_left_s * lent / (training + lent)
+    lost = restart_s * lent / max(1, serving)
+    return saved > lost
+
+
+def timed_restart_s(pool: HybridPool, rule: TailRule) -> float:
+    """Seconds a release took on this pool, the latest timed; else the rule's prior."""
+    timed = [
+        move.ended - move.started
+        for move in pool.moves
+        if move.direction == "release" and move.outcome == "done" and move.ended is not None
+    ]
+    return timed[-1] if timed else rule.restart_s
+
+
 def tail_borrow(pool: HybridPool, rule: TailRule, unfinished: int, train_left_s: float) -> int:
     """Hybrid units to borrow now, given ``unfinished`` trajectories and the seconds
-    training is expected to run still."""
+    training is expected to run still: as many as the tail leaves idle, fewer while the
+    borrow would not pay."""
     if train_left_s < rule.min_train_left_s or pressure(pool) >= rule.max_pressure:
         return 0
     needed = max(1, math.ceil(unfinished / rule.trajectories_per_instance))
-    return max(0, serving_units(pool) - needed)
+    count = max(0, serving_units(pool) - needed)
+    serving, training = pool.workers_in("rollout"), pool.workers_in("training")
+    while count:
+        lent = sum(len(unit.workers) for unit in pool.borrowable(count))
+        if borrow_pays(train_left_s, training, lent, serving, timed_restart_s(pool, rule)):
+            break
+        count -= 1
+    return count
 
 
 async def lend_tail(

@@ -9,7 +9,16 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
-from libra.alloc import HybridPool, TailLender, TailRule, lend_tail, start_layout, tail_borrow
+from libra.alloc import (
+    HybridPool,
+    TailLender,
+    TailRule,
+    borrow_pays,
+    lend_tail,
+    start_layout,
+    tail_borrow,
+    timed_restart_s,
+)
 from libra.sched import Router
 from tests._helpers import POOL_CONFIG, POOL_LAYOUT, emulated_cluster
 
@@ -32,6 +41,22 @@ async def test_the_rule_keeps_what_the_unfinished_trajectories_need() -> None:
         assert tail_borrow(pool, RULE, unfinished=3, train_left_s=100) == 1
         assert tail_borrow(pool, RULE, unfinished=0, train_left_s=100) == 2
         assert tail_borrow(pool, RULE, unfinished=0, train_left_s=10) == 0  # not worth it
+
+
+async def test_a_borrow_is_made_only_where_training_saves_more_than_the_restart_costs() -> None:
+    """One worker trains and three serve: lending both hybrid units saves 2/3 of what
+    training has left and costs the next rollout 2/3 of a restart (90 s), one unit
+    1/2 and 1/3."""
+    assert borrow_pays(100, training=1, lent=2, serving=3, restart_s=90)  # 66.7 s, 60 s
+    assert not borrow_pays(80, training=1, lent=2, serving=3, restart_s=90)  # 53.3 s, 60 s
+    cluster = emulated_cluster()
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        assert tail_borrow(pool, RULE, unfinished=0, train_left_s=100) == 2
+        assert tail_borrow(pool, RULE, unfinished=0, train_left_s=80) == 1  # 40 s, 30 s
+        assert tail_borrow(pool, RULE, unfinished=0, train_left_s=50) == 0  # 25 s, 30 s
+        free = RULE.model_copy(update={"restart_s": 0.0})
+        assert tail_borrow(pool, free, unfinished=0, train_left_s=50) == 2
 
 
 async def test_a_borrowed_unit_joins_the_step_under_way_and_shortens_it() -> None:
@@ -79,6 +104,9 @@ async def test_the_lender_gives_back_at_the_next_rollout_what_it_lent_in_a_step(
         assert [pool.path_of(w)[-1] for w in (1, 2, 3)] == ["serving"] * 3
         assert trainer.active == {0}
         assert [m.outcome for m in pool.moves] == ["done"] * 4
+        # The release it timed, not the rule's prior, prices the next borrow: the
+        # emulated servers start in 20 s.
+        assert 20 <= timed_restart_s(pool, RULE) < RULE.restart_s
 
 
 async def test_a_unit_still_on_its_way_to_training_is_given_back_once_it_arrives() -> None:

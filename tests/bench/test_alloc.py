@@ -136,8 +136,9 @@ def test_too_few_workers_for_the_training_state_is_an_error(
 
 def eager_pool() -> Settings:
     """12 workers (4 train, two TP4 instances) and a tail rule that lends one instance as
-    soon as the rollout starts: the pool's moves on a run that takes seconds."""
-    rule = TailRule(trajectories_per_instance=16, min_train_left_s=0)
+    soon as the rollout starts, its restart priced free: the pool's moves on a run that
+    takes seconds."""
+    rule = TailRule(trajectories_per_instance=16, min_train_left_s=0, restart_s=0)
     return Settings(tiny_workload(), load_fleet(), gpus=12, steps=2, tail=rule)
 
 
