@@ -83,7 +83,12 @@ def straggler_of(
     decisions = policy.decisions if isinstance(policy, RoutedPolicy) else ()
     calls = [
         Call(
-            d.time, d.turn, d.to_instance, d.reason, d.expected, total - d.generated,
+            d.time,
+            d.turn,
+            d.to_instance,
+            d.reason,
+            d.expected,
+            total - d.generated,
             d.expected_upper,
         )
         for d in decisions
