@@ -190,7 +190,7 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
     cores = sorted(os.sched_getaffinity(0))
     alloc = hybrid_alloc_section(cores)
     alloc["loop"] |= {"borrow_ratio": NEVER}
-    alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5}
+    alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5, "restart_s": 0}
     # 48 samples (short ones: Brevity rewards them), ~45 s of training on one core: long
     # enough for the unit to join it (a borrow takes ~10-20 s here). A slow learning rate
     # keeps every step's training that long: at 1e-4 the policy may be brief by step 2,
