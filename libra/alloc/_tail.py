@@ -79,12 +79,10 @@ def borrow_pays(
 
 def timed_restart_s(pool: HybridPool, rule: TailRule) -> float:
     """Seconds a release took on this pool, the latest timed; else the rule's prior."""
-    timed = [
-        move.ended - move.started
-        for move in pool.moves
-        if move.direction == "release" and move.outcome == "done" and move.ended is not None
-    ]
-    return timed[-1] if timed else rule.restart_s
+    for move in reversed(pool.moves):
+        if move.direction == "release" and move.outcome == "done" and move.ended is not None:
+            return move.ended - move.started
+    return rule.restart_s
 
 
 def tail_borrow(pool: HybridPool, rule: TailRule, unfinished: int, train_left_s: float) -> int:
@@ -96,9 +94,10 @@ def tail_borrow(pool: HybridPool, rule: TailRule, unfinished: int, train_left_s:
     needed = max(1, math.ceil(unfinished / rule.trajectories_per_instance))
     count = max(0, serving_units(pool) - needed)
     serving, training = pool.workers_in("rollout"), pool.workers_in("training")
+    restart = timed_restart_s(pool, rule)
     while count:
         lent = sum(len(unit.workers) for unit in pool.borrowable(count))
-        if borrow_pays(train_left_s, training, lent, serving, timed_restart_s(pool, rule)):
+        if borrow_pays(train_left_s, training, lent, serving, restart):
             break
         count -= 1
     return count
