@@ -121,14 +121,17 @@ def run_config(settings: Settings, name: str) -> ConfigRun:
 
 
 def config_names(settings: Settings) -> list[str]:
+    return [s.name for s in _strategies(settings)]
+
+
+def _strategies(settings: Settings) -> list[Strategy]:
     fleet = settings.fleet
-    return [s.name for s in strategies(fleet.gpu, fleet.model, settings.gpus, settings.tail)]
+    return strategies(fleet.gpu, fleet.model, settings.gpus, settings.tail, settings.layouts)
 
 
 async def _run_config(settings: Settings, name: str) -> ConfigRun:
     fleet = settings.fleet
-    every = strategies(fleet.gpu, fleet.model, settings.gpus, settings.tail)
-    strategy = next(s for s in every if s.name == name)
+    strategy = next(s for s in _strategies(settings) if s.name == name)
     book = ScriptBook(settings.workload, settings.seed)
     first = settings.workload.rollout.history_steps
     history = [script for k in range(max(0, first - 2), first) for script in book.step(k)]

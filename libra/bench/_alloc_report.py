@@ -11,15 +11,22 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from libra.alloc import Plan
 from libra.bench._alloc import ConfigRun, config_names, run_alloc_bench
 from libra.bench._alloc_ahead import print_table as print_ahead
 from libra.bench._alloc_ahead import run_ahead
 from libra.bench._alloc_ahead import summary as ahead_summary
 from libra.bench._alloc_bound import step_bounds
 from libra.bench._alloc_settings import Settings
-from libra.bench._alloc_strategies import UPFRONT_SHARE, static_name
+from libra.bench._alloc_strategies import (
+    UPFRONT_SHARE,
+    every_layout,
+    layout_name,
+    parse_layout,
+    static_name,
+)
 from libra.bench._sched import default_jobs
-from libra.bench._sched_fleet import DEFAULT_FLEET, load_fleet
+from libra.bench._sched_fleet import DEFAULT_FLEET, FleetFile, load_fleet
 from libra.emulation.workloads import WorkloadError, load_workload
 
 DEFAULT_WORKLOAD = "swe-drift"
@@ -123,7 +130,40 @@ def summary(runs: list[ConfigRun], bounds: list[float] | None = None) -> dict[st
             for run in runs
             if run.model_errors
         },
+        "held_layouts": _held(runs, upfront),
     }
+
+
+def _held(runs: list[ConfigRun], upfront: ConfigRun | None) -> dict[str, Any] | None:
+    """The layouts held for a whole run (``--layouts``): the fastest of them, and the
+    fastest of them at each step, in hindsight, with each one's throughput over the
+    upfront split's (the per-step pick trains the upfront split's tokens, as the bound
+    does, and pays no move)."""
+    held = [run for run in runs if _held_layout(run.config)]
+    if not held or upfront is None:
+        return None
+    whole = min(held, key=lambda run: run.seconds)
+    per_step = [min(held, key=lambda run: run.steps[k].step_s) for k in range(len(upfront.steps))]
+    per_step_s = [run.steps[k].step_s for k, run in enumerate(per_step)]
+    upfront_tokens = sum(step.train_tokens for step in upfront.steps)
+    return {
+        "layouts": len(held),
+        "best_run": whole.config,
+        "best_run_vs_static_upfront": round(whole.throughput_tok_s / upfront.throughput_tok_s, 3),
+        "best_per_step": [run.config for run in per_step],
+        "best_per_step_s": [round(seconds, 1) for seconds in per_step_s],
+        "best_per_step_vs_static_upfront": round(
+            upfront_tokens / sum(per_step_s) / upfront.throughput_tok_s, 3
+        ),
+    }
+
+
+def _held_layout(config: str) -> bool:
+    try:
+        parse_layout(config)
+    except ValueError:
+        return False
+    return True
 
 
 def _bound_throughput(run: ConfigRun, bounds: list[float]) -> float:
@@ -172,6 +212,13 @@ def print_table(settings: Settings, runs: list[ConfigRun], bounds: list[float] |
         f"the workload as it turned out: {report['model_error_max']}); no split and no "
         f"routing can beat {report['bound_vs_static_upfront']}x the upfront split"
     )
+    held = report["held_layouts"]
+    if held is not None:
+        console.print(
+            f"of {held['layouts']} layouts each held for the run: the fastest, "
+            f"{held['best_run']}, {held['best_run_vs_static_upfront']}x the upfront split; "
+            f"the fastest at each step in hindsight {held['best_per_step_vs_static_upfront']}x"
+        )
 
 
 def _first_last(errors: list[float]) -> str:
@@ -180,15 +227,8 @@ def _first_last(errors: list[float]) -> str:
 
 
 def _layouts(run: ConfigRun) -> list[str]:
-    """The layouts the configuration's steps ran on, e.g. ``5T/2xTP4+1xTP2``: workers
-    training, then the serving instances."""
-    return sorted({_layout(step.train_workers, step.rollout_tps) for step in run.steps})
-
-
-def _layout(train: int, tps: tuple[int, ...]) -> str:
-    counts = {tp: tps.count(tp) for tp in sorted(set(tps), reverse=True)}
-    serving = "+".join(f"{n}xTP{tp}" for tp, n in counts.items())
-    return f"{train}T/{serving}"
+    """The layouts the configuration's steps ran on (:func:`layout_name`)."""
+    return sorted({layout_name(step.train_workers, step.rollout_tps) for step in run.steps})
 
 
 def plot(runs: list[ConfigRun], path: str) -> None:
@@ -219,8 +259,10 @@ def plot(runs: list[ConfigRun], path: str) -> None:
 
 def main_alloc(args: argparse.Namespace) -> int:
     try:
+        fleet = load_fleet(args.fleet)
+        layouts = _held_layouts(args.layouts, fleet, args.gpus) if args.layouts else ()
         settings = Settings(
-            load_workload(args.workload), load_fleet(args.fleet), args.gpus, args.steps, args.seed
+            load_workload(args.workload), fleet, args.gpus, args.steps, args.seed, layouts=layouts
         )
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
@@ -242,6 +284,19 @@ def main_alloc(args: argparse.Namespace) -> int:
     if args.plot:
         plot(runs, args.plot)
     return 0
+
+
+def _held_layouts(spec: str, fleet: FleetFile, gpus: int) -> tuple[Plan, ...]:
+    """``--layouts``: ``all`` (:func:`every_layout`) or layout names, each of ``gpus``."""
+    if spec.strip() == "all":
+        return tuple(every_layout(fleet.gpu, fleet.model, gpus))
+    named = {name.strip(): parse_layout(name) for name in spec.split(",")}
+    plans = tuple({(p.train_workers, p.rollout_tps): p for p in named.values()}.values())
+    for plan in plans:
+        if plan.workers != gpus:
+            name = layout_name(plan.train_workers, plan.rollout_tps)
+            raise ValueError(f"layout {name} has {plan.workers} workers, not --gpus {gpus}")
+    return plans
 
 
 def _main_ahead(settings: Settings, args: argparse.Namespace) -> int:
@@ -279,6 +334,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K[,K...]",
         help="instead of the configurations: the split chosen up front with rollouts K "
         "steps ahead of training (1: one-step-off, 2 or more: async), e.g. 1,2,3",
+    )
+    parser.add_argument(
+        "--layouts",
+        metavar="all|LAYOUT[,LAYOUT...]",
+        help="also run these layouts (e.g. 6T/2xTP4+1xTP2), each held for the whole run and "
+        "routed by C-MLFQ, or all the planners may choose; the report adds the fastest of "
+        "them, and the fastest at each step, in hindsight",
     )
     parser.add_argument(
         "--jobs",

@@ -10,7 +10,9 @@ cluster).
 
 from __future__ import annotations
 
+import re
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from libra.alloc import (
@@ -25,7 +27,9 @@ from libra.alloc import (
     TailRule,
     TrainCost,
     Workload,
+    bucket_ceilings,
     mean_output,
+    tp_partitions,
 )
 from libra.fleet import Gpu, Model, Roofline
 
@@ -140,19 +144,37 @@ class PlannerStrategy(Strategy):
         return current
 
 
+@dataclass
+class LayoutStrategy(Strategy):
+    """One layout held for the whole run and routed as full Libra routes (C-MLFQ, one
+    bucket per instance size with the planner's ceilings): the best of these in
+    hindsight is what a planner that knew the run's future could pick."""
+
+    policy: str = "cmlfq"
+
+    def first_plan(self, workers: int, workload: Workload) -> Plan:
+        tps = self.plan.rollout_tps
+        return Plan(self.plan.train_workers, tps, bucket_ceilings(tps, workload), reason="held")
+
+
 def static_plan(workers: int, train_share: float) -> Plan:
     train = min(workers - 1, max(1, round(workers * train_share)))
     return Plan(train, (1,) * (workers - train), reason=f"static {train}:{workers - train}")
 
 
 def strategies(
-    gpu: Gpu, model: Model, workers: int, tail: TailRule | None = None
+    gpu: Gpu,
+    model: Model,
+    workers: int,
+    tail: TailRule | None = None,
+    layouts: Sequence[Plan] = (),
 ) -> list[Strategy]:
     """Every configuration of the benchmark on ``workers`` GPUs: static splits whose
     training state fits, colocated, the planner with its datasheet prior and with that
     prior 30% optimistic and 30% pessimistic, the planner with C-MLFQ (``libra-no-pool``),
     and full Libra: that, and the hybrid pool lending the rollout's idle tail to training
-    inside every step."""
+    inside every step; then each of ``layouts`` held for the whole run
+    (:class:`LayoutStrategy`), named by :func:`layout_name`."""
     fits = TrainCost(gpu, model.parameters).fits
     found: list[Strategy] = []
     for share in STATIC_SHARES:
@@ -179,7 +201,40 @@ def strategies(
             tail=tail or TailRule(),
         )
     )
+    found += [LayoutStrategy(layout_name(p.train_workers, p.rollout_tps), p) for p in layouts]
     return found
+
+
+def layout_name(train: int, tps: Sequence[int]) -> str:
+    """``5T/2xTP4+1xTP2``: 5 workers training, two TP4 instances and one TP2 serving."""
+    counts = {tp: list(tps).count(tp) for tp in sorted(set(tps), reverse=True)}
+    return f"{train}T/" + "+".join(f"{n}xTP{tp}" for tp, n in counts.items())
+
+
+_LAYOUT = re.compile(r"(\d+)T/(\d+xTP\d+(?:\+\d+xTP\d+)*)")
+
+
+def parse_layout(name: str) -> Plan:
+    """The plan :func:`layout_name` names; ValueError for anything else."""
+    match = _LAYOUT.fullmatch(name.strip())
+    if match is None:
+        raise ValueError(f"a layout is written like 5T/2xTP4+1xTP2, not {name!r}")
+    tps: list[int] = []
+    for part in match[2].split("+"):
+        count, tp = part.split("xTP")
+        tps += [int(tp)] * int(count)
+    return Plan(int(match[1]), tuple(sorted(tps, reverse=True)))
+
+
+def every_layout(gpu: Gpu, model: Model, workers: int) -> Iterator[Plan]:
+    """Every split of ``workers`` the planners may choose: training on workers that hold
+    its state, the rest in instances of :data:`ALLOWED_TPS` whose KV cache has room."""
+    fits, roofline = TrainCost(gpu, model.parameters).fits, Roofline(gpu, model)
+    sizes = tuple(tp for tp in ALLOWED_TPS if roofline.kv_capacity_tokens(tp) > 0)
+    for train in range(1, workers):
+        if fits(train):
+            for tps in tp_partitions(workers - train, sizes, workers):
+                yield Plan(train, tps)
 
 
 def static_name(share: float) -> str:

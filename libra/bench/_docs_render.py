@@ -126,6 +126,33 @@ def _drift(ratios: Sequence[float]) -> str:
     return f"{ratios[0]:.2f} to {ratios[-1]:.2f}" if ratios else ""
 
 
+def alloc_layouts(outputs: Sequence[Output]) -> list[str]:
+    """Full Libra beside every layout held for the whole run (``--layouts``): the fastest
+    of them, and the fastest at each step in hindsight, each over the split chosen up
+    front and as a share of the bound."""
+    rows = []
+    for output in outputs:
+        held, bound = output["held_layouts"], output["bound_vs_static_upfront"]
+        libra = output["libra_vs"]["static_upfront"]
+        best = held["best_run_vs_static_upfront"]
+        per_step = held["best_per_step_vs_static_upfront"]
+        picks = ", ".join(dict.fromkeys(held["best_per_step"]))
+        rows.append(
+            [
+                f"{output['workload']}",
+                f"{output['seed']}",
+                f"{held['layouts']}",
+                f"{libra:.3f} ({libra / bound:.0%})",
+                f"{best:.3f} ({best / bound:.0%}, {held['best_run']})",
+                f"{per_step:.3f} ({per_step / bound:.0%}; {picks})",
+            ]
+        )
+    header = ("workload", "seed", "layouts held", "libra: x upfront (of the bound)",
+              "fastest layout held for the run",
+              "fastest layout of each step, in hindsight")  # fmt: skip
+    return table_lines(header, rows)
+
+
 def alloc_ahead(outputs: Sequence[Output]) -> list[str]:
     output = outputs[0]
     rows = [

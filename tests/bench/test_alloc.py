@@ -4,15 +4,17 @@ gives sane numbers, the planner learns, and the command prints the JSON the issu
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from libra.alloc import TailRule
+from libra.alloc import TailRule, TrainCost
 from libra.bench._alloc import ConfigRun, StepResult, config_names, run_alloc_bench, run_config
 from libra.bench._alloc_demand import demand_of_scripts
 from libra.bench._alloc_report import _swing, summary
 from libra.bench._alloc_settings import Settings
+from libra.bench._alloc_strategies import every_layout, layout_name, parse_layout
 from libra.bench._sched_fleet import load_fleet
 from libra.cli import main
 from libra.emulation.workloads import ScriptTurn, TrajectoryScript, Workload, load_workload
@@ -180,3 +182,43 @@ def test_the_step_swing_compares_calibrated_steps_of_one_layout() -> None:
              step(5, 5, (4, 4, 2, 1), 180.0)]  # fmt: skip
     assert _swing(ConfigRun("libra", 16, steps, [])) == pytest.approx(0.2)
     assert _swing(ConfigRun("libra", 16, steps[:2], [])) is None
+
+
+def test_a_layout_reads_back_from_its_name_and_every_layout_holds_the_training_state() -> None:
+    plan = parse_layout("5T/2xTP4+1xTP2+1xTP1")
+    assert (plan.train_workers, plan.rollout_tps) == (5, (4, 4, 2, 1))
+    assert layout_name(5, (1, 4, 2, 4)) == "5T/2xTP4+1xTP2+1xTP1"
+    with pytest.raises(ValueError, match="like 5T/2xTP4"):
+        parse_layout("5 training, 2 TP4")
+    fleet = load_fleet()
+    layouts = list(every_layout(fleet.gpu, fleet.model, 8))
+    fits = TrainCost(fleet.gpu, fleet.model.parameters).fits
+    assert all(plan.workers == 8 and fits(plan.train_workers) for plan in layouts)
+    names = {layout_name(plan.train_workers, plan.rollout_tps) for plan in layouts}
+    assert len(names) == len(layouts) and "4T/1xTP4" in names and "4T/4xTP1" in names
+    # Three A100s cannot hold a 14B model's training state.
+    assert not fits(3) and min(plan.train_workers for plan in layouts) == 4
+
+
+@pytest.mark.slow
+def test_the_layouts_held_for_the_run_give_the_best_in_hindsight() -> None:
+    held = (parse_layout("4T/1xTP4"), parse_layout("4T/2xTP2"))
+    settings = replace(tiny(), layouts=held)
+    runs = run_alloc_bench(settings, ["static-2:2", "4T/1xTP4", "4T/2xTP2"])
+    _, tp4, tp2 = runs
+    assert all((s.train_workers, s.rollout_tps) == (4, (4,)) for s in tp4.steps)
+    assert all((s.train_workers, s.rollout_tps) == (4, (2, 2)) for s in tp2.steps)
+    report = summary(runs)["held_layouts"]
+    assert report["layouts"] == 2
+    assert report["best_run"] == min(tp4, tp2, key=lambda run: run.seconds).config
+    assert report["best_per_step_s"] == [
+        round(min(a.step_s, b.step_s), 1) for a, b in zip(tp4.steps, tp2.steps, strict=True)
+    ]
+    assert report["best_per_step"][0] in {"4T/1xTP4", "4T/2xTP2"}
+    assert report["best_per_step_vs_static_upfront"] > 0
+
+
+def test_a_layout_of_other_workers_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "alloc", "--gpus", "8", "--layouts", "4T/1xTP4,5T/1xTP4", "--jobs", "1"]
+    assert main(argv) == 2
+    assert "layout 5T/1xTP4 has 9 workers, not --gpus 8" in capsys.readouterr().err
