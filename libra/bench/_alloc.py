@@ -36,6 +36,7 @@ from libra.bench._alloc_settings import Settings
 from libra.bench._alloc_steps import colocated_step, pooled_step, split_step
 from libra.bench._alloc_strategies import Strategy, strategies
 from libra.bench._emulated_fleet import in_virtual_time
+from libra.bench._sched_history import truth_of
 from libra.emulation import EmulatedTrainer, FleetApp
 from libra.emulation.workloads import ScriptBook
 from libra.engine import TrajectoryRecord
@@ -126,7 +127,14 @@ def config_names(settings: Settings) -> list[str]:
 
 def _strategies(settings: Settings) -> list[Strategy]:
     fleet = settings.fleet
-    return strategies(fleet.gpu, fleet.model, settings.gpus, settings.tail, settings.layouts)
+    return strategies(
+        fleet.gpu,
+        fleet.model,
+        settings.gpus,
+        settings.tail,
+        settings.layouts,
+        settings.layout_policy,
+    )
 
 
 async def _run_config(settings: Settings, name: str) -> ConfigRun:
@@ -224,7 +232,9 @@ async def _one_step(
         for index, unit in enumerate(units)
     ]
     apps, calls = fleet_apps(settings, plan, book, step, names)
-    policy = make_policy(strategy.policy, fleet_spec(settings, plan, apps))
+    # Only the oracle reads the truth: the step's scripts, every turn's future.
+    truth = truth_of(book.step(step))
+    policy = make_policy(strategy.policy, fleet_spec(settings, plan, apps), truth=truth)
     fleet = FleetApp(apps)
     lent_units = {unit for unit, _ in lent}
     for name, unit in zip(names, units, strict=True):

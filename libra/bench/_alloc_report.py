@@ -262,7 +262,13 @@ def main_alloc(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
         layouts = _held_layouts(args.layouts, fleet, args.gpus) if args.layouts else ()
         settings = Settings(
-            load_workload(args.workload), fleet, args.gpus, args.steps, args.seed, layouts=layouts
+            load_workload(args.workload),
+            fleet,
+            args.gpus,
+            args.steps,
+            args.seed,
+            layouts=layouts,
+            layout_policy=args.layouts_routing,
         )
     except (WorkloadError, ValueError) as exc:
         print(f"libra: error: {exc}", file=sys.stderr)
@@ -278,6 +284,8 @@ def main_alloc(args: argparse.Namespace) -> int:
     bounds = step_bounds(settings, upfront) if upfront is not None else None
     if args.json:
         which = {"workload": settings.workload.name, "seed": settings.seed}
+        if settings.layouts:
+            which["layouts_routing"] = settings.layout_policy
         print(json.dumps(which | summary(runs, bounds)))
     else:
         print_table(settings, runs, bounds)
@@ -341,6 +349,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run these layouts (e.g. 6T/2xTP4+1xTP2), each held for the whole run and "
         "routed by C-MLFQ, or all the planners may choose; the report adds the fastest of "
         "them, and the fastest at each step, in hindsight",
+    )
+    parser.add_argument(
+        "--layouts-routing",
+        choices=("cmlfq", "oracle"),
+        default="cmlfq",
+        help="how the --layouts route: C-MLFQ (default), or its rule told every "
+        "trajectory's future (what better routing could still buy)",
     )
     parser.add_argument(
         "--jobs",

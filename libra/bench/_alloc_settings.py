@@ -25,3 +25,6 @@ class Settings:
     tail: TailRule = field(default_factory=TailRule)
     #: Layouts also run, each held for the whole run (``--layouts``).
     layouts: tuple[Plan, ...] = ()
+    #: How the held layouts route: C-MLFQ, as full Libra does, or ``oracle`` (its rule
+    #: told each trajectory's future: what better routing could still buy).
+    layout_policy: str = "cmlfq"

@@ -146,9 +146,9 @@ class PlannerStrategy(Strategy):
 
 @dataclass
 class LayoutStrategy(Strategy):
-    """One layout held for the whole run and routed as full Libra routes (C-MLFQ, one
-    bucket per instance size with the planner's ceilings): the best of these in
-    hindsight is what a planner that knew the run's future could pick."""
+    """One layout held for the whole run, routed as full Libra routes (C-MLFQ, one
+    bucket per instance size with the planner's ceilings) unless told otherwise: the
+    best of these in hindsight is what a planner that knew the run's future could pick."""
 
     policy: str = "cmlfq"
 
@@ -168,13 +168,14 @@ def strategies(
     workers: int,
     tail: TailRule | None = None,
     layouts: Sequence[Plan] = (),
+    layout_policy: str = "cmlfq",
 ) -> list[Strategy]:
     """Every configuration of the benchmark on ``workers`` GPUs: static splits whose
     training state fits, colocated, the planner with its datasheet prior and with that
     prior 30% optimistic and 30% pessimistic, the planner with C-MLFQ (``libra-no-pool``),
     and full Libra: that, and the hybrid pool lending the rollout's idle tail to training
-    inside every step; then each of ``layouts`` held for the whole run
-    (:class:`LayoutStrategy`), named by :func:`layout_name`."""
+    inside every step; then each of ``layouts`` held for the whole run and routed by
+    ``layout_policy`` (:class:`LayoutStrategy`), named by :func:`layout_name`."""
     fits = TrainCost(gpu, model.parameters).fits
     found: list[Strategy] = []
     for share in STATIC_SHARES:
@@ -201,7 +202,9 @@ def strategies(
             tail=tail or TailRule(),
         )
     )
-    found += [LayoutStrategy(layout_name(p.train_workers, p.rollout_tps), p) for p in layouts]
+    for plan in layouts:
+        name = layout_name(plan.train_workers, plan.rollout_tps)
+        found.append(LayoutStrategy(name, plan, policy=layout_policy))
     return found
 
 

@@ -135,12 +135,22 @@ _SCHED_SEEDS = _seeds("sched-seeds", "sched", SEED_WORKLOADS, 10, by_seed=True)
 ALLOC_WORKLOADS = ("swe-drift", "swe-shift")
 _ALLOC_SEEDS = _seeds("alloc-seeds", "alloc", ALLOC_WORKLOADS, 5)
 #: What the 66% goal asks of the plan: every layout held for a whole run of the seeds
-#: furthest from it, the fastest of them at each step picked in hindsight.
+#: furthest from it, the fastest of them at each step picked in hindsight; then the
+#: fastest held, routed by the oracle.
 _ALLOC_LAYOUTS = Runs(
     "alloc-layouts",
-    tuple(
-        _command(f"bench alloc --workload swe-drift --seed {seed} --layouts all --json")
-        for seed in (2, 1)
+    (
+        *(
+            _command(f"bench alloc --workload swe-drift --seed {seed} --layouts all --json")
+            for seed in (2, 1)
+        ),
+        *(
+            _command(
+                f"bench alloc --workload swe-drift --seed {seed} --layouts 6T/2xTP4+1xTP2 "
+                "--layouts-routing oracle --json"
+            )
+            for seed in (2, 1)
+        ),
     ),
 )
 #: The docs' figure of a scheduling run: drawn by the run whose makespans it shows.

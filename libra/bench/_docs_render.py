@@ -127,9 +127,9 @@ def _drift(ratios: Sequence[float]) -> str:
 
 
 def alloc_layouts(outputs: Sequence[Output]) -> list[str]:
-    """Full Libra beside every layout held for the whole run (``--layouts``): the fastest
-    of them, and the fastest at each step in hindsight, each over the split chosen up
-    front and as a share of the bound."""
+    """Full Libra beside the layouts held for the whole run (``--layouts``, routed as
+    ``--layouts-routing`` says): the fastest of them, and the fastest at each step in
+    hindsight, each over the split chosen up front and as a share of the bound."""
     rows = []
     for output in outputs:
         held, bound = output["held_layouts"], output["bound_vs_static_upfront"]
@@ -142,12 +142,13 @@ def alloc_layouts(outputs: Sequence[Output]) -> list[str]:
                 f"{output['workload']}",
                 f"{output['seed']}",
                 f"{held['layouts']}",
+                output.get("layouts_routing", "cmlfq"),
                 f"{libra:.3f} ({libra / bound:.0%})",
                 f"{best:.3f} ({best / bound:.0%}, {held['best_run']})",
                 f"{per_step:.3f} ({per_step / bound:.0%}; {picks})",
             ]
         )
-    header = ("workload", "seed", "layouts held", "libra: x upfront (of the bound)",
+    header = ("workload", "seed", "layouts held", "routed by", "libra: x upfront (of the bound)",
               "fastest layout held for the run",
               "fastest layout of each step, in hindsight")  # fmt: skip
     return table_lines(header, rows)

@@ -216,6 +216,10 @@ def test_the_layouts_held_for_the_run_give_the_best_in_hindsight() -> None:
     ]
     assert report["best_per_step"][0] in {"4T/1xTP4", "4T/2xTP2"}
     assert report["best_per_step_vs_static_upfront"] > 0
+    # Routed by the oracle (C-MLFQ's rule told each trajectory's future) instead.
+    oracle = run_config(replace(settings, layout_policy="oracle"), "4T/2xTP2")
+    assert all(step.records == 16 for step in oracle.steps)
+    assert [s.rollout_tps for s in oracle.steps] == [(2, 2), (2, 2)]
 
 
 def test_a_layout_of_other_workers_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
