@@ -143,9 +143,9 @@ def alloc_layouts(outputs: Sequence[Output]) -> list[str]:
                 f"{output['seed']}",
                 f"{held['layouts']}",
                 output.get("layouts_routing", "cmlfq"),
-                f"{libra:.3f} ({libra / bound:.0%})",
-                f"{best:.3f} ({best / bound:.0%}, {held['best_run']})",
-                f"{per_step:.3f} ({per_step / bound:.0%}; {picks})",
+                f"{libra:.3f} ({libra / bound:.1%})",
+                f"{best:.3f} ({best / bound:.1%}, {held['best_run']})",
+                f"{per_step:.3f} ({per_step / bound:.1%}; {picks})",
             ]
         )
     header = ("workload", "seed", "layouts held", "routed by", "libra: x upfront (of the bound)",
