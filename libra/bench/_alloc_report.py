@@ -298,8 +298,8 @@ def _held_layouts(spec: str, fleet: FleetFile, gpus: int) -> tuple[Plan, ...]:
     """``--layouts``: ``all`` (:func:`every_layout`) or layout names, each of ``gpus``."""
     if spec.strip() == "all":
         return tuple(every_layout(fleet.gpu, fleet.model, gpus))
-    named = {name.strip(): parse_layout(name) for name in spec.split(",")}
-    plans = tuple({(p.train_workers, p.rollout_tps): p for p in named.values()}.values())
+    named = [parse_layout(name) for name in spec.split(",")]
+    plans = tuple({(p.train_workers, p.rollout_tps): p for p in named}.values())
     for plan in plans:
         if plan.workers != gpus:
             name = layout_name(plan.train_workers, plan.rollout_tps)
@@ -346,9 +346,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layouts",
         metavar="all|LAYOUT[,LAYOUT...]",
-        help="also run these layouts (e.g. 6T/2xTP4+1xTP2), each held for the whole run and "
-        "routed by C-MLFQ, or all the planners may choose; the report adds the fastest of "
-        "them, and the fastest at each step, in hindsight",
+        help="also run these layouts (e.g. 6T/2xTP4+1xTP2), or 'all' the planners may "
+        "choose, each held for the whole run and routed by C-MLFQ; the report adds the "
+        "fastest of them, and the fastest at each step, in hindsight",
     )
     parser.add_argument(
         "--layouts-routing",
