@@ -40,7 +40,7 @@ from libra.bench._sched_history import truth_of
 from libra.emulation import EmulatedTrainer, FleetApp
 from libra.emulation.workloads import ScriptBook
 from libra.engine import TrajectoryRecord
-from libra.sched.policies import make_policy
+from libra.sched.policies import ORACLES, make_policy
 
 
 @dataclass(frozen=True)
@@ -232,8 +232,8 @@ async def _one_step(
         for index, unit in enumerate(units)
     ]
     apps, calls = fleet_apps(settings, plan, book, step, names)
-    # Only the oracle reads the truth: the step's scripts, every turn's future.
-    truth = truth_of(book.step(step))
+    # An oracle reads the truth: the step's scripts, every turn's future.
+    truth = truth_of(book.step(step)) if strategy.policy in ORACLES else None
     policy = make_policy(strategy.policy, fleet_spec(settings, plan, apps), truth=truth)
     fleet = FleetApp(apps)
     lent_units = {unit for unit, _ in lent}

@@ -17,18 +17,8 @@ import pytest
 
 from libra.bench import _docs_render as render
 from libra.bench import _docs_render_sched as sched_render
-from libra.bench._docs import (
-    SAVED,
-    TABLES,
-    BenchDocsError,
-    DocTable,
-    Runs,
-    Shard,
-    outputs,
-    region,
-    rewrite,
-    run,
-)
+from libra.bench._docs import BenchDocsError, Shard, outputs, region, rewrite, run
+from libra.bench._docs_lists import SAVED, TABLES, DocTable, Runs
 
 REPO = Path(__file__).resolve().parents[2]
 
