@@ -132,6 +132,10 @@ class TailLender:
     lent: list[str] = field(default_factory=list)
     #: The units lent inside the last step's training.
     last: list[str] = field(default_factory=list)
+    #: The last step's training: the workers it started with, and the worker-seconds
+    #: the units lent inside it trained.
+    _started_with: int = field(default=1, init=False, repr=False)
+    _lent_worker_s: float = field(default=0.0, init=False, repr=False)
 
     @asynccontextmanager
     async def lending(
@@ -139,6 +143,7 @@ class TailLender:
     ) -> AsyncIterator[None]:
         """Lend idle hybrid units to the training that runs in the body."""
         first = len(self.pool.moves)
+        self._started_with = max(1, self.pool.workers_in("training"))
         done = anyio.Event()
         try:
             async with anyio.create_task_group() as group:
@@ -148,8 +153,26 @@ class TailLender:
                 finally:
                     done.set()
         finally:
-            self.last = [m.unit for m in self.pool.moves[first:] if m.direction == "borrow"]
+            borrows = [m for m in self.pool.moves[first:] if m.direction == "borrow"]
+            self.last = [m.unit for m in borrows]
             self.lent += self.last
+            self._lent_worker_s = self._trained_s(borrows, anyio.current_time())
+
+    def _trained_s(self, borrows: list[Move], ended: float) -> float:
+        """Worker-seconds the units of ``borrows`` trained, from their joins to ``ended``."""
+        workers = {unit.name: len(unit.workers) for unit in self.pool.units}
+        return sum(
+            workers[m.unit] * (ended - m.ended)
+            for m in borrows
+            if m.outcome == "done" and m.ended is not None and m.ended < ended
+        )
+
+    def alone_s(self, train_s: float) -> float:
+        """The last step's ``train_s`` seconds of training as the workers it started with
+        would have taken it alone: what prices the next step's (:func:`borrow_pays`
+        scales training with its workers too). Priced at what a lent step took, the next
+        step would look shorter than it runs, and its tail too short to lend to."""
+        return train_s + self._lent_worker_s / self._started_with
 
     def give_back(self) -> list[Move]:
         """Release the lent units that reached training. One still on its way is given

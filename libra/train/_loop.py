@@ -284,7 +284,7 @@ class TrainRun:
             result: TrainResult | None = await self.trainer.call_sized(train_on)
         batch = built[-1]
         train_s = time.perf_counter() - started
-        self._train_s_per_position = train_s / max(1, batch.positions)
+        self._train_s_per_position = self._alone_s(train_s) / max(1, batch.positions)
         if self._evaluated is not None:  # every call of an evaluation sees one version
             await self._evaluated.wait()
         export_s, sync_s = await self.publisher.publish(self.version + 1)
@@ -354,11 +354,16 @@ class TrainRun:
         if value is not None and (best is None or value > best["value"]):
             mark_best(self.run_dir, steps_done, metric, value)
 
+    def _alone_s(self, train_s: float) -> float:
+        """The step's training seconds without the units the tail lent inside it."""
+        lender = self.allocation.tail if self.allocation is not None else None
+        return train_s if lender is None else lender.alone_s(train_s)
+
     def _lending_tail(self, built: list[Batch]) -> AbstractAsyncContextManager[None]:
         """With ``[alloc.tail]``, from the second step: the hybrid units the rollout
         leaves idle join this training (``libra.alloc.TailLender``). What it has left is
-        priced at the last step's seconds per input position (the prompts and tool
-        returns cost a pass as the sampled tokens do)."""
+        priced at the last step's seconds per input position, on the workers that
+        started it (the prompts and tool returns cost a pass as the sampled tokens do)."""
         lender = self.allocation.tail if self.allocation is not None else None
         rate = self._train_s_per_position
         if lender is None or rate is None:
