@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import anyio
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveFloat, model_validator
 
 from libra.alloc import (
     PRESETS,
@@ -153,6 +153,12 @@ class AllocConfig(Section):
         "(Ray's syntax: also '!a', 'in(a,b)'), or {} for any node; the worker's trainer "
         "rank and vLLM server run there. Empty: Ray places every worker, on as few nodes "
         "as they fit on",
+    )
+    ray_wait_s: PositiveFloat = Field(
+        600.0,
+        description="with backend = ray: seconds to wait for Ray to hold every worker (a "
+        "node a selector names, or one large enough, may still be joining) before the run "
+        "stops with what is missing; a line every 30 s says what it waits for",
     )
 
     @model_validator(mode="after")
@@ -317,7 +323,9 @@ async def open_cluster(
         worlds = None
         if alloc.backend == "ray":
             ray = await stack.enter_async_context(
-                open_ray_workers(cores, trainer.backend, alloc.ray_address, alloc.ray_labels)
+                open_ray_workers(
+                    cores, trainer.backend, alloc.ray_address, alloc.ray_labels, alloc.ray_wait_s
+                )
             )
             start_server, worlds = ray.server, ray.worlds(model_dir, trainer)
         ranks = await stack.enter_async_context(

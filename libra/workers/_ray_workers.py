@@ -9,18 +9,20 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack, asynccontextmanager, contextmanager
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio
 
+from libra.config import UsageError
 from libra.serving import VLLMServerConfig
 
 if TYPE_CHECKING:
     from libra.trainer import TrainerConfig
 
-from libra.workers._ray import import_ray, ray_get
+from libra.workers._ray import import_ray
 from libra.workers._ray_head import ray_head
 from libra.workers._ray_server import RayServer
 from libra.workers._ray_trainer import RayTrainer
@@ -28,6 +30,15 @@ from libra.workers._ray_trainer import RayTrainer
 #: The share of its worker's bundle an actor asks for: two fit, the old world's rank
 #: and the next one's during a resize.
 _SHARE = 0.5
+#: Seconds between two lines while Ray has not placed every worker yet.
+_PLACING_POLL_S = 30.0
+
+_log = logging.getLogger(__name__)
+
+
+def _own_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """A node's labels without those Ray sets on every node (``ray.io/...``)."""
+    return {key: value for key, value in labels.items() if not key.startswith("ray.io/")}
 
 
 def _not_the_sigterm_warning(record: logging.LogRecord) -> bool:
@@ -38,7 +49,8 @@ class RayWorkers:
     """The cluster's workers on Ray: ``cores[w]`` is worker ``w``'s CPU cores (a CPU
     cluster: the bundle holds that many CPUs, its actors pin themselves to them), or one
     GPU each when ``gpus``. ``labels[w]`` (when given) is the label selector of the node
-    that is to hold worker ``w``'s bundle, and so its ranks and servers."""
+    that is to hold worker ``w``'s bundle, and so its ranks and servers. Ray holds none
+    until it can hold all: past ``wait_s`` the run stops with what is missing."""
 
     def __init__(
         self,
@@ -46,11 +58,13 @@ class RayWorkers:
         *,
         gpus: bool,
         labels: Sequence[Mapping[str, str]] = (),
+        wait_s: float = 600.0,
     ) -> None:
         if labels and len(labels) != len(cores):
             raise ValueError(f"{len(labels)} label selectors for {len(cores)} workers")
         self.cores, self.gpus = [tuple(c) for c in cores], gpus
         self.labels = [dict(selector) for selector in labels]
+        self.wait_s = wait_s
         self._group: Any = None
 
     def bundles(self) -> list[dict[str, float]]:
@@ -70,11 +84,44 @@ class RayWorkers:
             bundle_label_selector=self.labels or None,
         )
         try:
-            await ray_get(self._group.ready())
+            await self._placed()
         except BaseException:
             self._remove()
             raise
         return self
+
+    async def _placed(self) -> None:
+        """Wait until Ray holds every bundle, saying what it waits for every
+        :data:`_PLACING_POLL_S`: a selector no node matches, or a bundle larger than any
+        node, waits for a node that has them to join (an autoscaler's may)."""
+        waited = 0.0
+        while True:
+            poll = min(_PLACING_POLL_S, self.wait_s - waited)
+            wait = partial(self._group.wait, timeout_seconds=poll)
+            if await anyio.to_thread.run_sync(wait, abandon_on_cancel=True):
+                return
+            waited += poll
+            unplaced = await anyio.to_thread.run_sync(self._unplaced, waited)
+            if waited >= self.wait_s:
+                raise UsageError(f"{unplaced} (alloc.ray_wait_s = {self.wait_s:g})")
+            _log.warning("%s; waiting up to alloc.ray_wait_s = %g s", unplaced, self.wait_s)
+
+    def _unplaced(self, waited: float) -> str:
+        """What Ray has not placed after ``waited`` seconds, and the nodes it has."""
+        nodes = [node for node in import_ray().nodes() if node["Alive"]]
+        bundles = [
+            f"w{worker} {bundle}" + (f" on {self.labels[worker]}" if self.labels else "")
+            for worker, bundle in enumerate(self.bundles())
+        ]
+        have = [
+            f"{_own_labels(node['Labels'])} CPU {node['Resources'].get('CPU', 0):g}"
+            + (f" GPU {gpus:g}" if (gpus := node["Resources"].get("GPU", 0)) else "")
+            for node in nodes
+        ]
+        return (
+            f"Ray has not placed the workers after {waited:.0f} s: {'; '.join(bundles)}. "
+            f"Its nodes: {'; '.join(have) or 'none alive'}"
+        )
 
     async def __aexit__(
         self,
@@ -137,6 +184,7 @@ async def open_ray_workers(
     backend: Literal["auto", "gloo", "nccl"],
     address: str | None,
     labels: Sequence[Mapping[str, str]] = (),
+    wait_s: float = 600.0,
 ) -> AsyncIterator[RayWorkers]:
     """Ray (already initialized in this process; else started here when ``address`` is
     None, attached to otherwise) with a bundle per worker, on a node ``labels[w]``
@@ -149,7 +197,7 @@ async def open_ray_workers(
         gpus = backend == "nccl" or (
             backend == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
         )
-        async with RayWorkers(cores, gpus=gpus, labels=labels) as workers:
+        async with RayWorkers(cores, gpus=gpus, labels=labels, wait_s=wait_s) as workers:
             yield workers
 
 

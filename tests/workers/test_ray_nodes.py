@@ -21,11 +21,11 @@ from typing import Any
 import anyio
 import pytest
 
-from libra.config import load_config
+from libra.config import UsageError, load_config
 from libra.launch import TrainRunConfig, train
 from libra.train import METRICS_FILE, StepRecord, TrainRun
 from libra.trainer import TrainerConfig
-from libra.workers import Allocation, AllocConfig, WorkerCluster
+from libra.workers import Allocation, AllocConfig, WorkerCluster, _ray_workers
 from libra.workers._ray import import_ray, ray_missing
 from libra.workers._ray_server import RayServer
 from libra.workers._ray_workers import open_ray_workers
@@ -192,6 +192,27 @@ async def test_each_worker_s_rank_runs_on_the_node_its_selector_names(
         async with workers.worlds(tiny_model, TRAINER)((0, 1, 2)) as world:
             ranks = await world.call(RankNodes())
     assert [label_of[node] for node in ranks] == list(on_nodes)
+
+
+async def test_a_selector_no_node_matches_is_waited_for_with_a_line_then_stops_the_run(
+    ray_nodes: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray holds no worker until it can hold all: worker 2's node never joins. A line
+    says so while the run waits, and past ``alloc.ray_wait_s`` the run stops with what is
+    missing and what the cluster has."""
+    monkeypatch.setattr(_ray_workers, "_PLACING_POLL_S", 1.0)
+    core = sorted(os.sched_getaffinity(0))[0]
+    labels = [{LABEL: "trainer"}, {LABEL: "server"}, {LABEL: "nowhere"}]
+    with pytest.raises(UsageError) as stopped:
+        async with open_ray_workers([(core,)] * 3, "gloo", ray_nodes, labels, wait_s=2.5):
+            pytest.fail("placed on a node that does not exist")
+    message = str(stopped.value)
+    assert message.startswith("Ray has not placed the workers after 2 s: w0 {'CPU': 1.0}")
+    assert "w2 {'CPU': 1.0} on {'libra-node': 'nowhere'}" in message
+    assert all(f"{{'{LABEL}': '{node}'}} CPU 1" in message for node in NODES)
+    assert message.endswith("(alloc.ray_wait_s = 2.5)")
+    waiting = [r.getMessage() for r in caplog.records if r.name == _ray_workers.__name__]
+    assert len(waiting) == 2 and all("waiting up to alloc.ray_wait_s = 2.5 s" in w for w in waiting)
 
 
 SERVING = {"rank w0": "trainer", "server w1": "server", "server w2": "hybrid"}
