@@ -119,7 +119,7 @@ class RayWorkers:
             for node in nodes
         ]
         return (
-            f"Ray has not placed the workers after {waited:.0f} s: {'; '.join(bundles)}. "
+            f"Ray has not placed the workers after {waited:g} s: {'; '.join(bundles)}. "
             f"Its nodes: {'; '.join(have) or 'none alive'}"
         )
 

@@ -207,7 +207,7 @@ async def test_a_selector_no_node_matches_is_waited_for_with_a_line_then_stops_t
         async with open_ray_workers([(core,)] * 3, "gloo", ray_nodes, labels, wait_s=2.5):
             pytest.fail("placed on a node that does not exist")
     message = str(stopped.value)
-    assert message.startswith("Ray has not placed the workers after 2 s: w0 {'CPU': 1.0}")
+    assert message.startswith("Ray has not placed the workers after 2.5 s: w0 {'CPU': 1.0}")
     assert "w2 {'CPU': 1.0} on {'libra-node': 'nowhere'}" in message
     assert all(f"{{'{LABEL}': '{node}'}} CPU 1" in message for node in NODES)
     assert message.endswith("(alloc.ray_wait_s = 2.5)")
