@@ -29,6 +29,9 @@ from libra.alloc._moves import Move
 from libra.alloc._pool import HybridPool
 from libra.config import Section
 
+#: The states in which a worker takes pieces of the step under way.
+_TRAINING = ("active", "leaving")
+
 
 class TailRule(Section):
     """When the tail is idle enough to lend instances to training."""
@@ -132,10 +135,10 @@ class TailLender:
     lent: list[str] = field(default_factory=list)
     #: The units lent inside the last step's training.
     last: list[str] = field(default_factory=list)
-    #: The last step's training: the workers it started with, and the worker-seconds
-    #: the units lent inside it trained.
-    _started_with: int = field(default=1, init=False, repr=False)
-    _lent_worker_s: float = field(default=0.0, init=False, repr=False)
+    #: The last step's training: the workers that trained it and stayed, and the
+    #: worker-seconds the others put in (units lent inside it, or released as it started).
+    _staying: int = field(default=1, init=False, repr=False)
+    _helped_worker_s: float = field(default=0.0, init=False, repr=False)
 
     @asynccontextmanager
     async def lending(
@@ -143,7 +146,8 @@ class TailLender:
     ) -> AsyncIterator[None]:
         """Lend idle hybrid units to the training that runs in the body."""
         first = len(self.pool.moves)
-        self._started_with = max(1, self.pool.workers_in("training"))
+        started = anyio.current_time()
+        self._staying, leaving = self._training_now()
         done = anyio.Event()
         try:
             async with anyio.create_task_group() as group:
@@ -156,9 +160,25 @@ class TailLender:
             borrows = [m for m in self.pool.moves[first:] if m.direction == "borrow"]
             self.last = [m.unit for m in borrows]
             self.lent += self.last
-            self._lent_worker_s = self._trained_s(borrows, anyio.current_time())
+            ended = anyio.current_time()
+            self._helped_worker_s = self._joined_s(borrows, ended) + sum(
+                self._left_at(worker, started, ended) - started for worker in leaving
+            )
 
-    def _trained_s(self, borrows: list[Move], ended: float) -> float:
+    def _training_now(self) -> tuple[int, list[int]]:
+        """Workers training as a step starts: how many stay, and those a pending release
+        takes out (in one-step-off they may train pieces of this step first)."""
+        releasing = {m.unit for m in self.pool.pending() if m.direction == "release"}
+        staying, leaving = 0, list[int]()
+        for unit in self.pool.units:
+            if all(self.pool.state[w] in _TRAINING for w in unit.workers):
+                if unit.name in releasing:
+                    leaving += unit.workers
+                else:
+                    staying += len(unit.workers)
+        return max(1, staying), leaving
+
+    def _joined_s(self, borrows: list[Move], ended: float) -> float:
         """Worker-seconds the units of ``borrows`` trained, from their joins to ``ended``."""
         workers = {unit.name: len(unit.workers) for unit in self.pool.units}
         return sum(
@@ -167,12 +187,23 @@ class TailLender:
             if m.outcome == "done" and m.ended is not None and m.ended < ended
         )
 
+    def _left_at(self, worker: int, started: float, ended: float) -> float:
+        """When ``worker`` stopped training after ``started``, or ``ended``."""
+        left = (
+            change.at
+            for change in self.pool.history
+            if change.worker == worker and change.at >= started and not change.remark
+            and change.state not in _TRAINING
+        )  # fmt: skip
+        return min(next(left, ended), ended)
+
     def alone_s(self, train_s: float) -> float:
-        """The last step's ``train_s`` seconds of training as the workers it started with
-        would have taken it alone: what prices the next step's (:func:`borrow_pays`
-        scales training with its workers too). Priced at what a lent step took, the next
-        step would look shorter than it runs, and its tail too short to lend to."""
-        return train_s + self._lent_worker_s / self._started_with
+        """The last step's ``train_s`` seconds of training as the workers that trained it
+        and stay would have taken it alone: what prices the next step's
+        (:func:`borrow_pays` scales training with its workers too). Priced at what a
+        helped step took, the next step would look shorter than it runs, and its tail
+        too short to lend to."""
+        return train_s + self._helped_worker_s / self._staying
 
     def give_back(self) -> list[Move]:
         """Release the lent units that reached training. One still on its way is given

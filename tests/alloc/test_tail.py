@@ -129,3 +129,30 @@ async def test_a_unit_still_on_its_way_to_training_is_given_back_once_it_arrives
         assert (move.unit, move.direction) == ("w3", "release") and lender.lent == []
         await pool.settled()
         assert pool.path_of(3)[-1] == "serving"
+
+
+async def test_a_step_that_units_leave_at_its_end_prices_the_next_as_the_core_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In one-step-off a released unit trains pieces of the step under way before it
+    leaves: that step is priced as the workers that stay would take it alone (here the
+    leaves come 30 s into the step)."""
+    cluster = emulated_cluster()
+    trainer = cluster.trainer
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    alone = trainer.step_seconds(2_000_000, 1)
+
+    async def leave_late(worker: int) -> None:
+        await anyio.sleep(30)
+        await trainer.leave(worker)
+
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        lender = TailLender(pool, RULE)
+        async with lender.lending(lambda: 0, lambda: alone):
+            await trainer.step(2_000_000)
+        monkeypatch.setattr(cluster, "leave_training", leave_late)
+        assert len(lender.give_back()) == 2  # the next rollout starts: both go back
+        async with lender.lending(lambda: 100, lambda: 0.0):  # nothing more is lent
+            took = await trainer.step(2_000_000)
+        assert lender.last == [] and 30 < took < alone
+        assert abs(lender.alone_s(took) - alone) < 0.05 * alone
