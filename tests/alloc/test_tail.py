@@ -131,7 +131,7 @@ async def test_a_unit_still_on_its_way_to_training_is_given_back_once_it_arrives
         assert pool.path_of(3)[-1] == "serving"
 
 
-async def test_a_step_that_units_leave_at_its_end_prices_the_next_as_the_core_alone(
+async def test_a_step_units_leave_as_it_runs_is_priced_as_the_core_alone_would_take_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """In one-step-off a released unit trains pieces of the step under way before it
