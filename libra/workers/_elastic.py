@@ -241,11 +241,8 @@ class ElasticTrainer:
         None: nothing. A :class:`Train` runs over the hybrid gradient group when it has
         replicas (and again without a replica that fails mid-step)."""
         async with self._lock:
-            if self.hybrid.bridged or self.hybrid.in_pieces:
-                result: T | None = await self.hybrid.train(self._current, make)
-                return result
-            command = make(self.world_size)
-            return None if command is None else await self._current.call(command)
+            result: T | None = await self.hybrid.train(self._current, make)
+            return result
 
     # ---------------------------------------------------------- hybrid workers
 

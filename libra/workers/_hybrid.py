@@ -120,7 +120,8 @@ class HybridGroup:
         self._start, self.timeout_s, self.in_pieces = start, timeout_s, in_pieces
         self.piece_patience_s = piece_patience_s
         self.replicas: dict[int, Replica] = {}
-        #: Micro-batches of the last step taken in pieces, per member (None: the core).
+        #: Micro-batches of the last step, per member (None: the core) when it was taken
+        #: in pieces; empty when it trained nothing or not in pieces.
         self.shares: Counter[int | None] = Counter()
         #: Replicas dropped because they failed, and why, in order.
         self.failures: list[tuple[int, str]] = []
@@ -216,6 +217,7 @@ class HybridGroup:
         taken in pieces over the group, and again without a replica that breaks the
         bridge at its end. (Any other command than a :class:`Train`, or a step while the
         group has no replica, runs on the core alone.)"""
+        self.shares = Counter()  # a step that trains nothing took no pieces
         while True:
             command = make(core.world_size + len(self.active))
             if command is None:

@@ -114,6 +114,9 @@ async def test_a_replica_lent_mid_step_joins_the_step_under_way(tiny_model: Path
         trained = await elastic.call(FullParameters())
         assert_close(trained, await fixed.call(FullParameters()), atol=1e-5)
         assert_equal(await replica_parameters(elastic, 1), trained)
+        # A step with nothing to train (its groups' rewards all tied) took no pieces.
+        await elastic.call_sized(lambda _: None)
+        assert elastic.hybrid.shares == {}
     assert elastic.resizes == []
 
 

@@ -234,8 +234,17 @@ async def test_a_run_on_three_ray_nodes_runs_each_worker_on_its_labelled_node_as
     # machines of their own.
     vllm = {"max_model_len": 1024, "startup_timeout_s": 400, "kv_cache_gib": 1, "host": "0.0.0.0"}
     # Micro-batches of a sample or two: the step in several pieces, the replica takes some.
-    train_config = {"micro_batch_tokens": 64}
-    config = embedded_alloc_run(run_dir, alloc, steps=2, vllm=vllm, train=train_config)
+    # Groups of four and a slow learning rate keep step 1 something to train: at 1e-4 the
+    # policy may answer in 8 digits by then, every reward tied (a step of no pieces).
+    config = embedded_alloc_run(
+        run_dir,
+        alloc,
+        steps=2,
+        samples_per_prompt=4,
+        vllm=vllm,
+        train={"micro_batch_tokens": 64},
+        trainer={"lr": 1e-6},
+    )
     seen: list[dict[str, str]] = []
     moves: list[tuple[str, str, str]] = []
 
@@ -257,6 +266,8 @@ async def test_a_run_on_three_ray_nodes_runs_each_worker_on_its_labelled_node_as
     assert moves == [("borrow", "w2", "done"), ("release", "w2", "done")]
     lines = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     allocs = [line["alloc"] for line in lines]
+    print("pieces per step:", [alloc["pieces"] for alloc in allocs])
+    assert lines[1]["groups_used"] > 0, lines[1]  # (else it trained nothing)
     # Step 1 was trained by the core on the trainer node and the replica on the hybrid one.
     assert allocs[1]["training"] == [0, 2] and allocs[1]["pieces"].get("w2", 0) > 0
     assert allocs[1]["trained_on"] == 2
