@@ -145,9 +145,10 @@ async def test_a_run_lends_a_hybrid_worker_to_training_and_loses_no_trajectory(
         unavailable(missing)
     run_dir = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))
-    config = embedded_alloc_run(
-        run_dir, hybrid_alloc_section(cores) | {"backend": backend}, steps=STEPS
-    )
+    # A slow learning rate keeps every step something to train: at 1e-4 the policy may
+    # answer in 8 digits within a step, every reward tied (no training to outlast).
+    alloc = hybrid_alloc_section(cores) | {"backend": backend}
+    config = embedded_alloc_run(run_dir, alloc, steps=STEPS, trainer={"lr": 1e-6})
     timings: list[tuple[str, str, float]] = []
 
     async def after(run: TrainRun, record: StepRecord) -> None:
