@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
@@ -38,6 +39,31 @@ class UsageError(Exception):
 
 class ConfigError(UsageError, ValueError):
     """A config file or override is invalid; the message is one line for the user."""
+
+
+class RenamedWarning(FutureWarning):
+    """An old name (a config key, a flag, a Python name) that still works for one release
+    under its new one. The ``libra`` command shows it as one line."""
+
+
+def renamed(old: str, new: str, *, stacklevel: int = 2) -> None:
+    """Warn that ``old`` is now called ``new``."""
+    message = f"{old} is now {new}: the old name goes in the next release"
+    warnings.warn(message, RenamedWarning, stacklevel=stacklevel + 1)
+
+
+def renamed_key(data: Any, old: str, new: str, section: str = "") -> Any:
+    """``data`` (a section's raw keys, before validation) with key ``old`` moved to
+    ``new``, and a warning; both given is an error. ``section``: the keys' prefix."""
+    if not isinstance(data, dict) or old not in data:
+        return data
+    where = f"{section}." if section else ""
+    if new in data:
+        raise ValueError(f"{where}{old} and {where}{new} are one setting: keep {new}")
+    renamed(f"{where}{old}", f"{where}{new}", stacklevel=4)
+    data = dict(data)
+    data[new] = data.pop(old)
+    return data
 
 
 def load_config(

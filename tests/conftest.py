@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
 
 
+#: ``--profile FILE``: each test's seconds, started processes and peak memory.
+pytest_plugins = ["tests._profile"]
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long-faults",

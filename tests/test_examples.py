@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from libra.cli._serve import ServeConfig
 from libra.config import load_config
-from libra.launch import RolloutConfig, TrainRunConfig
+from libra.launch import RolloutConfig, ServeConfig, TrainRunConfig
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 COMMANDS: dict[str, type[BaseModel]] = {

@@ -1,9 +1,11 @@
 """One agent episode, top to bottom, as a trajectory record.
 
-``async with AgentRunner(engine, agent) as runner`` opens the gateway's core
-(:class:`libra.gateway.Sessions`) over ``engine`` and serves its OpenAI surface on a
-free loopback port, behind a key of its own (the port is the host's: no other local
-user may drive, or reload, the run's servers through it). Then, for each job:
+The runner plays through a gateway over ``engine`` that its owner serves
+(``libra.launch.open_agent``) on a free loopback port, with the runner's
+:meth:`AgentRunner.gateway_config` and behind the runner's own key (the port is the
+host's: no other local user may drive, or reload, the run's servers through it); the
+gateway's ended sessions go to :meth:`AgentRunner.ended`, and its events name each
+session by its episode (:meth:`AgentRunner.episode_of`). Then, for each job:
 
 1. the agent gets the job's task and an ``openai.AsyncOpenAI`` client whose every call
    names the session ``str(job.id)`` (``X-Libra-Session``): the gateway routes each call
@@ -14,10 +16,11 @@ user may drive, or reload, the run's servers through it). Then, for each job:
    ``Sessions.on_end``; with no reward from the agent, the run's env scores the final
    conversation (its ``reset`` on the task, then its ``reward`` on the last reply);
 4. the record takes the job's identity (id, task, group, step, sample; ``env`` is the
-   agent's name). A client that edited its history left several sessions under the
-   key (the gateway starts a new one rather than train on tokens it never sampled):
-   they are the episode's pieces, joined (``libra.engine.join_pieces``) into one
-   sample of several sequences, each exact, all with the episode's reward.
+   agent's name), and so do the episode's events: its start and end, which the runner
+   publishes, and its sessions' calls. A client that edited its history left several
+   sessions under the key (the gateway starts a new one rather than train on tokens it
+   never sampled): they are the episode's pieces, joined (``libra.engine.join_pieces``)
+   into one sample of several sequences, each exact, all with the episode's reward.
 
 An agent that raises or times out is ``failed`` (``agent_error``, ``agent_timeout``:
 never the policy's doing, never trained), its traceback shown once per exception type
@@ -50,7 +53,7 @@ from libra.engine import (
     join_pieces,
 )
 from libra.envs import Env
-from libra.gateway import SESSION_HEADER, GatewayConfig, Keys, Sessions, create_gateway, serving
+from libra.gateway import SESSION_HEADER, GatewayConfig, Keys, Sessions
 
 #: What an agent's episode may take beyond its own limit: the session outlives it.
 _TTL_MARGIN_S = 60.0
@@ -70,26 +73,36 @@ class AgentRunner:
         timeout_s: float = 600.0,
     ) -> None:
         self.engine, self.agent, self.scorer, self.timeout_s = engine, agent, scorer, timeout_s
-        self.url = ""  # the loopback base URL, once open (``{url}/v1`` for clients)
         self.key = secrets.token_urlsafe(24)
+        self.url = ""  # the gateway's base URL (``{url}/v1`` for clients), once through one
+        self.sessions: Sessions | None = None
         self._pieces: dict[str, list[TrajectoryRecord]] = {}  # by running episode
         self._stack = AsyncExitStack()
         self._client: Any = None
 
-    async def __aenter__(self) -> AgentRunner:
-        openai = _openai_sdk()
-        config = GatewayConfig(
+    def gateway_config(self) -> GatewayConfig:
+        """How the gateway the runner plays through serves its episodes."""
+        return GatewayConfig(
             env=self.agent.name,
             session_ttl_s=self.timeout_s + _TTL_MARGIN_S,
             sampling=self.engine.config.sampling,
             any_model=True,  # the agent may name any model: it trains the run's policy
         )
+
+    def keys(self) -> Keys:
+        """The gateway's one key: the runner's own."""
+        return Keys.of([self.key], [])
+
+    def through(self, url: str, sessions: Sessions) -> AgentRunner:
+        """Play through the gateway served at ``url`` over ``sessions`` (enter it next)."""
+        self.url, self.sessions = url, sessions
+        return self
+
+    async def __aenter__(self) -> AgentRunner:
+        if self.sessions is None:
+            raise RuntimeError("AgentRunner plays through a gateway: see libra.launch.open_agent")
+        openai = _openai_sdk()
         async with AsyncExitStack() as stack:
-            self.sessions = await stack.enter_async_context(
-                Sessions(self.engine, config, on_end=self._ended)
-            )
-            app = create_gateway(self.sessions, Keys.of([self.key], []), any_model=True)
-            self.url = await stack.enter_async_context(serving(app))
             http = await stack.enter_async_context(httpx.AsyncClient(timeout=None))
             self._client = openai.AsyncOpenAI(
                 base_url=f"{self.url}/v1",
@@ -118,6 +131,8 @@ class AgentRunner:
     ) -> TrajectoryRecord:
         key, started = str(job.id), now()
         self._pieces[key] = []
+        if engine.published is not None:  # its sessions' calls go under the job's id
+            engine.published.started(key, self.agent.name, job.step, str(job.task_id))
         client = self._client.with_options(default_headers={SESSION_HEADER: key})
         try:
             with anyio.move_on_after(self.timeout_s) as limit:
@@ -139,7 +154,12 @@ class AgentRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _ended(self, client_key: str | None, record: TrajectoryRecord) -> None:
+    def episode_of(self, client_key: str) -> str | None:
+        """The gateway's ``episode_of``: a client key is its running episode's id."""
+        return client_key if client_key in self._pieces else None
+
+    def ended(self, client_key: str | None, record: TrajectoryRecord) -> None:
+        """The gateway's ``on_end``: an ended session is a piece of its episode."""
         # A piece that ends after its episode's record was made (a call the agent left
         # running past its end, cut by the disconnect) is not kept: the episode is over.
         if client_key in self._pieces:
@@ -158,6 +178,7 @@ class AgentRunner:
         session's own ending (and ``reward``, else the scorer's)."""
         key = str(job.id)
         # No live session: the agent made no call, or its session ended already.
+        assert self.sessions is not None  # (entered: through a gateway)
         with contextlib.suppress(KeyError):
             await self.sessions.report(key, done=True)
         pieces = self._pieces.pop(key, [])
@@ -192,6 +213,8 @@ class AgentRunner:
             episode = join_pieces(pieces)
             timings.generation_s = episode.timings.generation_s
             record = msgspec.structs.replace(episode, timings=timings, **identity)
+        if self.engine.published is not None:
+            self.engine.published.ended(record)
         if self.engine.on_record is not None:
             self.engine.on_record(record)
         return record

@@ -37,12 +37,15 @@ from libra.bench._soak import main_soak
 from libra.bench._sync import TransportResult, bench_sync
 from libra.bench._train import as_json as train_as_json
 from libra.bench._train import bench_train
+from libra.sched.policies import ABLATIONS, POLICIES  # what --policies and --ablate name
 
 __all__ = [
+    "ABLATIONS",
     "DEFAULT_FLEET",
     "DEFAULT_MISMATCH",
     "DEFAULT_WORKLOAD",
     "MISMATCH_PRESETS",
+    "POLICIES",
     "FleetFile",
     "LowerBound",
     "PolicyResult",

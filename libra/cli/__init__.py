@@ -5,21 +5,20 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import warnings
 from collections.abc import Sequence
 
 from libra.cli import _bench, _images, _rollout, _serve, _train, _view, _vllm
 from libra.cli._groups import single_failure
-from libra.config import UsageError
+from libra.config import RenamedWarning, UsageError
 from libra.envs import SandboxError, available_envs
-from libra.gateway import AuthError
 from libra.serving import ModelError, VLLMServerError
 
 # Errors a user can fix from the message alone: print one line, not a traceback. Front
 # ends raise ``UsageError`` (a bad flag, config key, env, output path or server); the
 # others are the library's own errors whose messages say what to do.
 _USER_ERRORS = (
-    UsageError,
-    AuthError,
+    UsageError,  # AuthError too
     SandboxError,
     ModelError,
     VLLMServerError,
@@ -31,6 +30,7 @@ _USER_ERRORS = (
 
 def main(argv: Sequence[str] | None = None) -> int:
     _collect_garbage_less_often()
+    warnings.formatwarning = _one_line_when_renamed
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -51,6 +51,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("libra: interrupted", file=sys.stderr)
         return 130
     return code
+
+
+_format_warning = warnings.formatwarning
+
+
+def _one_line_when_renamed(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """An old name (a key, a flag) the command still takes: one line, as its errors are."""
+    if issubclass(category, RenamedWarning):
+        return f"libra: warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
 
 
 def _collect_garbage_less_often() -> None:

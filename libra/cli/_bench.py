@@ -13,10 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from libra.bench import (
+    ABLATIONS,
     DEFAULT_FLEET,
     DEFAULT_MISMATCH,
     DEFAULT_WORKLOAD,
     MISMATCH_PRESETS,
+    POLICIES,
     add_alloc_arguments,
     add_docs_arguments,
     add_soak_arguments,
@@ -36,7 +38,6 @@ from libra.bench import (
     train_as_json,
     view_as_json,
 )
-from libra.sched.policies import ABLATIONS, POLICIES
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

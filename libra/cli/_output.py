@@ -11,7 +11,7 @@ from libra.config import UsageError
 def check_output_file(path: Path, flag: str) -> None:
     """Refuse, before anything runs, an output file the command could not write at the
     end: a folder, a path under a file, or one in a folder it may not write to. Missing
-    folders are fine: :func:`make_parents` creates them when the command writes."""
+    folders are fine: the command creates them when it writes."""
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a folder; give a file in it, e.g. {path / 'out'}")
     if path.exists():
@@ -25,9 +25,3 @@ def check_output_file(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: no permission to write in {folder}")
-
-
-def make_parents(path: Path) -> Path:
-    """``path``, its missing folders created."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path

@@ -14,7 +14,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from libra.engine import RolloutStats
+from libra.launch import RolloutStats
 
 
 def counters(stats: RolloutStats) -> str:

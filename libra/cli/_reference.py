@@ -19,8 +19,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from libra.cli import _parser
-from libra.cli._serve import ServeConfig
-from libra.launch import RolloutConfig, TrainRunConfig
+from libra.launch import RolloutConfig, ServeConfig, TrainRunConfig
 from libra.serving import VLLMServerConfig
 
 #: The config each command loads (``--config FILE``, ``--set KEY=VALUE``), in page order.

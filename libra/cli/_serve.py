@@ -1,109 +1,21 @@
-"""``libra serve``: the gateway, one OpenAI-compatible endpoint for a whole fleet.
-
-It opens the fleet it is given (``--server emulated|embedded|URL[,URL...]`` or a
-``[fleet]`` of buckets, as ``libra rollout`` does), builds the scheduler (``--policy``,
-C-MLFQ's saved forest), the engine and the gateway's core over them, and serves the
-gateway's ASGI app with uvicorn until Ctrl-C or SIGTERM. Clients point the ``openai``
-SDK's ``base_url`` at ``http://HOST:PORT/v1``. A one-line console view shows the
-traffic once a second.
-"""
+"""``libra serve``'s flags, and its console view: a line of traffic once a second.
+The run itself is ``libra.launch.serve``."""
 
 from __future__ import annotations
 
 import argparse
-import signal
 import time
-from contextlib import nullcontext
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import anyio
-import uvicorn
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 from rich.console import Console
 from rich.live import Live
 
 from libra.cli._config import add_config_arguments
 from libra.cli._view import add_view_arguments, view_options
-from libra.config import load_config
-from libra.emulation import EmulatorConfig
-from libra.engine import EngineConfig, TransportName
-from libra.events import EventBus
-from libra.fleet import FleetSpec
-from libra.gateway import (
-    DEFAULT_MAX_BODY_BYTES,
-    GatewayConfig,
-    GatewayMetrics,
-    GatewayServer,
-    Keys,
-    Sessions,
-    Totals,
-    create_gateway,
-    gateway_keys,
-    uvicorn_config,
-)
-from libra.launch import (
-    SCHEDULERS,
-    SchedulerName,
-    ViewOptions,
-    assemble_engine,
-    local_templates,
-    run_events,
-)
-from libra.sched.policies import CMLFQConfig
-from libra.serving import SupervisorConfig
-from libra.view import RecordFiles
-
-
-class ServeConfig(BaseModel):
-    """``libra serve``'s settings (TOML with ``--config``, ``--set KEY=VALUE``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
-    fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
-    model: str | None = Field(None, description="model name upstream (default: the server's)")
-    policy: SchedulerName = Field("cmlfq", description=f"one of {', '.join(SCHEDULERS)}")
-    cmlfq: CMLFQConfig = CMLFQConfig()
-    scheduler_state: Path | None = Field(
-        None, description="C-MLFQ's prefix forest: read at start if it exists, written at exit"
-    )
-    metrics_interval_s: PositiveFloat | None = Field(
-        None,
-        description="read each server's vLLM /metrics this often, for servers that other "
-        "clients use too (the router's own counts miss their load); None: never",
-    )
-    probe_timeout_s: PositiveFloat = Field(
-        10.0, description="how long a server given by URL may take to list its models"
-    )
-    host: str = Field(
-        "127.0.0.1", description="address to listen on (no_auth only on a loopback one)"
-    )
-    port: int = Field(8080, ge=0, le=65535, description="0: any free port (printed)")
-    record: Path | None = Field(None, description="append every ended session here (JSONL)")
-    no_auth: bool = Field(False, description="no API key (allowed on loopback only)")
-    api_key_file: Path | None = Field(None, description="user keys, one a line")
-    admin_key_file: Path | None = Field(None, description="admin keys, one a line")
-    max_body_bytes: PositiveInt = Field(
-        DEFAULT_MAX_BODY_BYTES, description="larger request bodies are refused (HTTP 413)"
-    )
-    console: bool = Field(True, description="a one-line view of the traffic, once a second")
-    console_every_s: PositiveFloat = Field(
-        1.0, description="seconds between redraws of the console view"
-    )
-    transport: TransportName = Field(
-        "httptools",
-        description="HTTP client for servers on real ports (httptools: the least CPU a "
-        "call); the emulated server is called in-process",
-    )
-    max_connections: PositiveInt = Field(
-        1024, description="sockets open to all servers together; more calls wait for one"
-    )
-    engine: EngineConfig = EngineConfig()
-    emulator: EmulatorConfig = EmulatorConfig()
-    gateway: GatewayConfig = GatewayConfig()
-    supervisor: SupervisorConfig = SupervisorConfig()
+from libra.config import load_config, renamed
+from libra.launch import SCHEDULERS, GatewayMetrics, ServeConfig, Sessions, serve
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,7 +26,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--server", help="'emulated' (default), 'embedded' or OpenAI-compatible URL(s)"
     )
     parser.add_argument("--model", help="model name upstream (default: the server's)")
-    parser.add_argument("--policy", help=f"routing policy: {', '.join(SCHEDULERS)} (cmlfq)")
+    parser.add_argument("--scheduler", help=f"routing policy: {', '.join(SCHEDULERS)} (cmlfq)")
+    parser.add_argument("--policy", help="the old name of --scheduler")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default 8080; 0: any free one)")
     parser.add_argument("--record", type=Path, help="JSONL file of the sessions as trajectories")
@@ -134,10 +47,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.policy is not None:
+        renamed("libra serve --policy", "--scheduler")
     flags = {
         "server": args.server,
         "model": args.model,
-        "policy": args.policy,
+        "scheduler": args.scheduler or args.policy,
         "host": args.host,
         "port": args.port,
         "record": args.record,
@@ -147,72 +62,12 @@ def run(args: argparse.Namespace) -> int:
         "console": False if args.no_console else None,
     }
     config = load_config(ServeConfig, args.config, flags, args.set)
-    keys = gateway_keys(
-        config.host,
-        no_auth=config.no_auth,
-        api_key_file=config.api_key_file,
-        admin_key_file=config.admin_key_file,
+    watch = partial(console_view, every_s=config.console_every_s) if config.console else None
+    anyio.run(
+        partial(serve, config, view_options(args), watch=watch),
+        backend_options={"use_uvloop": True},
     )
-    view = view_options(args)
-    if view is not None and keys.admins:  # off loopback, the gateway's admin keys open it
-        admin = partial(keys.check, admin=True)
-        view = replace(view, allows=lambda key: admin(b"Bearer " + key.encode()) == "ok")
-    anyio.run(serve, config, keys, view, backend_options={"use_uvloop": True})
     return 0
-
-
-async def serve(config: ServeConfig, keys: Keys, view: ViewOptions | None = None) -> None:
-    """Serve until SIGINT or SIGTERM; then stop taking requests, end every session
-    (recorded) and save the scheduler's state. The fleet is assembled as a rollout's
-    is (``libra.launch``): a server started for it is restarted when it dies or hangs.
-    With ``view``, the live view is served too; its events go beside the recorded
-    sessions (``FILE.events.jsonl``), whose conversations it shows."""
-    bus = EventBus()  # /metrics counts what it publishes; the view, when on, shows it
-    record = config.record
-    log = record.with_name(record.stem + ".events.jsonl") if record is not None else None
-    found = RecordFiles(lambda: [record] if record is not None and record.is_file() else [])
-    async with (
-        run_events(bus, log=log, view=view, find_record=found) if view else nullcontext(),
-        assemble_engine(config, config.policy, templates=local_templates(), events=bus) as run,
-    ):
-        scheduler = run.engine.scheduler
-        gateway = config.gateway
-        if config.record is not None:
-            gateway = gateway.model_copy(update={"record_path": config.record})
-        async with Sessions(run.engine, gateway) as core:
-            metrics = GatewayMetrics(scheduler.router, bus)
-            app = create_gateway(
-                core,
-                keys,
-                metrics=metrics,
-                max_body_bytes=config.max_body_bytes,
-                any_model=gateway.any_model,
-            )
-            server = GatewayServer(uvicorn_config(app, config.host, config.port))
-            async with anyio.create_task_group() as group:
-                group.start_soon(_stop_on_signal, server)
-                group.start_soon(_announce, server, config, keys)
-                if config.console:
-                    group.start_soon(console_view, metrics, core, config.console_every_s)
-                await server.serve()
-                group.cancel_scope.cancel()
-
-
-async def _stop_on_signal(server: uvicorn.Server) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            server.should_exit = True
-            return
-
-
-async def _announce(server: GatewayServer, config: ServeConfig, keys: Keys) -> None:
-    """Print the endpoint once uvicorn listens (the port, when ``port`` was 0)."""
-    await server.listening.wait()
-    if not server.started:  # it could not bind: uvicorn said why
-        return
-    port = server.port
-    auth = "API key required" if keys.enabled else "no auth (loopback)"
-    print(f"libra serve: http://{config.host}:{port}/v1 ({config.policy}, {auth})", flush=True)
 
 
 async def console_view(
@@ -230,10 +85,11 @@ async def console_view(
             totals, now = metrics.totals, time.monotonic()
             rate = (totals.requests - last) / max(now - last_time, 1e-9)
             last, last_time = totals.requests, now
-            live.update(_line(totals, rate, core), refresh=True)
+            live.update(_line(metrics, rate, core), refresh=True)
 
 
-def _line(totals: Totals, rate: float, core: Sessions) -> str:
+def _line(metrics: GatewayMetrics, rate: float, core: Sessions) -> str:
+    totals = metrics.totals
     in_flight = sum(i.in_flight for i in core.engine.scheduler.router.instances)
     return (
         f"[bold]libra serve[/] {totals.requests} requests ({rate:.0f}/s) · "

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 
-from libra.engine import RolloutStats
-from libra.sched import Scheduler
+from libra.launch import RolloutStats
+
+
+class Routing(Protocol):
+    """What a timeline reads of the scheduler: its calls in flight by endpoint."""
+
+    def calls_in_flight(self) -> dict[str, int]: ...
+
 
 _STATUSES = ("completed", "truncated", "failed")
 
@@ -25,7 +32,7 @@ class Timeline:
     ended: dict[str, list[int]] = field(default_factory=dict)  # by status, cumulative
     reward_mean: list[float | None] = field(default_factory=list)
 
-    def sample(self, elapsed_s: float, scheduler: Scheduler, stats: RolloutStats) -> None:
+    def sample(self, elapsed_s: float, scheduler: Routing, stats: RolloutStats) -> None:
         self.seconds.append(elapsed_s)
         now = scheduler.calls_in_flight()
         for endpoint in now.keys() - self.calls_in_flight.keys():
@@ -39,7 +46,7 @@ class Timeline:
 
 
 async def record_timeline(
-    timeline: Timeline, scheduler: Scheduler, stats: RolloutStats, interval_s: float = 0.25
+    timeline: Timeline, scheduler: Routing, stats: RolloutStats, interval_s: float = 0.25
 ) -> None:
     """Sample until cancelled (run it beside the rollout)."""
     started = anyio.current_time()

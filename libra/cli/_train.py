@@ -21,8 +21,7 @@ from libra.cli._groups import single_failure
 from libra.cli._progress import counters
 from libra.cli._view import add_view_arguments, view_options
 from libra.config import load_config
-from libra.engine import RolloutStats
-from libra.launch import TrainRunConfig, ViewOptions, evaluate, train
+from libra.launch import RolloutStats, TrainRunConfig, ViewOptions, evaluate, train
 from libra.train import (
     EVAL_FILE,
     METRICS_FILE,

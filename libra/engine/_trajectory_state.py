@@ -25,6 +25,7 @@ class TrajectoryState:
         self.job = job
         # The scheduler's keys, rendered once (see ``RouteRequest``).
         self.key = str(job.id)
+        self.event_id = self.key
         self.prompt_key = str(job.task.id)
         self.sampling = sampling
         self.weight_version: int | None = None  # of the endpoint of its first call

@@ -44,6 +44,9 @@ class Dialogue(Protocol):
     """What one turn's mechanics read and update of the conversation it belongs to."""
 
     key: str  # the scheduler's keys (see ``RouteRequest``)
+    #: What its events name it (``libra.events``): its key, or the episode it is a piece
+    #: of, whose start and end its owner publishes (an agent's job).
+    event_id: str
     prompt_key: str
     turns: int  # model turns so far
     tokens: TokenLog
@@ -226,7 +229,7 @@ async def _attempt(d: Dialogue, engine: Engine, turn: Turn, trouble: ServerTroub
             scheduler.release(route, outcome=outcome, new_tokens=sampled)
             if engine.published is not None:
                 tokens = (_prompt_tokens(d, turn, generation), sampled)
-                engine.published.call(d.key, d.turns, route, now() - sent, tokens, outcome)
+                engine.published.call(d.event_id, d.turns, route, now() - sent, tokens, outcome)
         await anyio.sleep(backoff)
         backoff *= 2
 

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from libra.config import UsageError
+
 _BEARER = b"bearer "
 
 Verdict = Literal["ok", "missing", "invalid", "forbidden"]
 """``missing``/``invalid``: a 401; ``forbidden``: a valid user key on an admin route, 403."""
 
 
-class AuthError(ValueError):
+class AuthError(UsageError, ValueError):
     """The gateway's authentication settings cannot be used; the message says why."""
 
 

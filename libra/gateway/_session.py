@@ -115,6 +115,7 @@ class Session:
         "done",
         "endpoints",
         "env",
+        "event_id",
         "idle",
         "key",
         "last_endpoint",
@@ -150,6 +151,7 @@ class Session:
     ) -> None:
         self.key, self.env, self.prompt_key = key, env, prompt_key
         self.client_key: str | None = None  # the client's own name for it, if it gave one
+        self.event_id = key  # (or the episode it is a piece of: ``Sessions.episode_of``)
         self.sampling = sampling
         self.tools = list(tools)  # sent with requests; [] once described in the prompt
         self.uses_tools = bool(tools)

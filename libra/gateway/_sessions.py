@@ -84,6 +84,7 @@ class Sessions:
         config: GatewayConfig | None = None,
         *,
         on_end: Callable[[str | None, TrajectoryRecord], None] | None = None,
+        episode_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config if config is not None else GatewayConfig()
@@ -91,6 +92,10 @@ class Sessions:
         #: session as it ends, instead of ``Engine.on_record``: how an agent's runner
         #: finds its episode's sessions (and makes the episode's one record).
         self.on_end = on_end
+        #: The episode a client's key names, if its owner publishes the episode's start
+        #: and end itself (an agent's runner: the job's id): a session of it publishes
+        #: its calls under that id, and no start or end of its own.
+        self.episode_of = episode_of
         self.recorder = Recorder(
             self.config.record_path,
             stream=self.config.record_stream,
@@ -359,11 +364,13 @@ class Sessions:
         prompt_key = prompt_key_of(turn.messages, digests)
         session = Session(key, self.config.env, prompt_key, sampling, turn.tools)
         self._by_id[key] = session
-        if self.engine.published is not None:
-            self.engine.published.started(key, self.config.env, 0, prompt_key)
         if turn.session is not None:
             session.client_key = turn.session
             self._by_key[turn.session] = session
+            if self.episode_of is not None:
+                session.event_id = self.episode_of(turn.session) or key
+        if self.engine.published is not None and session.event_id == key:
+            self.engine.published.started(key, self.config.env, 0, prompt_key)
         return session
 
     def _index(self, session: Session) -> None:
@@ -459,7 +466,7 @@ class Sessions:
         if not wanted:
             return
         record = session.record(status, reason, error)
-        if published is not None:
+        if published is not None and session.event_id == session.key:  # (else its owner's)
             published.ended(record)
         self.recorder.add(record)
         if self.on_end is not None:  # its owner makes the trajectory's record of it

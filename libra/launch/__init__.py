@@ -1,15 +1,23 @@
 """The composition root: where a run's parts are put together.
 
 Fleets (emulated, the embedded vLLM, URLs or a ``[fleet]`` of buckets), sandboxes, the
-scheduler with its saved state, and the engine over them are assembled here, once, for
-every front end: ``libra rollout``, ``libra train`` (its run: trainer, workers, fleet,
-engine and session, then the RL loop over it), the gateway and the allocation loop.
-Runtime packages never import this, nor the policies or the emulator it wires in.
+scheduler with its saved state, the engine over them and the gateway over an engine are
+assembled here, once, and each command's run is here: :func:`rollout` (``libra
+rollout``), :func:`serve` (``libra serve``) and :func:`train` (``libra train``: trainer,
+workers, fleet, engine and session, then the RL loop over it). The CLI parses, shows
+progress and prints; it reaches the runtime packages through this one. Runtime packages
+never import this, nor the policies or the emulator it wires in.
 """
 
+from libra.engine import RolloutStats
+from libra.fleet import FleetSpec
+from libra.gateway import GatewayMetrics, Sessions
+from libra.launch._alloc import rule_planner
 from libra.launch._engine import Assembled, EngineSettings, assemble_engine
 from libra.launch._fleet import Fleet, FleetError, local_templates, open_fleet
+from libra.launch._gateway import OpenGateway, open_gateway
 from libra.launch._rollout import EnvShare, RolloutConfig, open_engine
+from libra.launch._run_rollout import Failures, Rollout, rollout
 from libra.launch._sandboxes import SandboxKind, beside, open_sandboxes, warm_up
 from libra.launch._scheduler import (
     SCHEDULERS,
@@ -18,7 +26,15 @@ from libra.launch._scheduler import (
     save_scheduler_state,
     scheduler_forest,
 )
-from libra.launch._session import Player, Share, load_mixture, load_player, open_session
+from libra.launch._serve import ServeConfig, serve
+from libra.launch._session import (
+    Player,
+    Share,
+    load_mixture,
+    load_player,
+    open_agent,
+    open_session,
+)
 from libra.launch._tasks import read_tasks
 from libra.launch._train import evaluate, open_run, train
 from libra.launch._train_config import TrainRunConfig
@@ -29,12 +45,20 @@ __all__ = [
     "Assembled",
     "EngineSettings",
     "EnvShare",
+    "Failures",
     "Fleet",
     "FleetError",
+    "FleetSpec",
+    "GatewayMetrics",
+    "OpenGateway",
     "Player",
+    "Rollout",
     "RolloutConfig",
+    "RolloutStats",
     "SandboxKind",
     "SchedulerName",
+    "ServeConfig",
+    "Sessions",
     "Share",
     "TrainRunConfig",
     "ViewOptions",
@@ -45,15 +69,20 @@ __all__ = [
     "load_mixture",
     "load_player",
     "local_templates",
+    "open_agent",
     "open_engine",
     "open_fleet",
+    "open_gateway",
     "open_run",
     "open_sandboxes",
     "open_session",
     "read_tasks",
+    "rollout",
+    "rule_planner",
     "run_events",
     "save_scheduler_state",
     "scheduler_forest",
+    "serve",
     "train",
     "warm_up",
 ]

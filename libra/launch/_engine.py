@@ -8,9 +8,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from libra.emulation import EmulatorConfig
 from libra.engine import ChatTemplate, Engine, EngineConfig, TransportName
@@ -19,41 +20,57 @@ from libra.events import EventBus
 from libra.fleet import FleetSpec
 from libra.launch._fleet import Fleet, open_fleet
 from libra.launch._sandboxes import beside
-from libra.launch._scheduler import SchedulerName, build_scheduler, save_scheduler_state
+from libra.launch._scheduler import (
+    SCHEDULERS,
+    SchedulerName,
+    build_scheduler,
+    save_scheduler_state,
+)
 from libra.launch._view import publish_fleet
 from libra.sched import Scheduler, poll_metrics
 from libra.sched.policies import CMLFQConfig
 from libra.serving import CurrentWeights, ServerProcess, ServerSupervisor, SupervisorConfig
 
 
-class EngineSettings(Protocol):
-    """The settings an engine over a fleet is assembled from: the keys ``libra rollout``'s
-    and ``libra serve``'s configs share (each names its scheduler its own way)."""
+class EngineSettings(BaseModel):
+    """The settings of an engine over a fleet: the keys ``libra rollout``'s, ``libra
+    serve``'s and ``libra train``'s rollout configs share (each subclasses this)."""
 
-    @property
-    def server(self) -> str | None: ...
-    @property
-    def fleet(self) -> FleetSpec | None: ...
-    @property
-    def model(self) -> str | None: ...
-    @property
-    def transport(self) -> TransportName: ...
-    @property
-    def max_connections(self) -> int: ...
-    @property
-    def emulator(self) -> EmulatorConfig: ...
-    @property
-    def probe_timeout_s(self) -> float: ...
-    @property
-    def cmlfq(self) -> CMLFQConfig: ...
-    @property
-    def scheduler_state(self) -> Path | None: ...
-    @property
-    def metrics_interval_s(self) -> float | None: ...
-    @property
-    def engine(self) -> EngineConfig: ...
-    @property
-    def supervisor(self) -> SupervisorConfig: ...
+    model_config = ConfigDict(extra="forbid")
+
+    server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
+    fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
+    model: str | None = Field(
+        None,
+        description="model name to request (default: the server's); a [fleet] names it per "
+        "instance",
+    )
+    scheduler: SchedulerName = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
+    cmlfq: CMLFQConfig = CMLFQConfig()
+    scheduler_state: Path | None = Field(
+        None,
+        description="C-MLFQ's prefix forest: read at the start if the file exists, written "
+        "at the end (libra train: after each rollout), so what one run learnt guides the next",
+    )
+    metrics_interval_s: PositiveFloat | None = Field(
+        None,
+        description="read each server's vLLM /metrics this often, for servers that other "
+        "clients use too (the router's own counts miss their load); None: never",
+    )
+    probe_timeout_s: PositiveFloat = Field(
+        10.0, description="how long a server given by URL may take to list its models"
+    )
+    transport: TransportName = Field(
+        "httptools",
+        description="HTTP client for servers on real ports (httptools: the least CPU a "
+        "call); the emulated server is called in-process",
+    )
+    max_connections: PositiveInt = Field(
+        1024, description="sockets open to all servers together; more calls wait for one"
+    )
+    engine: EngineConfig = EngineConfig()
+    emulator: EmulatorConfig = EmulatorConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
 
 @dataclass
@@ -85,7 +102,6 @@ async def _nothing() -> None:
 @asynccontextmanager
 async def assemble_engine(
     settings: EngineSettings,
-    policy: SchedulerName,
     *,
     sandboxes: SandboxProvider | None = None,
     while_starting: Callable[[], Coroutine[Any, Any, None]] = _nothing,
@@ -97,7 +113,7 @@ async def assemble_engine(
     events: EventBus | None = None,
 ) -> AsyncIterator[Assembled]:
     """Open the fleet (``while_starting`` runs while its servers start), build the
-    scheduler ``policy`` names (from its saved state) and the engine; poll the servers'
+    scheduler ``settings`` names (from its saved state) and the engine; poll the servers'
     metrics if asked. The servers started for this run (the fleet's own, and ``servers``
     the caller started, by instance name) are supervised: restarted when they die or
     hang, with ``weights`` (default: the weights they start on). ``headers`` go with
@@ -117,7 +133,9 @@ async def assemble_engine(
             headers=headers,
         )
         fleet = await beside(partial(stack.enter_async_context, opening), while_starting)
-        scheduler = build_scheduler(policy, fleet.spec, settings.cmlfq, settings.scheduler_state)
+        scheduler = build_scheduler(
+            settings.scheduler, fleet.spec, settings.cmlfq, settings.scheduler_state
+        )
         for endpoint in scheduler.router.endpoints().values():
             endpoint.headers.update(headers or {})
         owned = {**fleet.servers, **(servers or {})}

@@ -9,17 +9,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from libra.emulation import EmulatorConfig
-from libra.engine import EngineConfig, TransportName
 from libra.envs import Env
 from libra.events import EventBus
-from libra.fleet import FleetSpec
-from libra.launch._engine import Assembled, assemble_engine
+from libra.launch._engine import Assembled, EngineSettings, assemble_engine
 from libra.launch._sandboxes import SandboxKind, open_sandboxes, warm_up
-from libra.launch._scheduler import SCHEDULERS, SchedulerName
 from libra.sched import Scheduler
-from libra.sched.policies import CMLFQConfig
-from libra.serving import CurrentWeights, ServerProcess, SupervisorConfig
+from libra.serving import CurrentWeights, ServerProcess
 
 
 class EnvShare(BaseModel):
@@ -32,8 +27,8 @@ class EnvShare(BaseModel):
     tasks: Path | None = Field(None, description="its JSONL task file (default: seeded tasks)")
 
 
-class RolloutConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RolloutConfig(EngineSettings):
+    """``libra rollout``'s settings, and ``[rollout]`` of ``libra train``."""
 
     env: str | None = Field(
         None,
@@ -53,28 +48,6 @@ class RolloutConfig(BaseModel):
     )
     agent_timeout_s: PositiveFloat = Field(
         600.0, description="an agent's episode that runs longer fails (agent_timeout)"
-    )
-    server: str | None = Field(None, description="emulated (default), embedded or URL(s)")
-    fleet: FleetSpec | None = Field(None, description="instances and buckets, not --server")
-    scheduler: SchedulerName = Field("least-loaded", description=f"one of {', '.join(SCHEDULERS)}")
-    cmlfq: CMLFQConfig = CMLFQConfig()
-    metrics_interval_s: PositiveFloat | None = Field(
-        None,
-        description="read each server's vLLM /metrics this often, for servers that other "
-        "clients use too (the router's own counts miss their load); None: never",
-    )
-    scheduler_state: Path | None = Field(
-        None,
-        description="C-MLFQ's prefix forest: read before the rollout if the file exists, "
-        "written after it, so what one step learnt guides the next",
-    )
-    model: str | None = Field(
-        None,
-        description="model name to request (default: the server's); a [fleet] names it per "
-        "instance",
-    )
-    probe_timeout_s: PositiveFloat = Field(
-        10.0, description="how long a server given by URL may take to list its models"
     )
     n: PositiveInt | None = Field(
         None, description="trajectories: default 64 of seeded tasks; with tasks, all of them"
@@ -105,14 +78,6 @@ class RolloutConfig(BaseModel):
         "train writes rollouts/ in its run_dir)",
     )
     plot: Path | None = Field(None, description="PNG of calls in flight and trajectories ended")
-    transport: TransportName = Field(
-        "httptools",
-        description="HTTP client for servers on real ports (httptools: the least CPU a "
-        "call); the emulated server is called in-process",
-    )
-    max_connections: PositiveInt = Field(
-        1024, description="sockets open to all servers together; more calls wait for one"
-    )
     progress: bool = Field(True, description="a progress bar on stderr")
     sandbox: SandboxKind = Field(
         "auto",
@@ -124,9 +89,6 @@ class RolloutConfig(BaseModel):
         description="Docker: idle containers kept per sandbox spec; at most this many are "
         "started ahead of the trajectories",
     )
-    engine: EngineConfig = EngineConfig()
-    emulator: EmulatorConfig = EmulatorConfig()
-    supervisor: SupervisorConfig = SupervisorConfig()
 
     @model_validator(mode="after")
     def _one_way_to_name_the_envs(self) -> RolloutConfig:
@@ -164,7 +126,6 @@ async def open_engine(
         open_sandboxes(envs, config.sandbox, config.sandbox_pool) as sandboxes,
         assemble_engine(
             config,
-            config.scheduler,
             sandboxes=sandboxes,
             # Containers start (seconds each, cold) while vLLM does, not after it.
             while_starting=partial(warm_up, sandboxes, envs, warm),

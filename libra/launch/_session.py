@@ -13,6 +13,7 @@ from libra.agents import Agent, AgentRunner, load_agent
 from libra.config import UsageError
 from libra.engine import Engine, RolloutSession, TrajectoryRunner, run_trajectory
 from libra.envs import Env, env_name, load_env
+from libra.launch._gateway import open_gateway
 from libra.launch._rollout import RolloutConfig
 
 
@@ -65,6 +66,23 @@ def load_player(config: RolloutConfig) -> Player:
 
 
 @asynccontextmanager
+async def open_agent(
+    engine: Engine, agent: Agent, *, scorer: type[Env] | None = None, timeout_s: float = 600.0
+) -> AsyncIterator[AgentRunner]:
+    """A runner of ``agent``'s episodes on ``engine``, through a gateway of its own on a
+    free loopback port (``libra.agents``)."""
+    runner = AgentRunner(engine, agent, scorer=scorer, timeout_s=timeout_s)
+    config, keys = runner.gateway_config(), runner.keys()
+    async with (
+        open_gateway(
+            engine, config, keys, on_end=runner.ended, episode_of=runner.episode_of
+        ) as gateway,
+        runner.through(gateway.url, gateway.sessions),
+    ):
+        yield runner
+
+
+@asynccontextmanager
 async def open_session(
     engine: Engine, config: RolloutConfig, player: Player
 ) -> AsyncIterator[RolloutSession]:
@@ -73,11 +91,8 @@ async def open_session(
         runner: TrajectoryRunner = run_trajectory
         if player.agent is not None:
             runner = await stack.enter_async_context(
-                AgentRunner(
-                    engine,
-                    player.agent,
-                    scorer=player.env_cls,
-                    timeout_s=config.agent_timeout_s,
+                open_agent(
+                    engine, player.agent, scorer=player.env_cls, timeout_s=config.agent_timeout_s
                 )
             )
         yield await stack.enter_async_context(RolloutSession(engine, runner=runner))

@@ -31,7 +31,9 @@ from libra.engine import Engine
 from libra.envs import Env, Task, TaskId, env_name, load_env
 from libra.events import EVENTS_FILE, EventBus
 from libra.fleet import FleetSpec
-from libra.gateway import GatewayConfig, Sessions, create_gateway, gateway_keys, serving
+from libra.gateway import GatewayConfig, gateway_keys
+from libra.launch._alloc import rule_planner
+from libra.launch._gateway import open_gateway
 from libra.launch._rollout import open_engine
 from libra.launch._scheduler import scheduler_forest
 from libra.launch._session import Player, Share, load_mixture, open_session
@@ -83,7 +85,7 @@ from libra.trainer import (
     write_zero_adapter,
 )
 from libra.view import RecordFiles
-from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
+from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster
 
 
 async def train(
@@ -363,9 +365,10 @@ async def _serve_online(
         sampling=engine.config.sampling,
         any_model=True,  # one policy answers, whatever model a client names
     )
-    sessions = await stack.enter_async_context(Sessions(engine, gateway, on_end=groups.add))
-    app = create_gateway(sessions, keys, any_model=True)
-    url = await stack.enter_async_context(serving(app, online.host, online.port))
+    opening = open_gateway(
+        engine, gateway, keys, host=online.host, port=online.port, on_end=groups.add
+    )
+    url = (await stack.enter_async_context(opening)).url
     auth = "API key required" if keys.enabled else "no auth (loopback)"
     print(f"libra train --online: agents call {url}/v1 ({auth})", flush=True)
     return groups

@@ -9,7 +9,6 @@ from libra.workers._cluster import (
     TimedScheduler,
     WorkerCluster,
     open_cluster,
-    rule_planner,
 )
 from libra.workers._elastic import ElasticTrainer, LoadState, Resize, SaveState, ZeroSync
 
@@ -24,5 +23,4 @@ __all__ = [
     "WorkerCluster",
     "ZeroSync",
     "open_cluster",
-    "rule_planner",
 ]

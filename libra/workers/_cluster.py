@@ -24,8 +24,6 @@ both, given how instances start (``start_server``) and how the trainer's worlds 
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,17 +36,13 @@ import anyio
 from pydantic import Field, PositiveFloat, model_validator
 
 from libra.alloc import (
-    PRESETS,
     AllocationLoop,
     CallTiming,
     HybridPool,
     Layout,
-    LongestDecodes,
     LoopConfig,
     Move,
-    PlannerConfig,
     PoolConfig,
-    RooflinePlanner,
     StepTiming,
     TailLender,
     TailRule,
@@ -56,9 +50,7 @@ from libra.alloc import (
 )
 from libra.config import Section
 from libra.engine import TrajectoryRecord
-from libra.fleet import Model, Roofline
 from libra.sched import CallOutcome, Route, Router, RouteRequest, Scheduler
-from libra.sched.policies import REGISTRY
 from libra.serving import EMBEDDED_MODEL_NAME, ServerSupervisor, VLLMServer, VLLMServerConfig
 from libra.signals import ToolSignal
 from libra.trainer import TrainerConfig
@@ -408,37 +400,6 @@ def _move_line(move: Move) -> dict[str, object]:
     if move.error:
         line["error"] = move.error
     return line
-
-
-def rule_planner(model_dir: Path, gpu: str, scheduler: str) -> RooflinePlanner:
-    """A roofline planner for the model in ``model_dir`` on ``gpu`` (a preset's name):
-    what the loop re-plans with when its trigger fires. It prices the longest trajectory
-    as the run's ``scheduler`` (a policy's name) routes it: C-MLFQ demotes the long ones
-    to instances of their own, the baselines spread their turns through full batches."""
-    alone = REGISTRY[scheduler].isolates_long_decodes
-    routing: LongestDecodes = "alone" if alone else "in_batch"
-    config = PlannerConfig(longest_decodes=routing)
-    return RooflinePlanner(Roofline(PRESETS[gpu], model_shape(model_dir)), config)
-
-
-def model_shape(model_dir: Path) -> Model:
-    """The served model's shape, from its Hugging Face config and weight headers."""
-    from safetensors import safe_open
-
-    hf = json.loads((model_dir / "config.json").read_text())
-    parameters = 0
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(shard, "pt") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                parameters += math.prod(tensors.get_slice(name).get_shape())
-    heads = int(hf["num_attention_heads"])
-    return Model(
-        name=model_dir.name,
-        parameters=float(max(parameters, 1)),
-        layers=int(hf["num_hidden_layers"]),
-        kv_heads=int(hf.get("num_key_value_heads", heads)),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-    )
 
 
 class TimedScheduler:

@@ -10,9 +10,11 @@ from typing import Any
 import anyio
 import pytest
 
-from libra.agents import Agent, AgentRunner, load_agent
+from libra.agents import Agent, load_agent
 from libra.engine import RolloutSession, TrajectoryJob, TrajectoryRecord, jobs_for
 from libra.envs import Task, UnknownEnvError
+from libra.events import CallEnded, EventBus, TrajectoryEnded, TrajectoryStarted
+from libra.launch import open_agent
 from tests._helpers import Brevity, emulated_engine
 
 pytestmark = pytest.mark.anyio
@@ -52,11 +54,22 @@ async def hi(client: Any) -> None:
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
 
 
-async def play(agent: Agent, replies: list[str], **runner: Any) -> TrajectoryRecord:
+async def compacting(task: Task, client: Any) -> float:
+    """Asks, then starts over from a summary of the first answer (a history edit)."""
+    ask = [{"role": "user", "content": "Think about 2 + 3."}]
+    first = await client.chat.completions.create(model="m", messages=ask)
+    summary = f"Earlier you said: {first.choices[0].message.content}. Answer now."
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": summary}])
+    return 1.0
+
+
+async def play(
+    agent: Agent, replies: list[str], events: EventBus | None = None, **runner: Any
+) -> TrajectoryRecord:
     job = TrajectoryJob(None, Task.from_seed(agent.name, 7), sample=1, step=2)
     async with (
-        emulated_engine(replies) as (engine, recorded),
-        AgentRunner(engine, agent, **runner) as run,
+        emulated_engine(replies, events=events) as (engine, recorded),
+        open_agent(engine, agent, **runner) as run,
     ):
         record = await run(job, engine)
     assert recorded == [record]  # Engine.on_record: the episode's record, not its sessions
@@ -74,16 +87,6 @@ async def test_an_episode_is_one_exact_record_under_the_job_s_identity() -> None
 
 
 async def test_an_agent_that_edits_its_history_trains_its_pieces_as_one_sample() -> None:
-    async def compacting(task: Task, client: Any) -> float:
-        """Asks, then starts over from a summary of the first answer (a history edit)."""
-        ask = [{"role": "user", "content": "Think about 2 + 3."}]
-        first = await client.chat.completions.create(model="m", messages=ask)
-        summary = f"Earlier you said: {first.choices[0].message.content}. Answer now."
-        await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": summary}]
-        )
-        return 1.0
-
     record = await play(Agent("compacting", compacting), ["Hmm, five.", "5"])
     assert (record.status, record.reward, record.tokens, record.turns) == (
         "completed",
@@ -94,6 +97,28 @@ async def test_an_agent_that_edits_its_history_trains_its_pieces_as_one_sample()
     [start] = record.piece_starts  # two contexts, each the exact ids its model saw
     assert record.loss_mask[start] == 0 and sum(record.loss_mask[:start]) > 0
     assert sum(record.loss_mask[start:]) > 0
+
+
+async def test_an_episode_s_events_carry_the_job_s_id_and_step_as_its_record_does() -> None:
+    """Its start and end (the runner's), and each call of each of its pieces (the
+    gateway's sessions, which publish no start or end of their own)."""
+    bus = EventBus()
+    seen = bus.subscribe()
+    record = await play(Agent("compacting", compacting), ["Hmm, five.", "5"], events=bus)
+    events = seen.take()
+    assert [type(event) for event in events] == [
+        TrajectoryStarted,
+        CallEnded,
+        CallEnded,
+        TrajectoryEnded,
+    ]
+    ids = {getattr(event, "id", None) for event in events}
+    assert ids == {record.id} == {"compacting/7#1@2"}
+    assert isinstance(start := events[0], TrajectoryStarted)
+    assert (start.env, start.step, start.task) == ("compacting", 2, "compacting/7")
+    assert (record.env, record.step, record.task_id) == ("compacting", 2, "compacting/7")
+    assert isinstance(end := events[-1], TrajectoryEnded)
+    assert (end.reward, end.turns) == (record.reward, record.turns) == (1.0, 2)
 
 
 async def test_an_agent_that_returns_no_reward_is_scored_by_the_run_s_env() -> None:
@@ -141,7 +166,7 @@ async def test_a_rollout_session_runs_agents_and_records_each_once() -> None:
     jobs = [TrajectoryJob(None, Task.from_seed("hanging", seed)) for seed in range(4)]
     async with (
         emulated_engine(["Hi."]) as (engine, _),
-        AgentRunner(engine, agent) as run,
+        open_agent(engine, agent) as run,
         RolloutSession(engine, runner=run) as session,
     ):
         session.submit(jobs)

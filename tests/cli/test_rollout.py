@@ -18,11 +18,10 @@ import pytest
 
 from envs_contrib.calc import Calc
 from libra.cli import main
-from libra.cli._rollout import run_rollout
 from libra.config import ConfigError, load_config
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
 from libra.engine import TrajectoryRecord
-from libra.launch import RolloutConfig
+from libra.launch import RolloutConfig, rollout
 from libra.sched.policies import PrefixForest
 from libra.serving import VLLMServer
 from tests._helpers import DEMO, assert_tokens_consistent
@@ -253,14 +252,14 @@ def test_rollout_over_a_fleet_of_buckets_with_cmlfq(tmp_path: Path) -> None:
             """
         )
         state = tmp_path / "forest.json"
-        rollout_config = load_config(RolloutConfig, file, {"scheduler_state": state})
-        stats = anyio.run(run_rollout, rollout_config)
+        assert main(["rollout", "--config", str(file), "--set", f"scheduler_state={state}"]) == 0
         learnt = len(PrefixForest.load(state).global_tree.root.samples)
-        anyio.run(run_rollout, rollout_config)  # the next step starts from what this one learnt
+        rollout_config = load_config(RolloutConfig, file, {"scheduler_state": state})
+        stats = anyio.run(rollout, rollout_config).stats  # what the first one learnt guides it
         assert len(PrefixForest.load(state).global_tree.root.samples) > learnt > 0
         state.write_text("{}")
         with pytest.raises(ConfigError, match="is not a saved prefix forest"):
-            anyio.run(run_rollout, rollout_config)
+            anyio.run(rollout, rollout_config)
     records = [
         msgspec.json.decode(line, type=TrajectoryRecord)
         for line in (tmp_path / "out.jsonl").read_bytes().splitlines()

@@ -22,11 +22,13 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from rich.console import Console
 
-from libra.cli._serve import ServeConfig, console_view
-from libra.config import load_config
+from libra.cli import main
+from libra.cli._serve import console_view
+from libra.config import ConfigError, RenamedWarning, load_config
 from libra.engine import TrajectoryRecord
 from libra.events import EventBus
 from libra.gateway import GatewayConfig, GatewayMetrics, Keys, Sessions, create_gateway
+from libra.launch import ServeConfig
 from tests._helpers import (
     CALCULATOR,
     MODEL,
@@ -48,7 +50,7 @@ TOOLS: list[ChatCompletionToolParam] = [CALCULATOR]  # type: ignore[list-item]
 def test_an_sdk_agent_with_tools_is_served_streamed_and_recorded(tmp_path: Path) -> None:
     record = tmp_path / "sessions.jsonl"
     with ExitStack() as stack:
-        url = stack.enter_context(libra_serve("--record", str(record), "--policy", "cmlfq"))
+        url = stack.enter_context(libra_serve("--record", str(record), "--scheduler", "cmlfq"))
         sdk = stack.enter_context(
             openai.OpenAI(base_url=f"{url}/v1", api_key=USER_KEY, max_retries=0)
         )
@@ -168,7 +170,8 @@ def test_an_embedded_vllm_killed_under_libra_serve_is_restarted_and_serves_again
     ("flags", "error"),
     [
         (["--no-auth", "--host", "0.0.0.0"], "--no-auth is allowed only on a loopback"),
-        (["--policy", "fastest"], "unknown policy"),
+        (["--scheduler", "fastest"], "unknown scheduler 'fastest'"),
+        (["--policy", "fastest"], "libra: warning: libra serve --policy is now --scheduler"),
     ],
 )
 def test_bad_settings_are_refused_before_anything_starts(flags: list[str], error: str) -> None:
@@ -198,9 +201,21 @@ def test_without_a_key_libra_serve_says_how_to_give_one() -> None:
 
 def test_the_example_config_is_a_valid_serve_config() -> None:
     config = load_config(ServeConfig, ROOT / "examples" / "serve.toml", {}, ["port=9000"])
-    assert config.policy == "cmlfq" and config.port == 9000 and config.fleet is not None
+    assert config.scheduler == "cmlfq" and config.port == 9000 and config.fleet is not None
     assert [b.name for b in config.fleet.buckets] == ["short", "long"]
     assert config.gateway.session_ttl_s == 300
+
+
+def test_policy_is_the_old_name_of_scheduler_for_one_release(tmp_path: Path) -> None:
+    file = tmp_path / "serve.toml"
+    file.write_text('policy = "sorted"\n')
+    with pytest.warns(RenamedWarning, match="^policy is now scheduler"):
+        assert load_config(ServeConfig, file).scheduler == "sorted"
+    with pytest.raises(ConfigError, match="policy and scheduler are one setting"):
+        load_config(ServeConfig, file, {"scheduler": "cmlfq"})
+    with pytest.warns(RenamedWarning, match="--policy is now --scheduler"):
+        code = main(["serve", "--policy", "fastest"])  # the config is checked before serving
+    assert code == 2
 
 
 @pytest.mark.anyio

@@ -37,6 +37,7 @@ class Chat:
 
     messages: list[Message]
     key: str = "chat-1"
+    event_id: str = "chat-1"
     prompt_key: str = "chat"
     turns: int = 0
     tokens: TokenLog = field(default_factory=TokenLog)

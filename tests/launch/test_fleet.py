@@ -12,10 +12,16 @@ import pytest
 from anyio.abc import SocketAttribute, SocketStream
 
 from libra.cli import main
-from libra.cli._rollout import run_rollout
 from libra.emulation import ByteTokenizer, EmulatorConfig, LatencyModel
 from libra.engine import Engine
-from libra.launch import FleetError, RolloutConfig, build_scheduler, local_templates, open_fleet
+from libra.launch import (
+    FleetError,
+    RolloutConfig,
+    build_scheduler,
+    local_templates,
+    open_fleet,
+    rollout,
+)
 from libra.sched.policies import CMLFQConfig
 
 
@@ -23,7 +29,7 @@ def test_a_fleet_and_a_server_are_exclusive(tmp_path: Path) -> None:
     fleet = {"instances": [{"name": "a", "url": "http://127.0.0.1:9"}]}
     config = RolloutConfig(env="calc", server="emulated", fleet=fleet, out=tmp_path / "o.jsonl")
     with pytest.raises(FleetError, match="either --server or a"):
-        anyio.run(run_rollout, config)
+        anyio.run(rollout, config)
 
 
 @asynccontextmanager

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 
-from libra.cli._rollout import run_rollout
 from libra.emulation import EmulatorConfig, LatencyModel, running_emulator
-from libra.launch import RolloutConfig, TrainRunConfig, ViewOptions, train
+from libra.launch import RolloutConfig, TrainRunConfig, ViewOptions, rollout, train
 from libra.view import History, RecordFiles, serve_view
 from tests._helpers import BREVITY
 
@@ -99,7 +98,7 @@ async def test_the_live_view_of_a_cmlfq_rollout(
     )
     url = f"http://127.0.0.1:{port}/"
     async with anyio.create_task_group() as group:
-        group.start_soon(partial(run_rollout, config, view=ViewOptions(port=port)))
+        group.start_soon(partial(rollout, config, view=ViewOptions(port=port)))
         while True:  # until the view listens
             try:
                 await (await anyio.connect_tcp("127.0.0.1", port)).aclose()

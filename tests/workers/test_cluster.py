@@ -20,7 +20,7 @@ from libra.launch import TrainRunConfig, train
 from libra.serving import VLLMServerConfig
 from libra.train import METRICS_FILE, StepRecord, TrainRun
 from libra.trainer import TrainerConfig
-from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster, rule_planner
+from libra.workers import Allocation, TimedScheduler, WorkerCluster, open_cluster
 from libra.workers._ray import ray_missing
 from tests._helpers import (
     BREVITY,
@@ -54,22 +54,6 @@ def test_the_alloc_section_loads_back_from_the_run_s_toml(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="at most once"):
         bad = {**hybrid_alloc_section([0, 1]), "hybrid": [[1]]}
         TrainRunConfig.model_validate({**data, "alloc": bad})
-
-
-def test_the_planner_prices_the_longest_trajectory_as_the_run_routes_it(
-    tmp_path: Path,
-) -> None:
-    """The model's shape comes from its folder; C-MLFQ gives the long trajectories
-    instances of their own, least-loaded spreads their turns through full batches."""
-    model = tiny_llama(tmp_path / "model")
-    planner = rule_planner(model, "A100", "cmlfq")
-    assert planner.config.longest_decodes == "alone"
-    assert rule_planner(model, "A100", "least-loaded").config.longest_decodes == "in_batch"
-    shape = planner.rollout.roofline.model
-    assert (shape.layers, shape.kv_heads, shape.head_dim) == (2, 2, 8)
-    # Per layer: q and o 32x32, k and v 32x16, three 32x64 MLP matrices, two norms.
-    layer = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32
-    assert shape.parameters == 320 * 32 + 2 * layer + 32  # tied embeddings, final norm
 
 
 async def test_the_timed_scheduler_reports_every_call_and_routes_as_before() -> None:

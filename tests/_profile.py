@@ -1,0 +1,237 @@
+"""``pytest --profile FILE``: where the suite's minutes and memory go, one JSON line a test.
+
+Each line names the test, its tier (the markers of the real parts it starts), its outcome,
+its setup, call and teardown seconds, the processes it started (vLLM servers, Python
+processes spawned outside vLLM and Ray: trainers and their ranks; Ray instances), and the
+peak resident memory of pytest and every process under it while it ran, sampled twice a
+second (Docker's containers run under the Docker engine, not under pytest: not counted).
+A process started by a session-scoped fixture is counted against the test that started it.
+``python -m tests.profile FILE`` renders the lines as the table in ``docs/develop.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+#: The markers that say which real parts a test starts (``tests/conftest.py`` sets most).
+TIERS = ("vllm", "trainer", "ray", "docker", "bwrap", "browser", "slow")
+SAMPLE_S = 0.5
+
+
+@dataclass
+class Usage:
+    """What one test started and held."""
+
+    vllm: int = 0
+    spawned: int = 0
+    ray: int = 0
+    peak_rss_mib: float = 0.0
+    seen: set[int] = field(default_factory=set)
+
+
+def _kind(cmdline: list[str]) -> str | None:
+    line = " ".join(cmdline)
+    if "vllm.entrypoints" in line:
+        return "vllm"
+    if "raylet" in line:
+        return "ray"
+    if "spawn_main" in line or "multiprocessing-fork" in line:
+        return "spawned"
+    return None
+
+
+class Sampler:
+    """Polls pytest's process tree while a test runs (a thread: the test may block)."""
+
+    def __init__(self) -> None:
+        import psutil  # type: ignore[import-untyped]  # (it comes with vLLM and Ray)
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+        self.usage = Usage()
+        self._inside: set[int] = set()  # processes under a vLLM server or Ray: theirs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-profile", daemon=True)
+
+    def __enter__(self) -> Usage:
+        self._sample()
+        self._thread.start()
+        return self.usage
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._sample()
+
+    def _sample(self) -> None:
+        psutil, usage = self._psutil, self.usage
+        rss = 0
+        try:
+            processes = [self._me, *self._me.children(recursive=True)]
+        except psutil.Error:
+            return
+        new = []
+        for process in processes:
+            try:
+                rss += process.memory_info().rss
+                if process.pid not in usage.seen and process is not self._me:
+                    new.append((process.create_time(), process))
+            except psutil.Error:
+                continue  # it ended between the listing and the look
+        usage.peak_rss_mib = max(usage.peak_rss_mib, rss / 2**20)
+        for _, process in sorted(new, key=lambda pair: pair[0]):  # parents first
+            usage.seen.add(process.pid)
+            try:
+                if process.ppid() in self._inside:  # vLLM's own (a guard's server, workers)
+                    self._inside.add(process.pid)
+                    continue
+                kind = _kind(process.cmdline())
+            except psutil.Error:
+                continue
+            if kind is not None:
+                setattr(usage, kind, getattr(usage, kind) + 1)
+                if kind != "spawned":
+                    self._inside.add(process.pid)
+
+
+class Profile:
+    """The plugin: one line a test, written as each test ends."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.phases: dict[str, dict[str, Any]] = {}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: object) -> Any:
+        start = time.monotonic()
+        try:
+            sampler: Sampler | None = Sampler()
+        except ModuleNotFoundError:  # psutil comes with vLLM; without it, times alone
+            sampler = None
+        if sampler is None:
+            yield
+            usage = Usage()
+        else:
+            with sampler as usage:
+                yield
+        line = self.phases.pop(item.nodeid, {})
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier) is not None]
+        counts = asdict(usage)
+        del counts["seen"]
+        line |= {"test": item.nodeid, "tiers": tiers, "wall_s": time.monotonic() - start}
+        self.out.write(json.dumps(line | counts) + "\n")
+        self.out.flush()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        line = self.phases.setdefault(report.nodeid, {"outcome": "passed"})
+        line[f"{report.when}_s"] = round(report.duration, 3)
+        if report.outcome != "passed" and (report.when == "call" or report.failed):
+            line["outcome"] = report.outcome
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="append each test's seconds, started processes and peak memory to FILE "
+        "(JSON lines; python -m tests.profile FILE renders them)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path: Path | None = config.getoption("--profile")
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = path.open("a")
+    config.add_cleanup(out.close)
+    config.pluginmanager.register(Profile(out), "libra-profile")
+
+
+# ------------------------------------------------------------------- the docs' table
+
+#: Where ``docs/develop.md`` holds the table (rewritten by ``--write``, checked by a test).
+BEGIN, END = "<!-- suite-profile -->", "<!-- /suite-profile -->"
+SAVED = Path(__file__).parent.parent / "docs" / "bench" / "suite-profile.jsonl"
+TOP = 15
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """The heavy tier's lines (those with a tier), the last run of each test."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list({line["test"]: line for line in lines if line["tiers"]}.values())
+
+
+def _cells(lines: list[dict[str, Any]]) -> str:
+    minutes = sum(line["wall_s"] for line in lines) / 60
+    peak = max(line["peak_rss_mib"] for line in lines) / 1024
+    vllm, spawned, ray = (sum(line[k] for line in lines) for k in ("vllm", "spawned", "ray"))
+    return f"{minutes:.1f} | {vllm} | {spawned} | {ray} | {peak:.1f} |"
+
+
+def render(lines: list[dict[str, Any]]) -> str:
+    """Per file, then the slowest tests: minutes, processes started, peak memory."""
+    columns = "minutes | vLLM starts | spawned | Ray starts | peak GiB |"
+    files: dict[str, list[dict[str, Any]]] = {}
+    for line in lines:
+        files.setdefault(line["test"].split("::")[0], []).append(line)
+    by_time = sorted(files.items(), key=lambda item: -sum(x["wall_s"] for x in item[1]))
+    slowest = sorted(lines, key=lambda line: -line["wall_s"])[:TOP]
+    return "\n".join(
+        [
+            f"| file | tests | {columns}",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            *(f"| `{name}` | {len(group)} | {_cells(group)}" for name, group in by_time),
+            f"| **all** | {len(lines)} | {_cells(lines)}",
+            "",
+            f"The {TOP} slowest tests:",
+            "",
+            f"| test | {columns}",
+            "|---|---:|---:|---:|---:|---:|",
+            *(f"| `{line['test'].split('/', 1)[1]}` | {_cells([line])}" for line in slowest),
+        ]
+    )
+
+
+def rewrite(page: str, table: str) -> str:
+    before, _, rest = page.partition(BEGIN)
+    _, _, after = rest.partition(END)
+    return f"{before}{BEGIN}\n{table}\n{END}{after}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests._profile", description=__doc__)
+    parser.add_argument("file", type=Path, help="what pytest --profile wrote")
+    parser.add_argument(
+        "--write", action="store_true", help=f"save it as {SAVED.name}, rewrite docs/develop.md"
+    )
+    args = parser.parse_args(argv)
+    lines = read(args.file)
+    table = render(lines)
+    if not args.write:
+        print(table)
+        return 0
+    kept = [json.dumps(line) for line in sorted(lines, key=lambda line: line["test"])]
+    SAVED.write_text("\n".join(kept) + "\n")
+    page = SAVED.parent.parent / "develop.md"
+    page.write_text(rewrite(page.read_text(), table))
+    print(f"wrote {SAVED} and the table in {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""The suite's profile (``tests/_profile.py``): what a test started is counted, and the
+table in ``docs/develop.md`` is the saved profile's, rendered."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests._profile import BEGIN, END, SAVED, Sampler, read, render
+
+
+def test_the_sampler_counts_the_processes_a_test_starts_and_their_memory() -> None:
+    sleep = "import time; time.sleep(1.5)"
+    with Sampler() as usage:
+        children = [  # named as a vLLM server and a spawned rank are
+            subprocess.Popen([sys.executable, "-c", sleep, "vllm.entrypoints.openai"]),
+            subprocess.Popen([sys.executable, "-c", sleep, "spawn_main"]),
+        ]
+        for child in children:
+            child.wait()
+    assert (usage.vllm, usage.spawned, usage.ray) == (1, 1, 0)
+    assert usage.peak_rss_mib > 10  # pytest itself, at least
+
+
+def test_the_docs_table_is_the_saved_profile_rendered() -> None:
+    page = (SAVED.parent.parent / "develop.md").read_text()
+    table = page.split(BEGIN)[1].split(END)[0].strip()
+    assert table == render(read(SAVED)), "run python -m tests._profile FILE --write"
