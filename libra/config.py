@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import tomllib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
 
@@ -50,6 +50,20 @@ def renamed(old: str, new: str, *, stacklevel: int = 2) -> None:
     """Warn that ``old`` is now called ``new``."""
     message = f"{old} is now {new}: the old name goes in the next release"
     warnings.warn(message, RenamedWarning, stacklevel=stacklevel + 1)
+
+
+def old_names(package: str, names: Mapping[str, tuple[str, Any]]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` that still gives each old name, by its new name and
+    value (``{"Old": ("New", New)}``), with a warning."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        new, value = names[name]
+        renamed(f"{package}.{name}", f"{package}.{new}")
+        return value
+
+    return __getattr__
 
 
 def renamed_key(data: Any, old: str, new: str, section: str = "") -> Any:

@@ -86,19 +86,27 @@ class Sampler:
             try:
                 rss += process.memory_info().rss
                 if process.pid not in usage.seen and process is not self._me:
-                    new.append((process.create_time(), process))
+                    new.append(process)
             except psutil.Error:
                 continue  # it ended between the listing and the look
         usage.peak_rss_mib = max(usage.peak_rss_mib, rss / 2**20)
-        for _, process in sorted(new, key=lambda pair: pair[0]):  # parents first
+        kinds: dict[int, str | None] = {}
+        for process in new:
             usage.seen.add(process.pid)
             try:
-                if process.ppid() in self._inside:  # vLLM's own (a guard's server, workers)
-                    self._inside.add(process.pid)
-                    continue
-                kind = _kind(process.cmdline())
+                kinds[process.pid] = _kind(process.cmdline())
             except psutil.Error:
                 continue
+        servers = self._inside | {pid for pid, kind in kinds.items() if kind in ("vllm", "ray")}
+        for process in new:
+            try:
+                ancestors = {parent.pid for parent in process.parents()}
+            except psutil.Error:
+                continue
+            if ancestors & servers:  # vLLM's own (a guard's server, its workers), Ray's
+                self._inside.add(process.pid)
+                continue
+            kind = kinds.get(process.pid)
             if kind is not None:
                 setattr(usage, kind, getattr(usage, kind) + 1)
                 if kind != "spawned":

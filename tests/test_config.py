@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError, model_validator
 
-from libra.config import ConfigError, Section, load_config
+from libra.config import ConfigError, RenamedWarning, Section, load_config
 from libra.launch import RolloutConfig
 
 
@@ -104,3 +105,22 @@ def test_a_section_is_immutable() -> None:
     config = load_config(Outer)
     with pytest.raises(ValidationError, match="frozen"):
         config.label = "changed"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("package", "old", "new"),
+    [
+        ("libra.train", "Gateway", "GatewayClient"),
+        ("libra.alloc", "Decision", "AllocationDecision"),
+        ("libra.sched.policies", "Decision", "RouteDecision"),
+        ("libra.trainer", "Layout", "BatchLayout"),
+    ],
+)
+def test_a_renamed_name_still_imports_for_a_release_with_a_warning(
+    package: str, old: str, new: str
+) -> None:
+    module = importlib.import_module(package)
+    with pytest.warns(RenamedWarning, match=f"^{package}.{old} is now {package}.{new}"):
+        assert getattr(module, old) is getattr(module, new)
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        module.Nothing  # noqa: B018 (the lookup is the test)

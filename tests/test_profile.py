@@ -11,10 +11,14 @@ from tests._profile import BEGIN, END, SAVED, Sampler, read, render
 
 def test_the_sampler_counts_the_processes_a_test_starts_and_their_memory() -> None:
     sleep = "import time; time.sleep(1.5)"
+    # A guard whose command names the vLLM server it starts at once, as libra's does:
+    # one vLLM start, however the two are listed.
+    server = [sys.executable, "-c", sleep, "vllm.entrypoints.openai"]
+    guard = f"import subprocess; subprocess.run({server!r})"
     with Sampler() as usage:
-        children = [  # named as a vLLM server and a spawned rank are
-            subprocess.Popen([sys.executable, "-c", sleep, "vllm.entrypoints.openai"]),
-            subprocess.Popen([sys.executable, "-c", sleep, "spawn_main"]),
+        children = [
+            subprocess.Popen([sys.executable, "-c", guard, "--", *server]),
+            subprocess.Popen([sys.executable, "-c", sleep, "spawn_main"]),  # a rank
         ]
         for child in children:
             child.wait()

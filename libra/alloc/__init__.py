@@ -12,7 +12,7 @@ from libra.alloc._cost import (
     TrainSpec,
 )
 from libra.alloc._layout import Layout, PoolConfig, instance_name, start_layout
-from libra.alloc._loop import AllocationLoop, ApplyingPlanner, Decision, LoopConfig
+from libra.alloc._loop import AllocationDecision, AllocationLoop, ApplyingPlanner, LoopConfig
 from libra.alloc._moves import JOIN_STATES, Move, Transition, WorkerState
 from libra.alloc._planner import (
     PlanLog,
@@ -45,6 +45,7 @@ from libra.alloc._tail import (
     tail_borrow,
     timed_restart_s,
 )
+from libra.config import old_names
 from libra.fleet import Corrections  # moved down: the scheduler fits with it too
 
 __all__ = [
@@ -54,12 +55,12 @@ __all__ = [
     "H200",
     "JOIN_STATES",
     "PRESETS",
+    "AllocationDecision",
     "AllocationLoop",
     "ApplyingPlanner",
     "CallTiming",
     "Cluster",
     "Corrections",
-    "Decision",
     "HybridPool",
     "JoinState",
     "Layout",
@@ -96,3 +97,6 @@ __all__ = [
     "timed_restart_s",
     "tp_partitions",
 ]
+
+#: The names of the last release, for one more (each warns).
+__getattr__ = old_names("libra.alloc", {"Decision": ("AllocationDecision", AllocationDecision)})

@@ -59,7 +59,7 @@ class LoopConfig(Section):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class AllocationDecision:
     """What the loop did after one step, and what it saw."""
 
     step: int
@@ -79,7 +79,7 @@ class AllocationLoop:
     pool: HybridPool
     config: LoopConfig = field(default_factory=LoopConfig)
     log: PlanLog = field(default_factory=PlanLog)
-    decisions: list[Decision] = field(default_factory=list)
+    decisions: list[AllocationDecision] = field(default_factory=list)
     _steps_since_plan: int = 0
     _planned_mean_output: float = 0.0
     _moves: tuple[Move, ...] = ()  # the loop's last moves
@@ -98,7 +98,7 @@ class AllocationLoop:
 
     def on_step(
         self, timing: StepTiming, workload: Workload, pressure: float | None = None
-    ) -> Decision:
+    ) -> AllocationDecision:
         """The step is over: learn from it and decide (``pressure``: measured now from
         the router unless given)."""
         self.planner.observe_step(timing, self.current_plan(), workload)
@@ -121,10 +121,10 @@ class AllocationLoop:
 
     def _decide(
         self, timing: StepTiming, workload: Workload, ratio: float, pressure: float
-    ) -> Decision:
+    ) -> AllocationDecision:
         step = timing.step
         if any(move.outcome == "pending" for move in self._moves):
-            return Decision(step, "hold", ratio, pressure, "a move is under way")
+            return AllocationDecision(step, "hold", ratio, pressure, "a move is under way")
         reasons = self.config.trigger.reasons(
             steps_since_plan=self._steps_since_plan,
             timing=timing,
@@ -140,41 +140,49 @@ class AllocationLoop:
 
     def _replan(
         self, step: int, workload: Workload, ratio: float, pressure: float, why: str
-    ) -> Decision | None:
+    ) -> AllocationDecision | None:
         self._steps_since_plan = 0
         self._planned_mean_output = mean_output(workload)
         try:
             plan = self.planner.plan(self.pool.cluster.workers, workload)
         except ValueError as error:  # nothing fits: keep the split the run has
-            return Decision(step, "hold", ratio, pressure, f"{why}: {error}")
+            return AllocationDecision(step, "hold", ratio, pressure, f"{why}: {error}")
         current = self.current_plan()
         if not self.planner.should_apply(current, plan, workload, self._move_cost_s()):
             return None
         if plan.train_workers > current.train_workers and pressure >= self.config.max_pressure:
-            return Decision(
+            return AllocationDecision(
                 step, "hold", ratio, pressure, f"{why}: the plan borrows under pressure"
             )
         moves = tuple(self.pool.apply(plan))
         if not moves:
             return None  # no whole hybrid unit brings the pool closer to it
         self.log.record_plan(step + 1, plan)
-        return Decision(step, "plan", ratio, pressure, why, moves, plan)
+        return AllocationDecision(step, "plan", ratio, pressure, why, moves, plan)
 
-    def _rule(self, step: int, ratio: float, pressure: float) -> Decision:
+    def _rule(self, step: int, ratio: float, pressure: float) -> AllocationDecision:
         config = self.config
         if ratio >= config.borrow_ratio:
             if pressure >= config.max_pressure:
-                return Decision(step, "hold", ratio, pressure, "training is slower, rollout busy")
+                return AllocationDecision(
+                    step, "hold", ratio, pressure, "training is slower, rollout busy"
+                )
             moves = tuple(self.pool.borrow(1))
             if moves:
-                return Decision(step, "borrow", ratio, pressure, "training is slower", moves)
-            return Decision(step, "hold", ratio, pressure, "no hybrid unit left to borrow")
+                return AllocationDecision(
+                    step, "borrow", ratio, pressure, "training is slower", moves
+                )
+            return AllocationDecision(
+                step, "hold", ratio, pressure, "no hybrid unit left to borrow"
+            )
         if ratio <= config.release_ratio:
             moves = tuple(self.pool.release(1))
             if moves:
-                return Decision(step, "release", ratio, pressure, "rollout is slower", moves)
-            return Decision(step, "hold", ratio, pressure, "no borrowed unit to release")
-        return Decision(step, "hold", ratio, pressure, "balanced")
+                return AllocationDecision(
+                    step, "release", ratio, pressure, "rollout is slower", moves
+                )
+            return AllocationDecision(step, "hold", ratio, pressure, "no borrowed unit to release")
+        return AllocationDecision(step, "hold", ratio, pressure, "balanced")
 
     # ------------------------------------------------------------------ the pool now
 

@@ -55,7 +55,7 @@ from libra.train import (
     CheckpointHook,
     EvalSuite,
     Evaluation,
-    Gateway,
+    GatewayClient,
     GroupSource,
     OnlineConfig,
     OnlineGroups,
@@ -385,7 +385,7 @@ class _CallTimings:
         self.observe(timing)
 
 
-async def _gateway_of(config: TrainRunConfig) -> Gateway | None:
+async def _gateway_of(config: TrainRunConfig) -> GatewayClient | None:
     """The ``libra serve`` gateway ``config.server`` names (one URL), or None: a gateway
     takes the run's rollouts and weight syncs (see ``libra.train.Gateway``)."""
     server = config.server

@@ -4,9 +4,10 @@ client and the attach checks of a run that serves elsewhere. The run it loops ov
 assembled by ``libra.launch`` (``open_run``, ``train``); the workers it trains and serves
 on are seen through ``libra.alloc``'s protocols only."""
 
+from libra.config import old_names
 from libra.train._attach import AttachError, check_attached, problems_of
 from libra.train._eval import EVAL_FILE, EvalConfig, EvalEnv, EvalSuite, Evaluation, pass_at_k
-from libra.train._gateway import SESSION_HEADER, Gateway, GatewaySyncError, find_gateway
+from libra.train._gateway import SESSION_HEADER, GatewayClient, GatewaySyncError, find_gateway
 from libra.train._groups import GroupSource, StepGroups
 from libra.train._loop import (
     CheckpointHook,
@@ -35,7 +36,7 @@ __all__ = [
     "EvalEnv",
     "EvalSuite",
     "Evaluation",
-    "Gateway",
+    "GatewayClient",
     "GatewaySyncError",
     "GroupSource",
     "Mode",
@@ -66,3 +67,6 @@ __all__ = [
     "step_file",
     "step_record",
 ]
+
+#: The names of the last release, for one more (each warns).
+__getattr__ = old_names("libra.train", {"Gateway": ("GatewayClient", GatewayClient)})

@@ -39,7 +39,7 @@ __all__ = [
     "ADMIN_HEADER",
     "ADMIN_KEY_VAR",
     "SESSION_HEADER",
-    "Gateway",
+    "GatewayClient",
     "GatewayRefused",
     "GatewaySyncError",
     "find_gateway",
@@ -55,8 +55,9 @@ class GatewaySyncError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Gateway:
-    """A ``libra serve`` gateway, and the admin key it accepted."""
+class GatewayClient:
+    """A client of a ``libra serve`` gateway (the server is ``libra.gateway``): its URL
+    and the admin key it accepted."""
 
     url: str
     key: str
@@ -117,7 +118,7 @@ async def _admin(
 
 async def find_gateway(
     url: str, timeout_s: float = 30.0, sync_timeout_s: float = 600.0
-) -> Gateway | None:
+) -> GatewayClient | None:
     """The gateway at ``url`` with its admin key checked (its weight syncs then wait up
     to ``sync_timeout_s`` per call), or None when ``url`` is no gateway. Raises
     :class:`GatewayRefused` for a gateway without a usable key, and
@@ -141,7 +142,7 @@ async def find_gateway(
             f"the gateway at {url} refused the admin key in {ADMIN_KEY_VAR} "
             f"(HTTP {answer.status_code}: {_message(answer)})"
         )
-    return Gateway(url, key, timeout_s=sync_timeout_s)
+    return GatewayClient(url, key, timeout_s=sync_timeout_s)
 
 
 def _message(response: httpx.Response) -> str:

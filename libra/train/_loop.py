@@ -68,7 +68,7 @@ from libra.engine import RolloutSession, RolloutStats
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
 from libra.train._eval import Evaluation
-from libra.train._gateway import Gateway
+from libra.train._gateway import GatewayClient
 from libra.train._groups import GroupSource
 from libra.train._metrics import METRICS_FILE, StepRecord, step_record
 from libra.train._publish import Publisher, ServedWeights
@@ -185,7 +185,7 @@ class TrainRun:
     scheduler: Scheduler
     log: RolloutLog
     served: ServedWeights = field(default_factory=ServedWeights)
-    gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
+    gateway: GatewayClient | None = None  # a libra serve gateway: syncs go through its admin API
     allocation: StepAllocation | None = None  # [alloc]: the pool and the loop that moves it
     #: What the scheduler learnt (C-MLFQ's prefix forest), saved with each checkpoint.
     forest: Callable[[], Persistent | None] = lambda: None

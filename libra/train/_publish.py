@@ -21,7 +21,7 @@ from libra.engine import RolloutSession, TrajectoryRecord
 from libra.fleet import Endpoint
 from libra.sched import Scheduler
 from libra.serving import CollectiveSync, TensorMeta, WeightSync, WeightSyncError
-from libra.train._gateway import Gateway
+from libra.train._gateway import GatewayClient
 from libra.train._settings import RunSettings
 from libra.trainer import (
     Export,
@@ -74,7 +74,7 @@ class Publisher:
     endpoints: list[Endpoint]
     scheduler: Scheduler
     served: ServedWeights = field(default_factory=ServedWeights)
-    gateway: Gateway | None = None  # a libra serve gateway: syncs go through its admin API
+    gateway: GatewayClient | None = None  # a libra serve gateway: syncs go through its admin API
     _metas: list[TensorMeta] | None = None  # what each broadcast sends, once joined
     _members: tuple[str, ...] = ()  # the endpoints in the trainer's group, by name
 
@@ -187,7 +187,9 @@ class Publisher:
         finally:
             self.session.resume()
 
-    async def _load_through_gateway(self, gateway: Gateway, folder: Path, version: int) -> float:
+    async def _load_through_gateway(
+        self, gateway: GatewayClient, folder: Path, version: int
+    ) -> float:
         """The gateway's fleet loads ``folder`` (and says it did); then the one endpoint
         the engine sees, the gateway, serves ``version`` and the records say so."""
         seconds = await gateway.sync(folder, version)

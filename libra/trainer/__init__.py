@@ -1,6 +1,7 @@
 """The trainer's core: batches from rollout records, the GRPO loss, the FSDP2 ranks and the
 commands they run, trainer/server logprob agreement, weight export and checkpoints."""
 
+from libra.config import old_names
 from libra.trainer._batch import (
     Batch,
     MicroBatch,
@@ -36,7 +37,7 @@ from libra.trainer._fsdp import (
     init_distributed,
     split_by_tokens,
 )
-from libra.trainer._kinds import Aggregation, Correction, FailureRule, Layout, StaleRule
+from libra.trainer._kinds import Aggregation, BatchLayout, Correction, FailureRule, StaleRule
 from libra.trainer._logprobs import (
     LogprobGap,
     LogprobsMode,
@@ -82,6 +83,7 @@ from libra.trainer._worker import (
 __all__ = [
     "Aggregation",
     "Batch",
+    "BatchLayout",
     "Checkpoint",
     "Correction",
     "DistContext",
@@ -90,7 +92,6 @@ __all__ = [
     "FailureRule",
     "GRPOConfig",
     "JoinWeightGroup",
-    "Layout",
     "LoRAConfig",
     "LoadCheckpoint",
     "LogprobGap",
@@ -153,3 +154,6 @@ __all__ = [
     "write_weights_folder",
     "write_zero_adapter",
 ]
+
+#: The names of the last release, for one more (each warns).
+__getattr__ = old_names("libra.trainer", {"Layout": ("BatchLayout", BatchLayout)})

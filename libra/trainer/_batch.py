@@ -50,7 +50,7 @@ import torch
 
 from libra.engine import Status, TokenSource, TrajectoryRecord
 from libra.trainer._config import GRPOConfig, TrainConfig
-from libra.trainer._kinds import Layout
+from libra.trainer._kinds import BatchLayout
 from libra.trainer._loss import LossMetrics, grpo_loss, sequence_token_weight, staleness_weight
 
 
@@ -139,7 +139,7 @@ class MicroBatch:
     each micro-batch's loss by what it divides by, or the aggregation changes.
     """
 
-    layout: Layout
+    layout: BatchLayout
     input_ids: torch.Tensor  # long
     targets: torch.Tensor  # long: the next id; padding where nothing follows
     position_ids: torch.Tensor  # long: restarts at 0 for each sample
@@ -360,7 +360,7 @@ def _deal(sizes: Sequence[int], ranks: int) -> list[list[int]]:
     return dealt
 
 
-def _cost(rows: list[int], lengths: Sequence[int], layout: Layout) -> int:
+def _cost(rows: list[int], lengths: Sequence[int], layout: BatchLayout) -> int:
     if layout == "packed":
         return sum(lengths[i] for i in rows)
     return max(lengths[i] for i in rows) * len(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from libra.config import Section
-from libra.trainer._kinds import Aggregation, Correction, FailureRule, Layout, StaleRule
+from libra.trainer._kinds import Aggregation, BatchLayout, Correction, FailureRule, StaleRule
 
 
 class GRPOConfig(Section):
@@ -69,7 +69,7 @@ class TrainConfig(Section):
         "alone take 4 bytes x vocabulary per token (SmolLM2: 0.4 GB per 2048 tokens), "
         "so raise it on GPUs, lower it on small CPU machines",
     )
-    layout: Layout = Field(
+    layout: BatchLayout = Field(
         "packed",
         description="packed: one row per micro-batch, positions restart at each sample; "
         "padded: one right-padded row per sample, with an attention mask",

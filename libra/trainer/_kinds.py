@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Aggregation", "Correction", "FailureRule", "Layout", "StaleRule"]
+__all__ = ["Aggregation", "BatchLayout", "Correction", "FailureRule", "StaleRule"]
 
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-Layout = Literal["packed", "padded"]
+BatchLayout = Literal["packed", "padded"]
 StaleRule = Literal["drop", "reweight"]
 FailureRule = Literal["exclude", "retry"]
 Correction = Literal["none", "tis", "mis"]

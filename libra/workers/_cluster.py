@@ -61,7 +61,7 @@ from libra.workers._ray_workers import open_ray_workers
 CurrentWeights = Callable[[], tuple[Path | None, int]]
 
 
-class Instance(Protocol):
+class HeldServer(Protocol):
     """A serving instance as the cluster holds it: a :class:`VLLMServer` here, a Ray
     actor owning one with the Ray backend."""
 
@@ -91,7 +91,7 @@ class StartServer(Protocol):
         served_model_name: str,
         config: VLLMServerConfig,
         workers: tuple[int, ...],
-    ) -> Instance: ...
+    ) -> HeldServer: ...
 
 
 def local_server(
@@ -203,7 +203,7 @@ class WorkerCluster:
     weights_lock: anyio.Lock = field(default_factory=anyio.Lock)
     #: How an instance is built: a local process by default, a Ray actor with Ray.
     start_server: StartServer = local_server
-    servers: dict[str, Instance] = field(default_factory=dict)
+    servers: dict[str, HeldServer] = field(default_factory=dict)
     #: Set once the run's engine is open: it restarts an instance that dies or hangs, and
     #: is told before one is stopped on purpose.
     supervisor: ServerSupervisor | None = None

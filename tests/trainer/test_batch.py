@@ -24,9 +24,9 @@ from libra.engine import (
 from libra.trainer import (
     Aggregation,
     Batch,
+    BatchLayout,
     Correction,
     GRPOConfig,
-    Layout,
     Sample,
     TrainConfig,
     build_batch,
@@ -86,7 +86,7 @@ def test_current_marks_the_targets_the_trained_weights_sampled() -> None:
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_an_episode_in_pieces_is_one_sample_of_several_sequences(layout: Layout) -> None:
+def test_an_episode_in_pieces_is_one_sample_of_several_sequences(layout: BatchLayout) -> None:
     """A client edited its history: two contexts, each exact, one reward for both."""
     first = record("a", None, [0, 1, 1], ids=[5, 6, 7])
     second = record("a", 1.0, [0, 0, 1, 1, 1], ids=[5, 8, 9, 10, 11])
@@ -328,7 +328,7 @@ def test_packed_and_padded_micro_batches_give_the_whole_batch_loss(
     grpo = GRPOConfig(aggregation=aggregation, correction=correction, correction_cap=1.3)
     samples = model_samples
 
-    def batch(layout: Layout, budget: int) -> Batch:
+    def batch(layout: BatchLayout, budget: int) -> Batch:
         train = TrainConfig(layout=layout, micro_batch_tokens=budget)
         return build_batch(samples, current_version=0, grpo=grpo, train=train)
 

@@ -6,11 +6,12 @@ engine's :class:`~libra.sched.Scheduler` protocol, and registers itself under it
 tool-return paths. :func:`make_policy` builds any of them by name.
 """
 
+from libra.config import old_names
 from libra.sched.policies._base import (
     REGISTRY,
     Choice,
-    Decision,
     PolicyOptions,
+    RouteDecision,
     RoutedPolicy,
     Track,
     Truth,
@@ -60,7 +61,6 @@ __all__ = [
     "REGISTRY",
     "CMLFQConfig",
     "Choice",
-    "Decision",
     "FeaturePredictor",
     "LeastLoadedCapacity",
     "LeastLoadedScheduler",
@@ -79,6 +79,7 @@ __all__ = [
     "ReferenceCostCMLFQ",
     "Residual",
     "RoundRobin",
+    "RouteDecision",
     "RoutedPolicy",
     "SortedLength",
     "StaticPrompt",
@@ -90,3 +91,6 @@ __all__ = [
     "reference_cost",
     "reference_simple",
 ]
+
+#: The names of the last release, for one more (each warns).
+__getattr__ = old_names("libra.sched.policies", {"Decision": ("RouteDecision", RouteDecision)})

@@ -4,7 +4,7 @@ A :class:`RoutedPolicy` implements the engine's :class:`~libra.sched.Scheduler` 
 on top of a :class:`~libra.sched.Router`. It follows each live trajectory (its path of
 tool-return states, the output tokens it has generated, where it runs) and asks the
 subclass one question per generation call, :meth:`RoutedPolicy.choose`: which instance,
-at which vLLM priority, and why. Every answer is logged as a :class:`Decision` (from
+at which vLLM priority, and why. Every answer is logged as a :class:`RouteDecision` (from
 where to where, and the reason), which the metrics and the benchmark read.
 
 A subclass with a ``name`` is registered under it (:data:`REGISTRY`, in the order the
@@ -99,7 +99,7 @@ class Choice(NamedTuple):
     max_tokens: int | None = None  # the call's quantum (see ``Route.max_tokens``)
 
 
-class Decision(NamedTuple):
+class RouteDecision(NamedTuple):
     """One routing decision, for the metrics: where a call went and why."""
 
     trajectory_id: str
@@ -151,7 +151,7 @@ class RoutedPolicy(ABC):
         self.router = router
         self.signals = signals or SignalMap()
         self.tracks: dict[str, Track] = {}
-        self.decisions: deque[Decision] = deque(maxlen=DECISION_LOG_SIZE)
+        self.decisions: deque[RouteDecision] = deque(maxlen=DECISION_LOG_SIZE)
         self.reasons: Counter[str] = Counter()
         router.listeners.append(self._instance_left)
 
@@ -225,7 +225,7 @@ class RoutedPolicy(ABC):
     def _log(self, track: Track, choice: Choice) -> None:
         previous, estimate = track.instance, track.estimate
         self.decisions.append(
-            Decision(
+            RouteDecision(
                 trajectory_id=track.trajectory_id,
                 turn=track.turn,
                 time=self.router.clock(),

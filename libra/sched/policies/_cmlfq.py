@@ -46,7 +46,7 @@ shipped workloads (``libra bench sched --ablate``) ``cmlfq-no-priority`` ran exa
 docs/scheduling/cmlfq.md). New trajectories are placed by the same rule from the tree's root
 estimate; ``start_in_shortest`` restores the reference's "every trajectory starts in the shortest
 bucket", which leaves the larger buckets idle during the first turn. Every decision is
-logged with its reason (see :class:`~libra.sched.Decision`).
+logged with its reason (see :class:`~libra.sched.policies.RouteDecision`).
 """
 
 from __future__ import annotations
