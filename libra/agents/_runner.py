@@ -45,12 +45,12 @@ from libra._clock import now
 from libra.agents._agent import Agent
 from libra.engine import (
     Engine,
-    SamplingRecord,
     Status,
     Timings,
     TrajectoryJob,
     TrajectoryRecord,
     join_pieces,
+    score_reply,
 )
 from libra.envs import Env
 from libra.gateway import SESSION_HEADER, GatewayConfig, Keys, Sessions
@@ -226,18 +226,11 @@ class AgentRunner:
         if self.scorer is None:
             return None, "the agent returned no reward, and the run has no env to score it"
         replies = [m for m in (last.messages if last else []) if m.role == "assistant"]
-        try:
-            env = self.scorer()
-            await _maybe_await(env.reset_with(job.task))
-            reward = await _maybe_await(env.reward(replies[-1].content or "" if replies else ""))
-            return float(reward), None
-        except Exception as exc:
-            self.engine.env_bugs.report(f"reward of env {self.scorer.__name__}", exc)
-            return None, f"{type(exc).__name__}: {exc}"
+        reply = replies[-1].content or "" if replies else ""
+        return await score_reply(self.engine, self.scorer, job.task, reply)
 
     def _empty(self, identity: dict[str, Any], timings: Timings) -> TrajectoryRecord:
         """The record of an episode that made no call to the model."""
-        sampling = self.engine.config.sampling
         return TrajectoryRecord(
             turns=0,
             messages=[],
@@ -248,18 +241,11 @@ class AgentRunner:
             weight_versions=[],
             tool_returns=[],
             endpoints=[],
-            sampling=SamplingRecord(
-                sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
-            ),
+            sampling=self.engine.config.sampling.record(),
             weight_version=None,
             timings=timings,
             **identity,
         )
-
-
-async def _maybe_await(value: Any) -> Any:
-    """Env hooks may be plain or ``async``."""
-    return await value if hasattr(value, "__await__") else value
 
 
 def _openai_sdk() -> Any:

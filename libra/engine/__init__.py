@@ -38,7 +38,7 @@ from libra.engine._rollout import jobs_for, jobs_of, rollout
 from libra.engine._session import Group, RolloutSession, TrajectoryRunner
 from libra.engine._stats import RolloutStats
 from libra.engine._tokens import ChatTemplate, TemplateRenderer, TokenLog
-from libra.engine._trajectory import run_trajectory
+from libra.engine._trajectory import run_trajectory, score_reply
 from libra.engine._transports import TransportName, http_transport
 from libra.engine._turn import (
     ContextFull,
@@ -102,5 +102,6 @@ __all__ = [
     "record_of",
     "rollout",
     "run_trajectory",
+    "score_reply",
     "with_tools_described",
 ]

@@ -8,6 +8,7 @@ import msgspec
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from libra.config import Section
+from libra.engine._records import SamplingRecord
 
 
 class SamplingConfig(Section):
@@ -28,6 +29,10 @@ class SamplingConfig(Section):
     seed: int | None = Field(
         None, description="base of per-request seeds (reproducible sampling); None: unseeded"
     )
+
+    def record(self) -> SamplingRecord:
+        """What a trajectory's record keeps of these settings."""
+        return SamplingRecord(self.temperature, self.top_p, self.max_tokens_per_turn, self.seed)
 
 
 class EngineConfig(Section):

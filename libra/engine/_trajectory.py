@@ -43,6 +43,7 @@ from libra.envs import (
     Env,
     EnvBugs,
     SandboxError,
+    Task,
     ToolCall,
     ToolError,
     ToolResult,
@@ -285,6 +286,24 @@ async def _score(env: Env, t: TrajectoryState, bugs: EnvBugs) -> None:
         bugs.report(f"reward of env {type(env).__name__}", exc)
         t.fail("reward_error", _describe(exc))
     t.timings.reward_s = now() - started
+
+
+async def score_reply(
+    engine: Engine, env_cls: type[Env], task: Task, reply: str
+) -> tuple[float | None, str | None]:
+    """``env_cls``'s reward for ``reply`` to ``task`` (an agent's episode, which no env
+    played), with a trajectory's lifecycle: reset on the task in its sandbox, the reward,
+    then closed. On a failure, None and why (the traceback reported once per type)."""
+    env = env_cls()
+    try:
+        async with _sandbox(env, engine):
+            await _maybe_await(env.reset_with(task))
+        return float(await _maybe_await(env.reward(reply))), None
+    except Exception as exc:
+        engine.env_bugs.report(f"reward of env {env_cls.__name__}", exc)
+        return None, _describe(exc)
+    finally:
+        await _close(env, engine.env_bugs)
 
 
 async def _close(env: Env, bugs: EnvBugs) -> None:

@@ -29,7 +29,6 @@ from libra.engine._client import (
 from libra.engine._config import EngineConfig, SamplingConfig, TurnSampling
 from libra.engine._engine import Engine
 from libra.engine._records import (
-    SamplingRecord,
     Status,
     Timings,
     ToolReturnRecord,
@@ -113,9 +112,7 @@ def record_of(
         weight_versions=d.tokens.spans if exact else [],
         tool_returns=d.tool_returns,
         endpoints=d.endpoints,
-        sampling=SamplingRecord(
-            sampling.temperature, sampling.top_p, sampling.max_tokens_per_turn, sampling.seed
-        ),
+        sampling=sampling.record(),
         weight_version=d.weight_version,
         timings=d.timings,
         error=error,

@@ -12,7 +12,7 @@ import pytest
 
 from libra.agents import Agent, load_agent
 from libra.engine import RolloutSession, TrajectoryJob, TrajectoryRecord, jobs_for
-from libra.envs import Task, UnknownEnvError
+from libra.envs import SandboxSpec, Task, UnknownEnvError
 from libra.events import CallEnded, EventBus, TrajectoryEnded, TrajectoryStarted
 from libra.launch import open_agent
 from tests._helpers import Brevity, emulated_engine
@@ -131,6 +131,29 @@ async def test_an_agent_that_returns_no_reward_is_scored_by_the_run_s_env() -> N
     assert (unscored.status, unscored.stop_reason) == ("failed", "reward_error")
     assert unscored.reward is None
     assert "no env to score it" in (unscored.error or "")
+
+
+async def test_the_scoring_env_lives_as_a_trajectory_s_does_reset_scored_closed() -> None:
+    """Closed after its reward; one that needs a sandbox the run has none of is a fault
+    (``reward_error``), never the policy's 0."""
+    closed: list[str] = []
+
+    class Closing(Brevity):
+        async def close(self) -> None:
+            closed.append("closed")
+
+    class Boxed(Closing):
+        sandbox_spec = SandboxSpec()
+
+    async def quiet(task: Task, client: Any) -> None:
+        await hi(client)
+
+    record = await play(Agent("quiet", quiet), ["Short."], scorer=Closing)
+    assert record.status == "completed" and closed == ["closed"]
+    boxed = await play(Agent("quiet", quiet), ["Short."], scorer=Boxed)
+    assert (boxed.status, boxed.stop_reason, boxed.reward) == ("failed", "reward_error", None)
+    assert "runs tools in a sandbox, but none is configured" in (boxed.error or "")
+    assert closed == ["closed", "closed"]
 
 
 async def test_faults_are_failed_never_scored(capfd: pytest.CaptureFixture[str]) -> None:
