@@ -10,13 +10,13 @@ with a richer emulated truth is a fair one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
-    from libra.alloc._tail import TailLender
     from libra.engine import TrajectoryRecord
 
 Stage = Literal["rollout", "training"]
@@ -185,11 +185,20 @@ class Cluster(Protocol):
 
 class StepAllocation(Protocol):
     """A run's allocation as the RL loop sees it: after each step, the step's timing and
-    workload go in and the decision comes out (for the step's metrics line); with
-    ``[alloc.tail]``, the lender of the hybrid units the rollout's tail leaves idle."""
+    workload go in and the decision comes out (for the step's metrics line); around the
+    rollout and the training, the verbs that let ``[alloc.tail]`` lend the hybrid units
+    the rollout's tail leaves idle to the training under way."""
 
-    @property
-    def tail(self) -> TailLender | None: ...
+    def rollout_submitted(self) -> None:
+        """A step's rollout was submitted: units lent to training go back to serving."""
+        ...
+
+    def training(
+        self, positions: Callable[[], int], unfinished: Callable[[], int]
+    ) -> AbstractAsyncContextManager[None]:
+        """Wraps a step's training: ``positions()``, the input positions it trains (once
+        its batch is built); ``unfinished()``, the rollout's trajectories still running."""
+        ...
 
     def after_step(
         self,

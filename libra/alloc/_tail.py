@@ -139,6 +139,30 @@ class TailLender:
     #: worker-seconds the others put in (units lent inside it, or released as it started).
     _staying: int = field(default=1, init=False, repr=False)
     _helped_worker_s: float = field(default=0.0, init=False, repr=False)
+    #: The last step's training seconds per input position, priced alone.
+    _rate: float | None = field(default=None, init=False, repr=False)
+
+    @asynccontextmanager
+    async def training(
+        self, positions: Callable[[], int], unfinished: Callable[[], int]
+    ) -> AsyncIterator[None]:
+        """Wraps one step's training of ``positions()`` input positions. From the second
+        step on, idle units join it (:meth:`lending`), what it has left priced at the
+        last step's seconds per position on the workers that started it (the prompts
+        and tool returns cost a pass as the sampled tokens do); then this step is
+        priced for the next (:meth:`alone_s`)."""
+        started, rate = anyio.current_time(), self._rate
+        if rate is None:
+            yield
+        else:
+
+            def left_s() -> float:
+                return rate * positions() - (anyio.current_time() - started)
+
+            async with self.lending(unfinished, left_s):
+                yield
+        train_s = anyio.current_time() - started
+        self._rate = self.alone_s(train_s) / max(1, positions())
 
     @asynccontextmanager
     async def lending(

@@ -32,7 +32,9 @@ run. Then, per step ``k``:
    training does so beside the next step, and the trainer's world changes at a step
    boundary; with ``[alloc.tail]`` the hybrid units the rollout leaves idle also join
    step 4's training under way, and go back when the next rollout's jobs are submitted
-   (1).
+   (1). The loop only says when (``allocation.training`` around step 4,
+   ``allocation.rollout_submitted`` at 1): what lending pays, and when, is the
+   allocation's to price.
 
 ``resume=True`` starts from the run folder's newest checkpoint instead of step 0: the
 trainer's state is restored (and ``metrics.jsonl`` cut back to what it held then), the
@@ -195,7 +197,6 @@ class TrainRun:
     _evaluated: anyio.Event | None = None  # set when the evaluation under way is done
     version: int = 0  # the weights the trainer holds: v0 before the first step
     publisher: Publisher = field(init=False)
-    _train_s_per_position: float | None = None  # the last step's: what the tail expects
 
     def __post_init__(self) -> None:
         self.publisher = Publisher(
@@ -249,8 +250,8 @@ class TrainRun:
         """Submit step ``step``'s jobs, but for those whose record the log gave back."""
         if step >= self.config.steps:
             return
-        if self.allocation is not None and self.allocation.tail is not None:
-            self.allocation.tail.give_back()  # the rollout's servers restart beside it
+        if self.allocation is not None:
+            self.allocation.rollout_submitted()
         self.rollouts.submit(step)
 
     async def step(self, step: int, progress: Progress) -> StepRecord:
@@ -280,11 +281,10 @@ class TrainRun:
             return Train(built[-1], grpo, temperature) if built[-1].micro_batches else None
 
         started = time.perf_counter()
-        async with self._lending_tail(built):
+        async with self._training(built):
             result: TrainResult | None = await self.trainer.call_sized(train_on)
         batch = built[-1]
         train_s = time.perf_counter() - started
-        self._train_s_per_position = self._alone_s(train_s) / max(1, batch.positions)
         if self._evaluated is not None:  # every call of an evaluation sees one version
             await self._evaluated.wait()
         export_s, sync_s = await self.publisher.publish(self.version + 1)
@@ -354,27 +354,13 @@ class TrainRun:
         if value is not None and (best is None or value > best["value"]):
             mark_best(self.run_dir, steps_done, metric, value)
 
-    def _alone_s(self, train_s: float) -> float:
-        """The step's training seconds without the units the tail lent inside it."""
-        lender = self.allocation.tail if self.allocation is not None else None
-        return train_s if lender is None else lender.alone_s(train_s)
-
-    def _lending_tail(self, built: list[Batch]) -> AbstractAsyncContextManager[None]:
-        """With ``[alloc.tail]``, from the second step: the hybrid units the rollout
-        leaves idle join this training (``libra.alloc.TailLender``). What it has left is
-        priced at the last step's seconds per input position, on the workers that
-        started it (the prompts and tool returns cost a pass as the sampled tokens do)."""
-        lender = self.allocation.tail if self.allocation is not None else None
-        rate = self._train_s_per_position
-        if lender is None or rate is None:
+    def _training(self, built: list[Batch]) -> AbstractAsyncContextManager[None]:
+        """The step's training, as the allocation wraps it (``[alloc.tail]`` lends it
+        the hybrid units the rollout leaves idle)."""
+        if self.allocation is None:
             return nullcontext()
-        started = time.perf_counter()
-
-        def left_s() -> float:
-            positions = built[-1].positions if built else 0
-            return rate * positions - (time.perf_counter() - started)
-
-        return lender.lending(lambda: self.rollouts.jobs_left, left_s)
+        positions = lambda: built[-1].positions if built else 0  # noqa: E731
+        return self.allocation.training(positions, lambda: self.rollouts.jobs_left)
 
     async def read_records(self) -> None:
         """Log each record as its trajectory ends, and sort complete groups by step (one

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -350,6 +350,15 @@ class Allocation:
     pool: HybridPool
     loop: AllocationLoop
     tail: TailLender | None = None  # [alloc.tail]: lending inside a step's training
+
+    def rollout_submitted(self) -> None:
+        if self.tail is not None:
+            self.tail.give_back()  # the rollout's servers restart beside it
+
+    def training(
+        self, positions: Callable[[], int], unfinished: Callable[[], int]
+    ) -> AbstractAsyncContextManager[None]:
+        return nullcontext() if self.tail is None else self.tail.training(positions, unfinished)
 
     def after_step(
         self,

@@ -112,6 +112,32 @@ async def test_the_lender_gives_back_at_the_next_rollout_what_it_lent_in_a_step(
         assert 20 <= timed_restart_s(pool, RULE) < RULE.restart_s
 
 
+async def test_each_step_s_training_is_lent_to_at_the_last_step_s_price_alone() -> None:
+    """``TailLender.training`` around each step (what the RL loop calls through the
+    allocation): step 0 sets the price and lends nothing; step 1 lends both units; step
+    2, priced as the core alone would have taken step 1 (not at its shortened seconds),
+    lends them again."""
+    cluster = emulated_cluster()
+    trainer = cluster.trainer
+    fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
+    positions = 2_000_000
+    alone = trainer.step_seconds(positions, 1)
+    async with HybridPool(cluster, Router(fleet), POOL_LAYOUT, POOL_CONFIG) as pool:
+        lender = TailLender(pool, RULE)
+        lent: list[list[str]] = []
+        took: list[float] = []
+        for _ in range(3):
+            lender.give_back()  # the step's rollout
+            await pool.settled()
+            started = anyio.current_time()
+            async with lender.training(lambda: positions, lambda: 0):
+                await trainer.step(positions)
+            lent.append(list(lender.last))
+            took.append(anyio.current_time() - started)
+        assert lent == [[], ["w2", "w3"], ["w2", "w3"]]
+        assert took[0] > alone * 0.99 and took[1] < alone / 2 and took[2] < alone / 2
+
+
 async def test_a_unit_still_on_its_way_to_training_is_given_back_once_it_arrives() -> None:
     cluster = emulated_cluster()
     fleet = await start_layout(cluster, POOL_LAYOUT, POOL_CONFIG)
