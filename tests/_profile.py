@@ -61,7 +61,7 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, name="test-profile", daemon=True)
 
     def __enter__(self) -> Usage:
-        self._sample()
+        self._sample(count=False)  # what runs already (a session's server) is not its
         self._thread.start()
         return self.usage
 
@@ -74,7 +74,7 @@ class Sampler:
         while not self._stop.wait(SAMPLE_S):
             self._sample()
 
-    def _sample(self) -> None:
+    def _sample(self, *, count: bool = True) -> None:
         psutil, usage = self._psutil, self.usage
         rss = 0
         try:
@@ -107,10 +107,12 @@ class Sampler:
                 self._inside.add(process.pid)
                 continue
             kind = kinds.get(process.pid)
-            if kind is not None:
+            if kind is None:
+                continue
+            if count:
                 setattr(usage, kind, getattr(usage, kind) + 1)
-                if kind != "spawned":
-                    self._inside.add(process.pid)
+            if kind != "spawned":
+                self._inside.add(process.pid)
 
 
 class Profile:

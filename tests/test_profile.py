@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 from tests._profile import BEGIN, END, SAVED, Sampler, read, render
 
@@ -15,12 +16,14 @@ def test_the_sampler_counts_the_processes_a_test_starts_and_their_memory() -> No
     # one vLLM start, however the two are listed.
     server = [sys.executable, "-c", sleep, "vllm.entrypoints.openai"]
     guard = f"import subprocess; subprocess.run({server!r})"
-    with Sampler() as usage:
+    running = subprocess.Popen([sys.executable, "-c", sleep, "vllm.entrypoints"])
+    time.sleep(0.2)  # (its command line is read)
+    with Sampler() as usage:  # a server running before the test is not the test's
         children = [
             subprocess.Popen([sys.executable, "-c", guard, "--", *server]),
             subprocess.Popen([sys.executable, "-c", sleep, "spawn_main"]),  # a rank
         ]
-        for child in children:
+        for child in [*children, running]:
             child.wait()
     assert (usage.vllm, usage.spawned, usage.ray) == (1, 1, 0)
     assert usage.peak_rss_mib > 10  # pytest itself, at least
