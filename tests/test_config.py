@@ -112,6 +112,7 @@ def test_a_section_is_immutable() -> None:
     [
         ("libra.train", "Gateway", "GatewayClient"),
         ("libra.alloc", "Decision", "AllocationDecision"),
+        ("libra.alloc", "Workload", "Demand"),
         ("libra.sched.policies", "Decision", "RouteDecision"),
         ("libra.trainer", "Layout", "BatchLayout"),
     ],

@@ -27,6 +27,7 @@ from libra.alloc._pool import HybridPool
 from libra.alloc._protocol import (
     CallTiming,
     Cluster,
+    Demand,
     JoinState,
     Plan,
     Planner,
@@ -35,7 +36,6 @@ from libra.alloc._protocol import (
     Stage,
     StepAllocation,
     StepTiming,
-    Workload,
 )
 from libra.alloc._tail import (
     TailLender,
@@ -61,6 +61,7 @@ __all__ = [
     "CallTiming",
     "Cluster",
     "Corrections",
+    "Demand",
     "HybridPool",
     "JoinState",
     "Layout",
@@ -86,7 +87,6 @@ __all__ = [
     "TrainSpec",
     "Transition",
     "WorkerState",
-    "Workload",
     "borrow_pays",
     "bucket_ceilings",
     "instance_name",
@@ -99,4 +99,7 @@ __all__ = [
 ]
 
 #: The names of the last release, for one more (each warns).
-__getattr__ = old_names("libra.alloc", {"Decision": ("AllocationDecision", AllocationDecision)})
+__getattr__ = old_names(
+    "libra.alloc",
+    {"Decision": ("AllocationDecision", AllocationDecision), "Workload": ("Demand", Demand)},
+)

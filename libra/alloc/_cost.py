@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
-from libra.alloc._protocol import CallTiming, StepTiming, Workload
+from libra.alloc._protocol import CallTiming, Demand, StepTiming
 from libra.config import Section
 from libra.fleet import Corrections, Gpu, Roofline, StepCost
 
@@ -57,7 +57,7 @@ class Request:
         return self.decode_context or self.context_tokens - self.output_tokens / 2
 
 
-def requests_of(workload: Workload, limit: int | None = None) -> list[Request]:
+def requests_of(workload: Demand, limit: int | None = None) -> list[Request]:
     """The workload's trajectories: its length samples, as many as its count (fewer
     samples are repeated; more, from several recent steps pooled, give their evenly
     spaced quantiles, so every step counts); past ``limit``, that many quantiles, each
@@ -159,7 +159,7 @@ class RolloutCost:
         # holds at once, whatever its layout.
         self._in_flight: deque[tuple[str, int]] = deque(maxlen=window)
 
-    def _requests(self, workload: Workload) -> list[Request]:
+    def _requests(self, workload: Demand) -> list[Request]:
         return requests_of(workload, self.placement_samples)
 
     def step_cost(self, tp: int) -> StepCost:
@@ -193,7 +193,7 @@ class RolloutCost:
         self._pooled.add(terms, timing.seconds)
         self._in_flight.append((timing.instance, timing.concurrent))
 
-    def in_flight(self, workload: Workload) -> float:
+    def in_flight(self, workload: Demand) -> float:
         """Calls the fleet holds at once: the recent calls' in-flight counts, averaged
         per instance and summed; before any call, every trajectory (none in its tools)."""
         per_instance: dict[str, list[int]] = {}
@@ -206,7 +206,7 @@ class RolloutCost:
     def predict_call(self, timing: CallTiming) -> float:
         return self.corrections(timing.tp).apply(self.call_terms(timing.tp, timing))
 
-    def batch_cap(self, tp: int, workload: Workload) -> int:
+    def batch_cap(self, tp: int, workload: Demand) -> int:
         """Sequences an instance runs at once: ``max_num_seqs``, or fewer when the KV
         cache cannot hold that many of the workload's mean context."""
         contexts = workload.context_tokens or (1,)
@@ -277,7 +277,7 @@ class RolloutCost:
             seconds += instance.count / total * decode * wait
         return seconds + longest.tool_s
 
-    def longest_alone(self, tp: int, workload: Workload) -> float:
+    def longest_alone(self, tp: int, workload: Demand) -> float:
         """The longest request alone on an instance of ``tp``: no layout beats it."""
         requests = requests_of(workload)
         if not requests:
@@ -287,7 +287,7 @@ class RolloutCost:
             _Instance(tp, self.batch_cap(tp, workload)).with_request(longest)
         )
 
-    def makespan(self, tps: Sequence[int], workload: Workload) -> float:
+    def makespan(self, tps: Sequence[int], workload: Demand) -> float:
         """Requests placed longest-first, each on the instance it finishes earliest on;
         the makespan is the slowest instance's time.
 
@@ -306,9 +306,7 @@ class RolloutCost:
         waits = [max(1.0, share / cap) for cap in caps]
         return max(batched, self._spread_chain_seconds(instances, waits))
 
-    def _placed(
-        self, tps: Sequence[int], caps: Sequence[int], workload: Workload
-    ) -> list[_Instance]:
+    def _placed(self, tps: Sequence[int], caps: Sequence[int], workload: Demand) -> list[_Instance]:
         instances = [_Instance(tp, cap) for tp, cap in zip(tps, caps, strict=True)]
         for request in sorted(self._requests(workload), key=_size, reverse=True):
             candidates = [instance.with_request(request) for instance in instances]
@@ -390,7 +388,7 @@ class TrainCost:
         return workers > 0 and self.memory_per_worker(workers) <= usable
 
 
-def train_tokens(workload: Workload) -> int:
+def train_tokens(workload: Demand) -> int:
     """Tokens a step trains on: every trajectory's full context."""
     return sum(request.context_tokens for request in requests_of(workload))
 

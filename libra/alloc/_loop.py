@@ -32,7 +32,7 @@ from pydantic import Field, NonNegativeFloat
 from libra.alloc._moves import Move
 from libra.alloc._planner import PlanLog, ReplanTrigger, mean_output
 from libra.alloc._pool import HybridPool
-from libra.alloc._protocol import CallTiming, Plan, Planner, StepTiming, Workload
+from libra.alloc._protocol import CallTiming, Demand, Plan, Planner, StepTiming
 from libra.config import Section
 
 Action = Literal["hold", "borrow", "release", "plan"]
@@ -42,7 +42,7 @@ class ApplyingPlanner(Planner, Protocol):
     """A planner that also says when a new plan is worth moving to."""
 
     def should_apply(
-        self, current: Plan, new: Plan, workload: Workload, move_cost_s: float
+        self, current: Plan, new: Plan, workload: Demand, move_cost_s: float
     ) -> bool: ...
 
 
@@ -97,7 +97,7 @@ class AllocationLoop:
         return sum(instance.in_flight for instance in serving) / slots
 
     def on_step(
-        self, timing: StepTiming, workload: Workload, pressure: float | None = None
+        self, timing: StepTiming, workload: Demand, pressure: float | None = None
     ) -> AllocationDecision:
         """The step is over: learn from it and decide (``pressure``: measured now from
         the router unless given)."""
@@ -111,7 +111,7 @@ class AllocationLoop:
         self._moves = decision.moves or self._moves
         return decision
 
-    async def run(self, steps: anyio.abc.ObjectReceiveStream[tuple[StepTiming, Workload]]) -> None:
+    async def run(self, steps: anyio.abc.ObjectReceiveStream[tuple[StepTiming, Demand]]) -> None:
         """Decide after every step received, until the stream closes."""
         async with steps:
             async for timing, workload in steps:
@@ -120,7 +120,7 @@ class AllocationLoop:
     # ------------------------------------------------------------------ deciding
 
     def _decide(
-        self, timing: StepTiming, workload: Workload, ratio: float, pressure: float
+        self, timing: StepTiming, workload: Demand, ratio: float, pressure: float
     ) -> AllocationDecision:
         step = timing.step
         if any(move.outcome == "pending" for move in self._moves):
@@ -139,7 +139,7 @@ class AllocationLoop:
         return self._rule(step, ratio, pressure)
 
     def _replan(
-        self, step: int, workload: Workload, ratio: float, pressure: float, why: str
+        self, step: int, workload: Demand, ratio: float, pressure: float, why: str
     ) -> AllocationDecision | None:
         self._steps_since_plan = 0
         self._planned_mean_output = mean_output(workload)

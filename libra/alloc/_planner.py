@@ -29,7 +29,7 @@ from libra.alloc._cost import (
     mean,
     train_tokens,
 )
-from libra.alloc._protocol import CallTiming, Plan, Prediction, StepTiming, Workload
+from libra.alloc._protocol import CallTiming, Demand, Plan, Prediction, StepTiming
 from libra.config import Section
 from libra.fleet import Roofline
 
@@ -75,7 +75,7 @@ def tp_partitions(workers: int, sizes: tuple[int, ...], limit: int) -> Iterator[
     yield from walk(workers, 0, ())
 
 
-def bucket_ceilings(tps: tuple[int, ...], workload: Workload) -> tuple[int, ...]:
+def bucket_ceilings(tps: tuple[int, ...], workload: Demand) -> tuple[int, ...]:
     """One bucket per TP size, smallest TP for the shortest: ceilings at the quantiles of
     the output lengths in proportion to the workers each size holds."""
     sizes = sorted(set(tps))
@@ -115,7 +115,7 @@ class RooflinePlanner:
         self.rollout.observe(timing)
 
     def observe_step(
-        self, timing: StepTiming, plan: Plan | None = None, ran: Workload | None = None
+        self, timing: StepTiming, plan: Plan | None = None, ran: Demand | None = None
     ) -> None:
         """A step is over: fit training to it; given the ``plan`` it ran and the workload
         it turned out to be, calibrate the rollout too. The calls fit each instance's
@@ -136,11 +136,11 @@ class RooflinePlanner:
         ratios = self._rollout_ratios
         return min(_MAX_SCALE, max(1 / _MAX_SCALE, median(ratios))) if ratios else 1.0
 
-    def _rollout_s(self, tps: tuple[int, ...], workload: Workload) -> float:
+    def _rollout_s(self, tps: tuple[int, ...], workload: Demand) -> float:
         return self.rollout.makespan(tps, workload) * self.rollout_scale
 
     def predict(
-        self, plan: Plan, workload: Workload, trained_tokens: int | None = None
+        self, plan: Plan, workload: Demand, trained_tokens: int | None = None
     ) -> Prediction:
         """The step ``plan`` takes on ``workload``; ``trained_tokens``: what its training
         step trains, when known (one step off-policy, the last step's records), else the
@@ -157,7 +157,7 @@ class RooflinePlanner:
             self.rollout.weights_fit(tp) for tp in plan.rollout_tps
         )
 
-    def plan(self, workers: int, workload: Workload) -> Plan:
+    def plan(self, workers: int, workload: Demand) -> Plan:
         tokens = train_tokens(workload)
         best: Plan | None = None
         # Most training workers first: small rollout searches set the bound early, and
@@ -182,7 +182,7 @@ class RooflinePlanner:
         return Plan(best.train_workers, best.rollout_tps, ceilings, best.predicted, reason)
 
     def _best_layout(
-        self, workers: int, workload: Workload, bound: float
+        self, workers: int, workload: Demand, bound: float
     ) -> tuple[tuple[int, ...], float] | None:
         """The fastest layout of ``workers`` whose makespan is under ``bound``; layouts
         whose largest instance cannot run the longest request under it are not priced."""
@@ -203,9 +203,7 @@ class RooflinePlanner:
         sizes = tuple(tp for tp in self.config.allowed_tps if self.rollout.weights_fit(tp))
         return tp_partitions(workers, sizes, self.config.max_instances)
 
-    def should_apply(
-        self, current: Plan, new: Plan, workload: Workload, move_cost_s: float
-    ) -> bool:
+    def should_apply(self, current: Plan, new: Plan, workload: Demand, move_cost_s: float) -> bool:
         """Move when the step-time gain beats the cost of moving and by the margin."""
         before = self.predict(current, workload).step_s
         after = self.predict(new, workload).step_s
@@ -254,7 +252,7 @@ class ReplanTrigger(Section):
         return tuple(found)
 
 
-def mean_output(workload: Workload) -> float:
+def mean_output(workload: Demand) -> float:
     return mean(workload.output_tokens) if workload.output_tokens else 0.0
 
 

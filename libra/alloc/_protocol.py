@@ -3,7 +3,7 @@
 The loop observes rollout and training (:class:`CallTiming` for every generation call,
 :class:`StepTiming` for every RL step), hands what it saw to a :class:`Planner`, and when
 the planner's :class:`Plan` beats the current one by enough, drives the worker pool to it.
-The planner sees only these observations and the :class:`Workload` summary: never an
+The planner sees only these observations and the :class:`Demand` summary: never an
 emulator, never a benchmark (an import-linter contract), so a benchmark that grades it
 with a richer emulated truth is a fair one.
 """
@@ -55,7 +55,7 @@ class StepTiming:
 
 
 @dataclass(frozen=True, slots=True)
-class Workload:
+class Demand:
     """What the next step will ask of rollout and training, from the recent steps."""
 
     trajectories: int
@@ -76,7 +76,7 @@ class Workload:
     decode_context_tokens: tuple[float, ...] = ()
 
     @classmethod
-    def of_records(cls, records: Sequence[TrajectoryRecord], trajectories: int = 0) -> Workload:
+    def of_records(cls, records: Sequence[TrajectoryRecord], trajectories: int = 0) -> Demand:
         """What ``records`` asked of rollout and training; ``trajectories`` per step
         (0: as many as the records)."""
         return cls(
@@ -133,13 +133,13 @@ class Planner(Protocol):
     def observe_call(self, timing: CallTiming) -> None: ...
 
     def observe_step(
-        self, timing: StepTiming, plan: Plan | None = None, ran: Workload | None = None
+        self, timing: StepTiming, plan: Plan | None = None, ran: Demand | None = None
     ) -> None: ...
 
-    def plan(self, workers: int, workload: Workload) -> Plan: ...
+    def plan(self, workers: int, workload: Demand) -> Plan: ...
 
     def predict(
-        self, plan: Plan, workload: Workload, trained_tokens: int | None = None
+        self, plan: Plan, workload: Demand, trained_tokens: int | None = None
     ) -> Prediction: ...
 
 

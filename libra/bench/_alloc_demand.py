@@ -1,10 +1,10 @@
 """What the next step of ``libra bench alloc`` will ask of the workers (the planner's
-:class:`~libra.alloc.Workload`), from the recent steps' records or the earlier steps'
+:class:`~libra.alloc.Demand`), from the recent steps' records or the earlier steps'
 scripts."""
 
 from __future__ import annotations
 
-from libra.alloc import Workload as Demand
+from libra.alloc import Demand
 from libra.emulation.workloads import TrajectoryScript
 from libra.engine import TrajectoryRecord
 

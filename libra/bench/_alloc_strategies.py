@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from libra.alloc import (
     CallTiming,
+    Demand,
     LongestDecodes,
     Plan,
     PlanLog,
@@ -26,7 +27,6 @@ from libra.alloc import (
     StepTiming,
     TailRule,
     TrainCost,
-    Workload,
     bucket_ceilings,
     mean_output,
     tp_partitions,
@@ -55,26 +55,26 @@ class Strategy:
     #: The hybrid pool's in-step rule (None: the layout holds for the whole step).
     tail: TailRule | None = None
 
-    def first_plan(self, workers: int, workload: Workload) -> Plan:
+    def first_plan(self, workers: int, workload: Demand) -> Plan:
         return self.plan
 
     def observe_call(self, timing: CallTiming) -> None:
         """Static configurations learn nothing."""
 
-    def observe_step(self, timing: StepTiming, plan: Plan, ran: Workload) -> None:
+    def observe_step(self, timing: StepTiming, plan: Plan, ran: Demand) -> None:
         """Static configurations learn nothing."""
 
-    def predict(self, step: int, plan: Plan, workload: Workload, trained_tokens: int) -> None:
+    def predict(self, step: int, plan: Plan, workload: Demand, trained_tokens: int) -> None:
         """Static configurations predict nothing."""
 
-    def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
+    def next_plan(self, step: int, current: Plan, workload: Demand) -> Plan:
         return current
 
     def expected_train_s(self, plan: Plan, tokens: int) -> float:
         """Seconds training ``tokens`` on the plan's workers should take (0: no model)."""
         return 0.0
 
-    def hindsight(self, plan: Plan, ran: Workload, trained_tokens: int) -> float | None:
+    def hindsight(self, plan: Plan, ran: Demand, trained_tokens: int) -> float | None:
         """The step time the cost model gives ``plan`` on the workload the step turned out
         to be, training ``trained_tokens`` (its error is the model's, without the
         forecast's); None: no model."""
@@ -98,7 +98,7 @@ class PlannerStrategy(Strategy):
         assert self.planner is not None, "a planner strategy is built with its planner"
         return self.planner
 
-    def first_plan(self, workers: int, workload: Workload) -> Plan:
+    def first_plan(self, workers: int, workload: Demand) -> Plan:
         plan = self._planner().plan(workers, workload)
         self._planned_mean = mean_output(workload)
         return plan
@@ -106,25 +106,25 @@ class PlannerStrategy(Strategy):
     def observe_call(self, timing: CallTiming) -> None:
         self._planner().observe_call(timing)
 
-    def observe_step(self, timing: StepTiming, plan: Plan, ran: Workload) -> None:
+    def observe_step(self, timing: StepTiming, plan: Plan, ran: Demand) -> None:
         self._planner().observe_step(timing, plan, ran)
         self.log.record_measured(timing)
         self._last = timing
         self._since_plan += 1
 
-    def predict(self, step: int, plan: Plan, workload: Workload, trained_tokens: int) -> None:
+    def predict(self, step: int, plan: Plan, workload: Demand, trained_tokens: int) -> None:
         """Log what the planner expects of ``plan`` on the step about to run, whose
         training step trains ``trained_tokens`` (the last step's records)."""
         predicted = self._planner().predict(plan, workload, trained_tokens)
         self.log.record_plan(step, Plan(plan.train_workers, plan.rollout_tps, predicted=predicted))
 
-    def hindsight(self, plan: Plan, ran: Workload, trained_tokens: int) -> float | None:
+    def hindsight(self, plan: Plan, ran: Demand, trained_tokens: int) -> float | None:
         return self._planner().predict(plan, ran, trained_tokens).step_s
 
     def expected_train_s(self, plan: Plan, tokens: int) -> float:
         return self._planner().train.seconds(tokens, plan.train_workers)
 
-    def next_plan(self, step: int, current: Plan, workload: Workload) -> Plan:
+    def next_plan(self, step: int, current: Plan, workload: Demand) -> Plan:
         timing, planner = self._last, self._planner()
         if timing is None:
             return current
@@ -152,7 +152,7 @@ class LayoutStrategy(Strategy):
 
     policy: str = "cmlfq"
 
-    def first_plan(self, workers: int, workload: Workload) -> Plan:
+    def first_plan(self, workers: int, workload: Demand) -> Plan:
         tps = self.plan.rollout_tps
         return Plan(self.plan.train_workers, tps, bucket_ceilings(tps, workload), reason="held")
 

@@ -38,6 +38,7 @@ from pydantic import Field, PositiveFloat, model_validator
 from libra.alloc import (
     AllocationLoop,
     CallTiming,
+    Demand,
     HybridPool,
     Layout,
     LoopConfig,
@@ -46,7 +47,6 @@ from libra.alloc import (
     StepTiming,
     TailLender,
     TailRule,
-    Workload,
 )
 from libra.config import Section
 from libra.engine import TrajectoryRecord
@@ -378,7 +378,7 @@ class Allocation:
             train_workers=self.cluster.trainer.world_size,
             rollout_workers=self.pool.workers_in("rollout"),
         )
-        workload = Workload.of_records(records)
+        workload = Demand.of_records(records)
         decision = self.loop.on_step(timing, workload)
         return {
             "decision": decision.action,

@@ -10,7 +10,7 @@ import pytest
 
 from libra.alloc import A100, A800, H100, H200, PRESETS, RolloutCost, TrainCost
 from libra.alloc._cost import train_tokens
-from libra.alloc._protocol import CallTiming, StepTiming, Workload, decode_context
+from libra.alloc._protocol import CallTiming, Demand, StepTiming, decode_context
 from libra.fleet import Gpu, Model, Roofline
 
 QWEN3_14B = Model(name="qwen3-14b", parameters=14.8e9, layers=40, kv_heads=8, head_dim=128)
@@ -85,20 +85,20 @@ def test_a_tp_without_observations_borrows_the_pooled_fit() -> None:
 
 def test_the_makespan_falls_with_more_instances_and_is_bounded_by_the_longest() -> None:
     model = RolloutCost(Roofline(A100, QWEN3_14B))
-    workload = Workload(
+    workload = Demand(
         64, output_tokens=(200, 400, 800, 8000), context_tokens=(1200, 1400, 1800, 9000)
     )
     one, four = model.makespan((1,), workload), model.makespan((1, 1, 1, 1), workload)
     assert four < one
-    longest_alone = model.makespan((1,), Workload(1, (8000,), (9000,)))
+    longest_alone = model.makespan((1,), Demand(1, (8000,), (9000,)))
     assert four >= longest_alone
 
 
 def test_kv_capacity_bounds_the_batch() -> None:
     model = RolloutCost(Roofline(A100, QWEN3_14B), max_num_seqs=256)
-    long = Workload(8, output_tokens=(30000,), context_tokens=(60000,))
+    long = Demand(8, output_tokens=(30000,), context_tokens=(60000,))
     assert model.batch_cap(1, long) < model.batch_cap(4, long) <= 256
-    assert model.batch_cap(1, Workload(8, (10,), (20,))) == 256
+    assert model.batch_cap(1, Demand(8, (10,), (20,))) == 256
 
 
 def _true_train_seconds(gpu: Gpu, tokens: int, workers: int) -> float:
@@ -148,9 +148,9 @@ def test_the_longest_trajectorys_tools_are_on_the_critical_path() -> None:
     trajectory's waits for its tools bound the rollout from below."""
     model = RolloutCost(Roofline(A100, QWEN3_14B))
     outputs, contexts = (20_000, *[500] * 63), (40_000, *[4_000] * 63)
-    bare = Workload(64, outputs, contexts)
-    short_tools = Workload(64, outputs, contexts, tool_s=(0.0, *[5.0] * 63))
-    long_tools = Workload(64, outputs, contexts, tool_s=(300.0, *[0.0] * 63))
+    bare = Demand(64, outputs, contexts)
+    short_tools = Demand(64, outputs, contexts, tool_s=(0.0, *[5.0] * 63))
+    long_tools = Demand(64, outputs, contexts, tool_s=(300.0, *[0.0] * 63))
     seconds = model.makespan((2, 1, 1), bare)
     assert model.makespan((2, 1, 1), short_tools) == seconds  # hidden behind the long one
     assert model.makespan((2, 1, 1), long_tools) >= 300.0 + model.longest_alone(2, bare)
@@ -161,7 +161,7 @@ def test_a_longest_trajectory_sharing_every_batch_takes_longer_than_alone() -> N
     """Under least-loaded routing the longest trajectory decodes in full batches: its
     chain, with its tools, is priced at the instance's mean batch, not alone."""
     outputs, contexts = (20_000, *[2_000] * 255), (40_000, *[6_000] * 255)
-    workload = Workload(256, outputs, contexts, tool_s=(120.0, *[0.0] * 255))
+    workload = Demand(256, outputs, contexts, tool_s=(120.0, *[0.0] * 255))
     alone = RolloutCost(Roofline(A100, QWEN3_14B))
     in_batch = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
     assert in_batch.makespan((1, 1), workload) > alone.makespan((1, 1), workload)
@@ -175,7 +175,7 @@ def test_least_loaded_spreads_the_longest_trajectory_over_a_mixed_layout() -> No
     beside a large one takes its share of the longest trajectory's turns: adding it helps
     the batched work, but the longest trajectory's chain, with its tools, slows."""
     outputs, contexts = (20_000, *[1_000] * 31), (40_000, *[3_000] * 31)
-    workload = Workload(32, outputs, contexts, tool_s=(120.0, *[0.0] * 31))
+    workload = Demand(32, outputs, contexts, tool_s=(120.0, *[0.0] * 31))
     alone = RolloutCost(Roofline(A100, QWEN3_14B))
     in_batch = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
     # With a lane of its own, the longest stays on the TP4: a TP1 beside it only helps.
@@ -195,7 +195,7 @@ def test_a_multi_turn_trajectory_is_decoded_on_the_contexts_its_turns_saw() -> N
     assert decode_context([0, 0, 0]) == 0.0
     model = RolloutCost(Roofline(A100, QWEN3_14B))
     outputs, contexts = (200,) * 64, (len(mask),) * 64
-    at_end = Workload(64, outputs, contexts)
+    at_end = Demand(64, outputs, contexts)
     per_turn = replace(at_end, decode_context_tokens=(decode_context(mask),) * 64)
     assert model.makespan((1,), per_turn) < model.makespan((1,), at_end)
     # Unknown, a trajectory's tokens are priced on its end context less half its output.
@@ -209,13 +209,13 @@ def test_recent_steps_pooled_all_count() -> None:
     older, newer = [1_000] * 32, [4_000] * 32
     outputs = (*older, *newer)
     contexts = tuple(out + 2_000 for out in outputs)
-    pooled = Workload(32, outputs, contexts)
+    pooled = Demand(32, outputs, contexts)
     assert train_tokens(pooled) == 32 * (3_000 + 6_000) // 2
     model = RolloutCost(Roofline(A100, QWEN3_14B))
     assert model.longest_alone(1, pooled) == model.longest_alone(
-        1, Workload(32, outputs[32:], contexts[32:])
+        1, Demand(32, outputs[32:], contexts[32:])
     )
-    only_older = Workload(32, outputs[:32], contexts[:32])
+    only_older = Demand(32, outputs[:32], contexts[:32])
     assert model.makespan((1, 1), only_older) < model.makespan((1, 1), pooled)
 
 
@@ -229,7 +229,7 @@ def test_least_loaded_queues_on_a_small_instance_what_its_cache_cannot_hold() ->
     flight the TP1 runs what its KV cache holds and the rest wait, the longest
     trajectory's turns there too. The calls in flight are what the run measured."""
     outputs, contexts = (20_000, *[1_000] * 63), (40_000, *[12_000] * 63)
-    workload = Workload(64, outputs, contexts)
+    workload = Demand(64, outputs, contexts)
     crowded = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
     quiet = RolloutCost(Roofline(A100, QWEN3_14B), longest_decodes="in_batch")
     for model, in_flight in ((crowded, 32), (quiet, 2)):

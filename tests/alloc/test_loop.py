@@ -15,12 +15,12 @@ from trio.testing import MockClock
 from libra.alloc import (
     A100,
     AllocationLoop,
+    Demand,
     HybridPool,
     LoopConfig,
     ReplanTrigger,
     RooflinePlanner,
     StepTiming,
-    Workload,
     start_layout,
 )
 from libra.fleet import Roofline
@@ -29,7 +29,7 @@ from tests._helpers import POOL_CONFIG, POOL_LAYOUT, SMALL_MODEL, emulated_clust
 
 pytestmark = pytest.mark.anyio
 
-WORKLOAD = Workload(64, output_tokens=(300, 900, 2500), context_tokens=(2000, 3500, 8000))
+WORKLOAD = Demand(64, output_tokens=(300, 900, 2500), context_tokens=(2000, 3500, 8000))
 #: A trigger that never fires: the ratio rule alone decides.
 QUIET = ReplanTrigger(
     every_steps=10_000, ratio_high=1e9, ratio_low=1e-9, queue_pressure=1e9, length_drift=1e9
@@ -144,7 +144,7 @@ async def test_it_does_not_borrow_under_rollout_pressure() -> None:
 
 async def test_a_replan_that_pays_for_its_move_is_applied_and_logged() -> None:
     # Huge training contexts and short outputs: the step is all training.
-    heavy = Workload(512, output_tokens=(20, 30, 40), context_tokens=(60_000, 80_000, 100_000))
+    heavy = Demand(512, output_tokens=(20, 30, 40), context_tokens=(60_000, 80_000, 100_000))
     async with loop_over_pool(LoopConfig(trigger=ReplanTrigger(every_steps=1))) as loop:
         decision = loop.on_step(step(1, rollout_s=10, train_s=10), heavy)
         assert decision.action == "plan" and decision.reason == "schedule"
@@ -169,7 +169,7 @@ async def test_a_replan_not_worth_its_move_leaves_the_rule_to_decide() -> None:
 
 
 async def test_it_decides_after_every_step_it_receives() -> None:
-    send, receive = anyio.create_memory_object_stream[tuple[StepTiming, Workload]](4)
+    send, receive = anyio.create_memory_object_stream[tuple[StepTiming, Demand]](4)
     async with loop_over_pool() as loop:
         async with send:
             await send.send((step(1, rollout_s=100, train_s=150), WORKLOAD))
@@ -180,7 +180,7 @@ async def test_it_decides_after_every_step_it_receives() -> None:
 
 
 async def test_a_replan_that_borrows_waits_while_the_rollout_is_busy() -> None:
-    heavy = Workload(512, output_tokens=(20, 30, 40), context_tokens=(60_000, 80_000, 100_000))
+    heavy = Demand(512, output_tokens=(20, 30, 40), context_tokens=(60_000, 80_000, 100_000))
     async with loop_over_pool(LoopConfig(trigger=ReplanTrigger(every_steps=1))) as loop:
         routes = occupy(loop.pool.router, 11)
         decision = loop.on_step(step(1, rollout_s=10, train_s=10), heavy)

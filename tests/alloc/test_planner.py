@@ -17,13 +17,13 @@ from libra.alloc import (
     bucket_ceilings,
     tp_partitions,
 )
-from libra.alloc._protocol import CallTiming, Plan, Prediction, StepTiming, Workload
+from libra.alloc._protocol import CallTiming, Demand, Plan, Prediction, StepTiming
 from libra.fleet import Model, Roofline
 
 QWEN3_14B = Model(name="qwen3-14b", parameters=14.8e9, layers=40, kv_heads=8, head_dim=128)
 #: A 70B-class model: its bf16 weights (144 GB) fit on neither one A100 nor two.
 BIG = Model(name="big", parameters=72e9, layers=80, kv_heads=8, head_dim=128)
-WORKLOAD = Workload(
+WORKLOAD = Demand(
     64,
     output_tokens=(300, 600, 1200, 2500, 5000, 9000),
     context_tokens=(2000, 2600, 3500, 5000, 8000, 13000),
@@ -87,7 +87,7 @@ def test_the_rollout_is_calibrated_on_the_steps_measured() -> None:
 
 def test_a_model_too_big_for_one_gpu_is_served_only_on_larger_tp() -> None:
     planner = _planner(BIG)
-    plan = planner.plan(32, Workload(16, (500, 2000), (1500, 4000)))
+    plan = planner.plan(32, Demand(16, (500, 2000), (1500, 4000)))
     assert plan.workers == 32
     assert min(plan.rollout_tps) >= 4
     assert planner.feasible(plan)
