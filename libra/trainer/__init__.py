@@ -65,7 +65,7 @@ from libra.trainer._weights import (
     servable_tensors,
     write_weights_folder,
 )
-from libra.trainer._worker import (
+from libra.trainer._process import (
     Export,
     Logprobs,
     RankExit,

@@ -23,7 +23,7 @@ from libra.trainer._weights import servable_tensors
 
 if TYPE_CHECKING:
     from libra.trainer._fsdp import FSDPTrainer
-    from libra.trainer._worker import TrainerWorld
+    from libra.trainer._process import TrainerWorld
 
 # The transport's scope: servers on the trainer's machine (the run's own vLLM).
 _LOOPBACK = "127.0.0.1"
