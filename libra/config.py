@@ -1,7 +1,10 @@
 """Typed configs: the base of every config section, and loading from TOML with overrides.
 
 Precedence, lowest first: the model's defaults, the command's defaults, the TOML file
-(``--config``), the command's own flags, then ``--set section.key=value`` overrides.
+(``--config``), the command's own flags, then ``--set section.key=value`` overrides. Each
+merges over the ones below it key by key: a section given in a file or with ``--set``
+changes only the keys it names (a run's ``[vllm]`` keeps the priority scheduling its
+default sets, whatever else it says).
 Values given with ``--set`` are read as TOML (``4``, ``true``, ``"text"``, ``[1, 2]``),
 falling back to a plain string, so ``--set engine.sampling.temperature=0.7`` does what
 it says.
@@ -88,7 +91,7 @@ def load_config(
     *,
     defaults: Mapping[str, Any] | None = None,
 ) -> C:
-    data: dict[str, Any] = {}
+    data = _section_defaults(model)
     for key, value in (defaults or {}).items():
         _assign(data, key, value)
     _merge(data, _read_toml(file) if file else {})
@@ -171,6 +174,21 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def _section_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """What ``model``'s sections default to beyond their own classes' defaults (``vllm =
+    VLLMServerConfig(max_model_len=8192)``): the base a section given in a file or with
+    ``--set`` merges over, key by key, rather than replacing it whole."""
+    found: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        default = field.default
+        if isinstance(default, BaseModel):
+            values = _section_defaults(type(default))
+            _merge(values, default.model_dump(exclude_unset=True))
+            if values:
+                found[name] = values
+    return found
 
 
 def _merge(data: dict[str, Any], update: Mapping[str, Any]) -> None:

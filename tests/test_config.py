@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError, model_validator
 
 from libra.config import ConfigError, RenamedWarning, Section, load_config
-from libra.launch import RolloutConfig
+from libra.launch import RolloutConfig, TrainRunConfig
 
 
 def test_config_precedence(tmp_path: Path) -> None:
@@ -125,3 +125,16 @@ def test_a_renamed_name_still_imports_for_a_release_with_a_warning(
         assert getattr(module, old) is getattr(module, new)
     with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
         module.Nothing  # noqa: B018 (the lookup is the test)
+
+
+def test_a_section_given_merges_over_what_its_default_sets(tmp_path: Path) -> None:
+    """``TrainRunConfig.vllm`` defaults to priority scheduling and 8192 tokens; a file's
+    ``[vllm]`` or a ``--set vllm.*`` changes only the keys it names."""
+    file = tmp_path / "run.toml"
+    file.write_text('[rollout]\nenv = "calc"\n[vllm]\nstartup_timeout_s = 400\n')
+    config = load_config(TrainRunConfig, file, overrides=["vllm.kv_cache_gib=3"])
+    vllm = config.vllm
+    assert (vllm.scheduling_policy, vllm.max_model_len) == ("priority", 8192)
+    assert (vllm.startup_timeout_s, vllm.kv_cache_gib) == (400, 3)
+    fcfs = load_config(TrainRunConfig, file, overrides=["vllm.scheduling_policy=fcfs"])
+    assert fcfs.vllm.scheduling_policy == "fcfs"  # a key it names still changes

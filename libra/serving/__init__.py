@@ -35,7 +35,12 @@ from libra.serving._supervisor import (
     SupervisorConfig,
 )
 from libra.serving._vllm import VLLMServer
-from libra.serving._vllm_config import VLLMServerConfig, VLLMServerError, with_lora_adapter
+from libra.serving._vllm_config import (
+    VLLMServerConfig,
+    VLLMServerError,
+    vllm_command,
+    with_lora_adapter,
+)
 from libra.serving._weight_sync import (
     WEIGHTS_FILE,
     CollectiveSync,
@@ -79,6 +84,7 @@ __all__ = [
     "server_config",
     "state_file",
     "tool_call_format",
+    "vllm_command",
     "weights_metadata",
     "with_lora_adapter",
 ]

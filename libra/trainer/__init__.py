@@ -57,14 +57,6 @@ from libra.trainer._loss import (
     staleness_weight,
     token_logprobs,
 )
-from libra.trainer._send import JoinWeightGroup, SendWeights, WeightsMetadata, join_weight_group
-from libra.trainer._spawn import spawn
-from libra.trainer._weights import (
-    export_weights,
-    servable_model,
-    servable_tensors,
-    write_weights_folder,
-)
 from libra.trainer._process import (
     Export,
     Logprobs,
@@ -78,6 +70,14 @@ from libra.trainer._process import (
     combine_loss_metrics,
     grpo_micro_batch_loss,
     micro_batch_logprobs,
+)
+from libra.trainer._send import JoinWeightGroup, SendWeights, WeightsMetadata, join_weight_group
+from libra.trainer._spawn import spawn
+from libra.trainer._weights import (
+    export_weights,
+    servable_model,
+    servable_tensors,
+    write_weights_folder,
 )
 
 __all__ = [
