@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(config.to_toml(), end="")
         return 0
-    console = Console()
+    console = Console(soft_wrap=True)  # a step's line is one line, in a log file too
     console.print(
         f"libra train: {config.steps} steps of {config.prompts_per_step} prompts x "
         f"{config.samples_per_prompt} samples ({_players(config)}, {config.mode}) "

@@ -95,6 +95,7 @@ def vllm_command(
     args = [python, "-m", _API_SERVER_MODULE, "--model", model]
     args += ["--served-model-name", served_model_name]
     args += ["--host", config.host, "--port", str(port), "--dtype", "bfloat16"]
+    args.append("--no-use-tqdm-on-load")  # a log file, not a terminal: no progress bars
     if config.enforce_eager:
         args.append("--enforce-eager")
     if config.max_model_len is not None:

@@ -174,6 +174,8 @@ def test_two_steps_on_the_embedded_model_reload_the_trained_weights(
     # (measured: 0.06, against a probe gap of ~5e-6).
     assert _distance(run_dir / "weights" / "v0", run_dir / "weights" / "v2") > 10 * GAP_BOUND
     assert "step 1" in out and str(run_dir / "plot.png") in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all(" → v" in line for line in steps)  # unwrapped, in a log
     assert (run_dir / "plot.png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -140,6 +140,7 @@ def test_command_line_carries_the_config() -> None:
         "--host 127.0.0.1",
         "--port 8123",
         "--dtype bfloat16",
+        "--no-use-tqdm-on-load",  # its log holds no weight-loading bars
         "--enforce-eager",
         "--max-model-len 4096",
         "--scheduling-policy priority",
