@@ -118,9 +118,24 @@ class Sampler:
 class Profile:
     """The plugin: one line a test, written as each test ends."""
 
-    def __init__(self, out: IO[str]) -> None:
-        self.out = out
+    def __init__(self, out: IO[str], config: pytest.Config) -> None:
+        self.out, self.config = out, config
         self.phases: dict[str, dict[str, Any]] = {}
+        self.started = time.monotonic()
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """The run's own line (not an xdist worker's): its tests and wall seconds."""
+        if hasattr(self.config, "workerinput"):
+            return
+        workers = getattr(self.config.option, "numprocesses", None) or 1
+        run = {
+            "markers": self.config.option.markexpr,
+            "tests": session.testscollected,
+            "workers": workers,
+            "wall_s": time.monotonic() - self.started,
+        }
+        self.out.write(json.dumps({"run": run}) + "\n")
+        self.out.flush()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: object) -> Any:
@@ -167,7 +182,7 @@ def pytest_configure(config: pytest.Config) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     out = path.open("a")
     config.add_cleanup(out.close)
-    config.pluginmanager.register(Profile(out), "libra-profile")
+    config.pluginmanager.register(Profile(out, config), "libra-profile")
 
 
 # ------------------------------------------------------------------- the docs' table
@@ -178,10 +193,16 @@ SAVED = Path(__file__).parent.parent / "docs" / "bench" / "suite-profile.jsonl"
 TOP = 15
 
 
-def read(path: Path) -> list[dict[str, Any]]:
-    """The heavy tier's lines (those with a tier), the last run of each test."""
+def read(path: Path) -> tuple[list[dict[str, Any]], str]:
+    """The heavy tier's lines (those with a tier), the last run of each test; and a
+    label: where it was measured (a saved profile's), and each pytest run's wall time."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return list({line["test"]: line for line in lines if line["tiers"]}.values())
+    label = next((line["label"] for line in lines if "label" in line), "")
+    tests = {line["test"]: line for line in lines if line.get("tiers")}
+    for run in (line["run"] for line in lines if "run" in line):
+        tier = "heavy tier" if run["workers"] == 1 else f"fast tier, {run['workers']} workers"
+        label += f"; {tier}: {run['tests']} tests in {run['wall_s'] / 60:.1f} minutes"
+    return list(tests.values()), label
 
 
 def _cells(lines: list[dict[str, Any]]) -> str:
@@ -191,7 +212,7 @@ def _cells(lines: list[dict[str, Any]]) -> str:
     return f"{minutes:.1f} | {vllm} | {spawned} | {ray} | {peak:.1f} |"
 
 
-def render(lines: list[dict[str, Any]]) -> str:
+def render(lines: list[dict[str, Any]], label: str = "") -> str:
     """Per file, then the slowest tests: minutes, processes started, peak memory."""
     columns = "minutes | vLLM starts | spawned | Ray starts | peak GiB |"
     files: dict[str, list[dict[str, Any]]] = {}
@@ -199,8 +220,11 @@ def render(lines: list[dict[str, Any]]) -> str:
         files.setdefault(line["test"].split("::")[0], []).append(line)
     by_time = sorted(files.items(), key=lambda item: -sum(x["wall_s"] for x in item[1]))
     slowest = sorted(lines, key=lambda line: -line["wall_s"])[:TOP]
+    total = sum(line["wall_s"] for line in lines) / 60
     return "\n".join(
         [
+            f"{label}. The heavy tier's tests, {total:.1f} minutes in all:",
+            "",
             f"| file | tests | {columns}",
             "|---|---:|---:|---:|---:|---:|---:|",
             *(f"| `{name}` | {len(group)} | {_cells(group)}" for name, group in by_time),
@@ -229,14 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write", action="store_true", help=f"save it as {SAVED.name}, rewrite docs/develop.md"
     )
+    parser.add_argument("--label", default="", help="where and when it was measured")
     args = parser.parse_args(argv)
-    lines = read(args.file)
-    table = render(lines)
+    lines, label = read(args.file)
+    label = args.label + label  # (a fresh profile's label is its runs' times)
+    table = render(lines, label)
     if not args.write:
         print(table)
         return 0
     kept = [json.dumps(line) for line in sorted(lines, key=lambda line: line["test"])]
-    SAVED.write_text("\n".join(kept) + "\n")
+    SAVED.write_text("\n".join([json.dumps({"label": label}), *kept]) + "\n")
     page = SAVED.parent.parent / "develop.md"
     page.write_text(rewrite(page.read_text(), table))
     print(f"wrote {SAVED} and the table in {page}")

@@ -32,4 +32,4 @@ def test_the_sampler_counts_the_processes_a_test_starts_and_their_memory() -> No
 def test_the_docs_table_is_the_saved_profile_rendered() -> None:
     page = (SAVED.parent.parent / "develop.md").read_text()
     table = page.split(BEGIN)[1].split(END)[0].strip()
-    assert table == render(read(SAVED)), "run python -m tests._profile FILE --write"
+    assert table == render(*read(SAVED)), "run python -m tests._profile FILE --write"
