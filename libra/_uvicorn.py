@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Iterator
 import anyio
 import uvicorn
 
+from libra.config import UsageError
+
 
 class ListeningServer(uvicorn.Server):
     """uvicorn without its own signal handling: its owner stops it (and then ends what it
@@ -30,8 +32,12 @@ class ListeningServer(uvicorn.Server):
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.listening.set()
+        try:
+            await super().startup(sockets)
+        except SystemExit:  # it could not bind, and logged why: ``started`` stays False
+            self.should_exit = True
+        finally:
+            self.listening.set()
 
 
 @contextlib.asynccontextmanager
@@ -41,12 +47,14 @@ async def running(server: ListeningServer, what: str) -> AsyncIterator[int]:
     async with anyio.create_task_group() as group:
         group.start_soon(server.serve)
         await server.listening.wait()
-        if not server.started:
-            config = server.config
-            raise OSError(
-                f"{what} could not listen on {config.host}:{config.port} (uvicorn said why)"
-            )
-        try:
-            yield server.port
-        finally:
-            server.should_exit = True
+        if server.started:
+            try:
+                yield server.port
+            finally:
+                server.should_exit = True
+    if not server.started:  # (its task ended: nothing to stop)
+        config = server.config
+        raise UsageError(
+            f"{what} could not listen on {config.host}:{config.port}: the port is taken, "
+            "or the address is not this machine's (the line above says which)"
+        )
