@@ -75,12 +75,13 @@ lint: setup
 # run one at a time after them: two vLLM servers with their trainers outgrow 24 GiB here.
 JOBS ?= 3
 FAST := not (slow or vllm or docker or bwrap or trainer or ray or browser)
-# Each test's seconds, the processes it started and its peak memory go to PROFILE
-# (`python -m tests._profile $(PROFILE)` shows them as the table in docs/develop.md).
+# The heavy tier's tests' seconds, the processes each started and its peak memory go to
+# PROFILE (`python -m tests._profile $(PROFILE)` shows them as docs/develop.md's table).
+# (pytest-xdist's workers take no option a conftest adds: the fast tier is not profiled.)
 PROFILE := $(RUNS)/test-profile.jsonl
 unit: setup-serving setup-sandbox setup-browser
 	mkdir -p $(RUNS) && rm -f $(PROFILE)
-	$(BIN)/python -m pytest -q -n $(JOBS) -m "$(FAST)" --profile $(PROFILE)
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "$(FAST)"
 	$(BIN)/python -m pytest -q -m "not ($(FAST))" --profile $(PROFILE)
 
 test: lint docs unit

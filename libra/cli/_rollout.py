@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     timeline = Timeline()
     watch = partial(record_timeline, timeline) if config.plot is not None else None
     progress = partial(rollout_progress, enabled=config.progress)
-    run = partial(rollout, config, view=view_options(args), progress=progress, watch=watch)
-    done = anyio.run(run, backend_options={"use_uvloop": True})
+    rolling = partial(rollout, config, view=view_options(args), progress=progress, watch=watch)
+    done = anyio.run(rolling, backend_options={"use_uvloop": True})
     stats, failures = done.stats, done.failures
     print(summary(stats))
     print(f"wrote {stats.done} records to {config.out}")
