@@ -5,8 +5,10 @@ its setup, call and teardown seconds, the processes it started (vLLM servers, Py
 processes spawned outside vLLM and Ray: trainers and their ranks; Ray instances), and the
 peak resident memory of pytest and every process under it while it ran, sampled twice a
 second (Docker's containers run under the Docker engine, not under pytest: not counted).
-A process started by a session-scoped fixture is counted against the test that started it.
-``python -m tests.profile FILE`` renders the lines as the table in ``docs/develop.md``.
+A process started by a session-scoped fixture is counted against the test that started it;
+one running before a test began is not the test's. Each pytest run (not an xdist worker:
+they take no conftest option) adds a line with its tests and wall time.
+``python -m tests._profile FILE`` renders the lines as the table in ``docs/develop.md``.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=Path,
         metavar="FILE",
         help="append each test's seconds, started processes and peak memory to FILE "
-        "(JSON lines; python -m tests.profile FILE renders them)",
+        "(JSON lines; python -m tests._profile FILE renders them; not with -n)",
     )
 
 
