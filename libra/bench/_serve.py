@@ -200,7 +200,7 @@ def _gateway(upstream: str) -> Iterator[_Server]:
     root = Path(__file__).resolve().parents[2]
     command = [
         sys.executable, "-m", "libra", "serve", "--server", upstream, "--no-auth",
-        "--port", "0", "--no-console", "--policy", "least-loaded",
+        "--port", "0", "--no-console", "--scheduler", "least-loaded",
         "--set", "gateway.session_ttl_s=2", "--set", "gateway.sweep_every_s=0.5",
     ]  # fmt: skip
     env = {

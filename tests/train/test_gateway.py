@@ -38,7 +38,7 @@ def gateway(server: str = "emulated", *settings: str) -> AbstractContextManager[
     """``libra serve`` routing by C-MLFQ, over an emulator whose agent thinks briefly."""
     think = "emulator.agent.think_tokens=[0, 40]"
     return libra_serve(
-        "--policy", "cmlfq", server=server, settings=[*ZERO_LATENCY, think, *settings]
+        "--scheduler", "cmlfq", server=server, settings=[*ZERO_LATENCY, think, *settings]
     )
 
 
