@@ -25,7 +25,6 @@ class TrajectoryState:
         self.job = job
         # The scheduler's keys, rendered once (see ``RouteRequest``).
         self.key = str(job.id)
-        self.event_id = self.key
         self.prompt_key = str(job.task.id)
         self.sampling = sampling
         self.weight_version: int | None = None  # of the endpoint of its first call
@@ -59,6 +58,10 @@ class TrajectoryState:
             messages = [openai.Message(role="system", content=env.system_prompt), *messages]
         self.messages = _valid(messages)
         env.messages = self.messages
+
+    @property
+    def event_id(self) -> str:
+        return self.key  # a rollout's trajectory is its own episode
 
     @property
     def env_name(self) -> str:

@@ -43,9 +43,6 @@ class Dialogue(Protocol):
     """What one turn's mechanics read and update of the conversation it belongs to."""
 
     key: str  # the scheduler's keys (see ``RouteRequest``)
-    #: What its events name it (``libra.events``): its key, or the episode it is a piece
-    #: of, whose start and end its owner publishes (an agent's job).
-    event_id: str
     prompt_key: str
     turns: int  # model turns so far
     tokens: TokenLog
@@ -62,6 +59,12 @@ class Dialogue(Protocol):
 
     @property
     def env_name(self) -> str: ...
+
+    @property
+    def event_id(self) -> str:
+        """What its events name it (``libra.events``): its key, or the episode it is a
+        piece of, whose start and end its owner publishes (an agent's job)."""
+        ...
 
     def describe_tools_in_system_message(self) -> None:
         """For servers whose chat template drops ``tools``: put them in the prompt."""
