@@ -376,7 +376,9 @@ def _load_sharded(model_dir: Path, config: TrainerConfig, mesh: Any, dtype: Any)
     shard it (``libra.trainer._shard``)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a rank's output is the run's log: no bars
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if config.lora.enabled:
         model = add_adapters(model, config.lora)
