@@ -221,7 +221,10 @@ def _trainer_main(
 
     die_with_parent(parent)
     try:
-        spawn(world_size, _serve_rank, conn, model_dir, config, cores)
+        # Forked: this process was spawned for them, runs one thread and never touched a
+        # device (CUDA included), and its ranks skip importing torch again (~2.5 s each
+        # trainer start and stop on 2 cores).
+        spawn(world_size, _serve_rank, conn, model_dir, config, cores, start_method="fork")
     except ProcessExitedException as exited:
         how = exited.signal_name or f"exit code {exited.exit_code}"
         reports.send(RankExit(exited.error_index, f"died ({how})", died=True))

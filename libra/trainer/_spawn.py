@@ -25,20 +25,25 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from libra._net import free_port
 
 __all__ = ["die_with_parent", "spawn"]
 
 R = TypeVar("R")
+StartMethod = Literal["spawn", "fork"]
 
 
-def spawn(world_size: int, fn: Callable[..., R], *args: Any) -> list[R]:
+def spawn(
+    world_size: int, fn: Callable[..., R], *args: Any, start_method: StartMethod = "spawn"
+) -> list[R]:
     """Run ``fn(*args)`` on ``world_size`` new processes, set up as torchrun would.
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function); returns each
-    rank's result, rank 0 first. A rank that raises makes this raise.
+    rank's result, rank 0 first. A rank that raises makes this raise. ``"fork"`` only
+    from a process with one thread that has not touched a device (the trainer's own):
+    its ranks then start without importing torch again.
     """
     import torch.multiprocessing as mp
 
@@ -49,7 +54,7 @@ def spawn(world_size: int, fn: Callable[..., R], *args: Any) -> list[R]:
             args=(os.getpid(), world_size, port, fn, args, results),
             nprocs=world_size,
             join=True,
-            start_method="spawn",
+            start_method=start_method,
         )
         return [_read_result(Path(results), rank) for rank in range(world_size)]
 

@@ -176,8 +176,9 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
     alloc = hybrid_alloc_section(cores)
     alloc["loop"] |= {"borrow_ratio": NEVER}
     alloc["tail"] = {"min_train_left_s": 10, "poll_s": 0.5, "restart_s": 0}
-    # 48 samples (short ones: Brevity rewards them), ~45 s of training on one core: long
-    # enough for the unit to join it (a borrow takes ~10-20 s here). A slow learning rate
+    # 32 samples (short ones: Brevity rewards them), 25 pieces, ~45 s of training on one
+    # core: long enough for the unit to join it and take pieces (a borrow takes ~10-20 s
+    # here; 48 samples gave it 16 of 38 pieces, at a minute more a test). A slow rate
     # keeps every step's training that long: at 1e-4 the policy may be brief by step 2,
     # its groups' rewards all equal and its training a few seconds (nothing to lend to).
     sampling = {"max_tokens_per_turn": 96, "temperature": 0.7}
@@ -186,7 +187,7 @@ async def tail_run(run_dir: Path, mode: str, steps: int) -> list[dict[str, Any]]
         run_dir,
         alloc,
         steps=steps,
-        prompts_per_step=12,
+        prompts_per_step=8,
         samples_per_prompt=4,
         train={"micro_batch_tokens": 128},
         trainer={"lr": 1e-6},
