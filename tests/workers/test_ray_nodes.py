@@ -74,13 +74,13 @@ cluster.shutdown()
 """
 
 
-@pytest.fixture
-def ray_nodes(tmp_path: Path) -> Iterator[str]:
-    """A Ray cluster of the :data:`NODES`, on this machine: its address. Shut down (every
-    raylet with it) at the end."""
+@pytest.fixture(scope="module")
+def ray_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray cluster of the :data:`NODES`, on this machine: its address. One for the
+    module (no test leaves anything on it); shut down, every raylet with it, after."""
     if missing := ray_missing():
         unavailable(missing)
-    log = tmp_path / "ray-cluster.log"
+    log = tmp_path_factory.mktemp("ray-nodes") / "ray-cluster.log"
     with log.open("w") as output:
         cluster = subprocess.Popen(
             [sys.executable, "-c", CLUSTER, json.dumps(SELECTORS)],
