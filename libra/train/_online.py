@@ -195,8 +195,8 @@ class OnlineGroups:
     def _as_group(self, step: int, members: list[TrajectoryRecord]) -> Group:
         """``members`` as a group of step ``step``: its own task id (a prompt's n-th
         group), written to the step's log."""
-        task = members[0].task_id
-        env, _, key = task.partition("/")  # (a gateway session's task: env/prompt digest)
+        task, env = members[0].task_id, members[0].env
+        key = task.removeprefix(f"{env}/")  # str(TaskId(env, key)): the env from its field
         self._made[task] += 1
         group = GroupId(step, TaskId(env, f"{key}.{self._made[task]}"))
         records = []
