@@ -54,3 +54,6 @@ def test_the_run_s_own_vllm_schedules_by_priority_whatever_its_vllm_section_says
     assert argv[argv.index("--scheduling-policy") + 1] == "priority"
     documented = tomllib.loads((EXAMPLES / name).read_text())["vllm"]["max_model_len"]
     assert argv[argv.index("--max-model-len") + 1] == str(documented)
+    # It serves what the trainer exports, named once: the export's dtype, or the folder's.
+    assert argv.count("--dtype") == 1
+    assert argv[argv.index("--dtype") + 1] == (config.export_dtype or "auto")

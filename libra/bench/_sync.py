@@ -64,7 +64,8 @@ async def bench_sync(model_dir: Path, syncs: int = 3) -> list[TransportResult]:
             dev_mode=True,
             max_model_len=1024,
             startup_timeout_s=900.0,
-            extra_args=("--dtype", _DTYPE, "--weight-transfer-config", '{"backend": "gloo"}'),
+            dtype=_DTYPE,
+            extra_args=("--weight-transfer-config", '{"backend": "gloo"}'),
         )
         trainer_config = TrainerConfig(backend="gloo", cpu_threads=1)
         async with (

@@ -423,12 +423,12 @@ def _say_how_lora_syncs(config: TrainRunConfig) -> None:
 
 def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:
     extra: tuple[str, ...] = ("--logprobs-mode", config.logprobs_mode)
-    if config.export_dtype is not None:
-        extra += ("--dtype", config.export_dtype)
     if config.sync.transport == "gloo":  # Libra's engine, from its vLLM plugin
         extra += ("--weight-transfer-config", '{"backend": "gloo"}')
+    # It serves what the trainer exports: the export's dtype (None: the folder's, auto).
+    dtype = config.export_dtype or "auto"
     return config.vllm.model_copy(
-        update={"dev_mode": True, "extra_args": (*config.vllm.extra_args, *extra)}
+        update={"dev_mode": True, "dtype": dtype, "extra_args": (*config.vllm.extra_args, *extra)}
     )
 
 

@@ -33,6 +33,11 @@ class VLLMServerConfig(Section):
         description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or core ids like '0-1'",
     )
     kv_cache_gib: int = Field(default=2, ge=1, description="VLLM_CPU_KVCACHE_SPACE, in GiB")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto",
+        description="--dtype the weights are served in; auto: vLLM's choice, the model "
+        "folder's dtype (a float32 folder's in 16 bits). A run's own server: its export_dtype",
+    )
     enforce_eager: bool = Field(
         default=True,
         description="skip torch.compile: engine init ~1 s instead of 70-130 s on 2 cores",
@@ -94,7 +99,7 @@ def vllm_command(
     python = str(config.python_executable or sys.executable)
     args = [python, "-m", _API_SERVER_MODULE, "--model", model]
     args += ["--served-model-name", served_model_name]
-    args += ["--host", config.host, "--port", str(port), "--dtype", "bfloat16"]
+    args += ["--host", config.host, "--port", str(port), "--dtype", config.dtype]
     args.append("--no-use-tqdm-on-load")  # a log file, not a terminal: no progress bars
     if config.enforce_eager:
         args.append("--enforce-eager")

@@ -50,7 +50,7 @@ def server(served: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[V
         max_model_len=2048,
         dev_mode=True,
         log_file=tmp_path_factory.mktemp("vllm-logs") / "server.log",
-        extra_args=("--dtype", "float32"),
+        dtype="float32",
     )
     config = with_lora_adapter(config, ADAPTER, zero, LORA.rank)
     with VLLMServer(served, served_model_name=BASE, config=config) as running:

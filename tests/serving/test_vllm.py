@@ -139,7 +139,7 @@ def test_command_line_carries_the_config() -> None:
         "--served-model-name m1",
         "--host 127.0.0.1",
         "--port 8123",
-        "--dtype bfloat16",
+        "--dtype auto",  # vLLM's: the model folder's
         "--no-use-tqdm-on-load",  # its log holds no weight-loading bars
         "--enforce-eager",
         "--max-model-len 4096",

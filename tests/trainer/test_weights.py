@@ -172,7 +172,8 @@ def server(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         max_model_len=2048,
         dev_mode=True,
         log_file=tmp_path_factory.mktemp("vllm-logs") / "server.log",
-        extra_args=("--logprobs-mode", "processed_logprobs", "--dtype", "float32"),
+        dtype="float32",
+        extra_args=("--logprobs-mode", "processed_logprobs"),
     )
     served = servable_model(embedded_model, tmp_path_factory.mktemp("run"))
     with VLLMServer(served, served_model_name=SERVED, config=config) as running:
