@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,14 @@ from libra.cli._groups import single_failure
 from libra.cli._progress import counters
 from libra.cli._view import add_view_arguments, view_options
 from libra.config import load_config
-from libra.launch import RolloutStats, TrainRunConfig, ViewOptions, evaluate, train
+from libra.launch import (
+    RolloutStats,
+    TrainRunConfig,
+    ViewOptions,
+    evaluate,
+    own_server_command,
+    train,
+)
 from libra.train import (
     EVAL_FILE,
     METRICS_FILE,
@@ -120,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(TrainRunConfig, args.config, flags, args.set, defaults=defaults)
     if args.dry_run:
         print(config.to_toml(), end="")
+        if (command := own_server_command(config)) is not None:
+            print(f"\n# The run's own vLLM starts as:\n# {shlex.join(command)}")
         return 0
     console = Console(soft_wrap=True)  # a step's line is one line, in a log file too
     console.print(

@@ -36,7 +36,7 @@ from libra.launch._session import (
     open_session,
 )
 from libra.launch._tasks import read_tasks
-from libra.launch._train import evaluate, open_run, train
+from libra.launch._train import evaluate, open_run, own_server_command, train
 from libra.launch._train_config import TrainRunConfig
 from libra.launch._view import ViewOptions, run_events
 
@@ -76,6 +76,7 @@ __all__ = [
     "open_run",
     "open_sandboxes",
     "open_session",
+    "own_server_command",
     "read_tasks",
     "rollout",
     "rule_planner",

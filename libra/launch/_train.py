@@ -47,6 +47,7 @@ from libra.serving import (
     VLLMServer,
     VLLMServerConfig,
     resolve_model,
+    vllm_command,
     with_lora_adapter,
 )
 from libra.tracking import check_installed
@@ -419,6 +420,15 @@ def _say_how_lora_syncs(config: TrainRunConfig) -> None:
             "vLLM, which loads adapters)"
         )
     Console(stderr=True).print(f"LoRA rank {lora.rank}: each step syncs {how}", soft_wrap=True)
+
+
+def own_server_command(config: TrainRunConfig) -> list[str] | None:
+    """The command line the run's own vLLM starts with, what ``auto`` settings resolve
+    to included (its port and seed are picked at each start); None: it starts none."""
+    if config.server != "embedded" and not (config.alloc is not None and config.alloc.enabled):
+        return None
+    served = str(config.run_dir / "weights" / "v0")
+    return vllm_command(_own_server_config(config), served, EMBEDDED_MODEL_NAME, 0)
 
 
 def _own_server_config(config: TrainRunConfig) -> VLLMServerConfig:

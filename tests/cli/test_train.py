@@ -42,6 +42,20 @@ def test_dry_run_prints_the_resolved_config_which_loads_back(
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_shows_how_the_run_s_own_vllm_starts_with_auto_resolved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--dry-run", "--config", str(ROOT / "examples" / "demo.toml")]) == 0
+    printed = capsys.readouterr().out
+    file = tmp_path / "config.toml"
+    file.write_text(printed)  # the command is a comment: the file still loads back
+    assert load_config(TrainRunConfig, file).export_dtype == "float32"
+    command = printed.splitlines()[-1]
+    assert command.startswith("# ") and " -m vllm.entrypoints.openai.api_server " in command
+    for resolved in ("--dtype float32", "--enforce-eager", "--scheduling-policy priority"):
+        assert resolved in command  # the export's dtype; eager with vLLM's CPU build
+
+
 def test_a_wrong_setting_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--dry-run", "--set", "rollout.env=calc", "--set", "mode=turbo"]) == 2
     assert "mode" in capsys.readouterr().err
