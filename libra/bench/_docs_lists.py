@@ -161,7 +161,7 @@ RUNS: dict[str, Runs] = {
         Runs("engine", (_command("bench engine --json"),)),
         Runs("engine-view", (_command("bench engine --view --pairs 5 --json"),)),
         Runs("serve", (_command("bench serve --json"),)),
-        Runs("train", (_command("bench train --json"),)),
+        Runs("train", (_command("bench train --json --long 2048 8192"),)),
         _SCHED,
         _SCHED_NONE,
         _SCHED_FIGURE,

@@ -14,7 +14,11 @@ micro-batches, three ways, each in processes of its own:
 - :class:`FSDPTrainer` on 1 rank with LoRA adapters (``[trainer.lora]``, rank 8 on every
   linear layer), exporting the adapters alone, as a sync into the run's own vLLM does;
 - :class:`FSDPTrainer` on 1 rank with the off-policy correction on (``grpo.correction =
-  "tis"``): what the correction's logprobs cost (they come from the loss's own pass).
+  "tis"``): what the correction's logprobs cost (they come from the loss's own pass);
+- with ``long``: a sample of each of those lengths (and a short one beside it, so that
+  its group has an advantage), on 1 rank, with the LM head in one pass and in chunks
+  (``trainer.logprob_chunk_tokens``): what the chunks save in memory and cost in time.
+  One step each, not warmed up: a long step is minutes on a few cores.
 
 Each row also says the peak resident memory of its (first) process: the trainer's
 memory, model, optimizer state and activations together.
@@ -33,7 +37,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,9 +131,12 @@ def bench_train(
     per_group: int = 4,
     ranks: Sequence[int] = (1, 2),
     micro_batch_tokens: int = 1024,
+    long: Sequence[int] = (),
+    chunk_tokens: int = 1024,
 ) -> list[TrainBenchResult]:
     """The plain loop, then :class:`FSDPTrainer` on each of ``ranks``: ``steps`` timed
-    steps each (after one warm-up step) on the same samples."""
+    steps each (after one warm-up step) on the same samples; then a sample of each of the
+    ``long`` lengths, its LM head in one pass and in chunks of ``chunk_tokens``."""
     samples = bench_samples(model_dir, groups, per_group)
     train = TrainConfig(micro_batch_tokens=micro_batch_tokens)
     # Planned for the most ranks, so that every way runs the very same micro-batches.
@@ -144,7 +151,29 @@ def bench_train(
     for variant in (_LORA, _TIS):
         with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
             results.append(spawn(1, _fsdp_rank, model_dir, batch, steps, Path(run_dir), variant)[0])
+    for tokens in long:
+        batch = _long_batch(model_dir, tokens)
+        for chunk in (None, chunk_tokens):
+            head = "LM head whole" if chunk is None else f"LM head in chunks of {chunk:,}"
+            trainer = TrainerConfig(lr=_LR, backend="gloo", logprob_chunk_tokens=chunk)
+            variant = _Variant(f", {tokens:,}-token sample, {head}", trainer, GRPOConfig())
+            with tempfile.TemporaryDirectory(prefix="libra-bench-train-") as run_dir:
+                row = spawn(1, _fsdp_rank, model_dir, batch, 0, Path(run_dir), variant)[0]
+            results.append(row)
     return results
+
+
+def _long_batch(model_dir: Path, tokens: int) -> Batch:
+    """A group of a ``tokens``-token sample (a short prompt, then the answer) and a short
+    one, rewarded 1 and 0: the long one in a micro-batch of its own."""
+    short = bench_samples(model_dir, groups=1, per_group=2)
+    ids = short[0].token_ids * (tokens // len(short[0].token_ids) + 1)
+    prompt = short[0].loss_mask.index(1)
+    mask = (0,) * prompt + (1,) * (tokens - prompt)
+    logprobs = tuple(-1.5 * m for m in mask)
+    sample = replace(short[0], token_ids=ids[:tokens], loss_mask=mask, logprobs=logprobs)
+    samples = [replace(sample, reward=1.0), replace(short[1], reward=0.0)]
+    return build_batch(samples, current_version=0, train=TrainConfig(micro_batch_tokens=tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +195,14 @@ _TIS = _Variant(", correction tis", _FULL.trainer, GRPOConfig(correction="tis"))
 
 
 def _loss(
-    model: nn.Module, micro: MicroBatch, scale: float, grpo: GRPOConfig | None = None
+    model: nn.Module,
+    micro: MicroBatch,
+    scale: float,
+    grpo: GRPOConfig | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    loss, _ = micro.loss(micro_batch_logprobs(model, micro), grpo or GRPOConfig())
+    logprobs = micro_batch_logprobs(model, micro, chunk_tokens=chunk_tokens)
+    loss, _ = micro.loss(logprobs, grpo or GRPOConfig())
     return loss * scale
 
 
@@ -218,21 +252,23 @@ def _fsdp_rank(
     ]
     # The trainer averages over micro-batches and ranks: undo it, so the sums add up.
     scale = float(len(mine) * world)
+    chunk = variant.trainer.logprob_chunk_tokens
     step_s, export_s = [], []
     for version in range(steps + 1):
-        loss = lambda model, mb: _loss(model, mb, scale, variant.grpo)  # noqa: E731
+        loss = lambda model, mb: _loss(model, mb, scale, variant.grpo, chunk)  # noqa: E731
         step_s.append(trainer.step(mine, loss).seconds)
         started = time.perf_counter()
         export_weights(trainer, run_dir, version, adapter=True)
         export_s.append(time.perf_counter() - started)
+    timed = slice(1, None) if steps else slice(None)  # steps=0: one step, not warmed up
     tokens = sum(micro.positions for micro in batch.micro_batches)
     return TrainBenchResult(
         f"FSDPTrainer, {world} rank{'s' if world > 1 else ''}{variant.label}",
         world,
-        steps,
+        len(step_s[timed]),
         tokens,
-        _slowest_rank_median(step_s[1:]),
-        _slowest_rank_median(export_s[1:]),
+        _slowest_rank_median(step_s[timed]),
+        _slowest_rank_median(export_s[timed]),
         _peak_rss_gb(),
     )
 

@@ -105,6 +105,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="FSDP world sizes")
     train.add_argument("--micro-batch-tokens", type=int, default=1024)
     train.add_argument(
+        "--long",
+        type=int,
+        nargs="+",
+        default=[],
+        help="sample lengths to train with the LM head whole and in chunks, e.g. 2048 8192",
+    )
+    train.add_argument("--chunk-tokens", type=int, default=1024, help="the --long rows' chunks")
+    train.add_argument(
         "--syncs",
         type=int,
         default=3,
@@ -289,6 +297,8 @@ def run_train(args: argparse.Namespace) -> int:
         per_group=args.per_group,
         ranks=tuple(args.ranks),
         micro_batch_tokens=args.micro_batch_tokens,
+        long=tuple(args.long),
+        chunk_tokens=args.chunk_tokens,
     )
     report = train_as_json(results)
     transports = anyio.run(bench_sync, model_dir, args.syncs) if args.syncs else []

@@ -424,7 +424,8 @@ def _say_how_lora_syncs(config: TrainRunConfig) -> None:
 
 def own_server_command(config: TrainRunConfig) -> list[str] | None:
     """The command line the run's own vLLM starts with, what ``auto`` settings resolve
-    to included (its port and seed are picked at each start); None: it starts none."""
+    to included (its port and seed are picked at each start; an ``[alloc]`` worker's
+    server is also bound to the worker's cores); None: it starts none."""
     if config.server != "embedded" and not (config.alloc is not None and config.alloc.enabled):
         return None
     served = str(config.run_dir / "weights" / "v0")

@@ -83,6 +83,13 @@ class TrainerConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="auto: nccl where CUDA is available, else gloo"
     )
+    logprob_chunk_tokens: int | None = Field(
+        default=4096,
+        ge=1,
+        description="a micro-batch of more positions goes through the LM head this many at "
+        "a time, each chunk recomputed in backward: its logits never exist whole (fp32, 4 "
+        "bytes x vocabulary a position); None: all at once",
+    )
     cpu_threads: int | None = Field(
         default=None, ge=1, description="torch threads per rank on CPU; None: cores / ranks"
     )
@@ -316,7 +323,8 @@ class FSDPTrainer:
     def logprobs(self, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """``log_softmax(logits / temperature)`` at each next token: shape ``[B, T - 1]``."""
         self.model.eval()
-        return sequence_logprobs(self.model, token_ids.to(self.dist.device), temperature)
+        ids = token_ids.to(self.dist.device)
+        return sequence_logprobs(self.model, ids, temperature, self.config.logprob_chunk_tokens)
 
     def compare_logprobs(
         self,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 import httpx
 
 from libra.engine import TrajectoryRecord
+from libra.trainer._head import forward_logprobs
 
 if TYPE_CHECKING:
     import torch
@@ -43,9 +44,13 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
 def sequence_logprobs(
-    model: nn.Module, token_ids: torch.Tensor, temperature: float = 1.0
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` at each next token of ``token_ids [B, T]``.
+    """``log_softmax(logits / temperature)`` at each next token of ``token_ids [B, T]``
+    (through the head ``chunk_tokens`` positions at a time: ``libra.trainer._head``).
 
     Returns ``[B, T - 1]`` in fp32, whatever dtype the model computes in. Under FSDP this
     is collective: every rank calls it.
@@ -54,10 +59,13 @@ def sequence_logprobs(
 
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
+    # The last position predicts nothing here: its target is a placeholder, dropped.
+    targets = torch.cat([token_ids[:, 1:], token_ids[:, :1]], dim=1)
     with torch.no_grad():
-        logits = model(input_ids=token_ids).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    return logprobs.gather(-1, token_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        logprobs = forward_logprobs(
+            model, targets, temperature=temperature, chunk_tokens=chunk_tokens, input_ids=token_ids
+        )
+    return logprobs[:, :-1]
 
 
 def server_logprob_temperature(mode: LogprobsMode, sampling_temperature: float) -> float:

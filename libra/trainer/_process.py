@@ -34,7 +34,8 @@ import anyio
 from libra.trainer._batch import Batch, MicroBatch
 from libra.trainer._config import GRPOConfig
 from libra.trainer._fsdp import FSDPTrainer, StepMetrics, TrainerConfig
-from libra.trainer._loss import LossMetrics, token_logprobs
+from libra.trainer._head import forward_logprobs
+from libra.trainer._loss import LossMetrics
 from libra.trainer._spawn import die_with_parent, spawn
 from libra.trainer._weights import export_weights
 
@@ -76,6 +77,7 @@ class Train:
             temperature=self.temperature,
             scale=float(len(micro) * world),
             out=collected,
+            chunk_tokens=trainer.config.logprob_chunk_tokens,
         )
         step = trainer.step(micro, loss_fn)
         gathered: list[list[dict[str, float]]] = [[] for _ in range(world)]
@@ -155,25 +157,31 @@ def grpo_micro_batch_loss(
     temperature: float,
     scale: float,
     out: list[LossMetrics],
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """``micro``'s share of the batch's GRPO loss, times ``scale`` (see the module)."""
-    loss, metrics = micro.loss(micro_batch_logprobs(model, micro, temperature), grpo)
+    logprobs = micro_batch_logprobs(model, micro, temperature, chunk_tokens)
+    loss, metrics = micro.loss(logprobs, grpo)
     out.append(metrics)
     return loss * scale
 
 
 def micro_batch_logprobs(
-    model: nn.Module, micro: MicroBatch, temperature: float = 1.0
+    model: nn.Module, micro: MicroBatch, temperature: float = 1.0, chunk_tokens: int | None = None
 ) -> torch.Tensor:
     """The model's forward pass over ``micro`` (packed or padded, as its ids and masks
-    say): the logprobs of its targets at ``temperature``."""
-    logits = model(
+    say): the logprobs of its targets at ``temperature``, through the LM head
+    ``chunk_tokens`` positions at a time (``libra.trainer._head``)."""
+    return forward_logprobs(
+        model,
+        micro.targets,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
         input_ids=micro.input_ids,
         position_ids=micro.position_ids,
         attention_mask=micro.attention_mask,
         use_cache=False,
-    ).logits
-    return token_logprobs(logits, micro.targets, temperature)
+    )
 
 
 _SUMMED = ("policy_loss", "kl_loss", "tokens", "gap_tokens")

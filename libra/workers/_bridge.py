@@ -156,6 +156,7 @@ class Accumulate:
             # FSDP averages over the world's ranks: the world's gradient is then the sum.
             scale=self.weights[rank] * world,
             out=collected,
+            chunk_tokens=trainer.config.logprob_chunk_tokens,
         )
         loss = trainer.backward(self.micro[rank].to(trainer.dist.device), loss_fn)
         summed = torch.tensor([loss / world], dtype=torch.float64)

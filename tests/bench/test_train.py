@@ -21,11 +21,19 @@ def test_bench_train_measures_the_trainer_against_a_plain_loop(
     model_dir = tiny_qwen(tmp_path / "model", embedded_model)
 
     argv = ["bench", "train", "--model", str(model_dir), "--steps", "1", "--groups", "2"]
+    argv += ["--long", "200", "--chunk-tokens", "32"]
     assert main([*argv, "--per-group", "2", "--syncs", "1", "--json"]) == 0
 
     report = json.loads(capsys.readouterr().out)
-    plain, one, two, hybrid, lora, tis = report["results"]
-    assert [row["ranks"] for row in report["results"]] == [1, 1, 2, 2, 1, 1]
+    plain, one, two, hybrid, lora, tis, whole, chunked = report["results"]
+    # The long sample's rows: the same step (200 positions, and the short one beside it),
+    # its LM head in one pass and in chunks, one step each.
+    assert whole["name"] == "FSDPTrainer, 1 rank, 200-token sample, LM head whole"
+    assert chunked["name"] == "FSDPTrainer, 1 rank, 200-token sample, LM head in chunks of 32"
+    assert whole["tokens_per_step"] == chunked["tokens_per_step"] > 200
+    assert whole["steps"] == chunked["steps"] == 1
+    assert whole["peak_rss_gb"] > 0 and chunked["peak_rss_gb"] > 0
+    assert [row["ranks"] for row in report["results"]] == [1, 1, 2, 2, 1, 1, 1, 1]
     assert hybrid["name"] == "FSDPTrainer, 1 rank + 1 hybrid replica"
     assert lora["name"] == "FSDPTrainer, 1 rank, LoRA rank 8"
     assert tis["name"] == "FSDPTrainer, 1 rank, correction tis"
@@ -33,7 +41,7 @@ def test_bench_train_measures_the_trainer_against_a_plain_loop(
     assert all(r["export_s"] > 0 for r in (one, two, hybrid, lora, tis))
     assert all(r["peak_rss_gb"] > 0 for r in (plain, one, two, lora, tis))
     # The same micro-batches every way: 4 samples of a templated prompt and 40+ words.
-    tokens = {row["tokens_per_step"] for row in report["results"]}
+    tokens = {row["tokens_per_step"] for row in report["results"][:6]}
     assert len(tokens) == 1 and tokens.pop() > 4 * 40
     assert plain["ratio_to_plain"] == 1.0
     disk, gloo = report["transports"]

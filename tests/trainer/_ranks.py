@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from libra.trainer import Batch, GRPOConfig, Sample, TrainConfig, build_batch
+from libra.trainer._head import forward_logprobs
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,15 @@ class MicroBatch:
     mask: torch.Tensor
 
 
-def masked_token_nll(model: nn.Module, batch: MicroBatch, scale: float) -> torch.Tensor:
-    """Sum of the masked next-token negative log-likelihoods, times ``scale``."""
+def masked_token_nll(
+    model: nn.Module, batch: MicroBatch, scale: float, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """Sum of the masked next-token negative log-likelihoods, times ``scale``; with
+    ``chunk_tokens``, through the trainer's head in chunks (``libra.trainer._head``)."""
+    if chunk_tokens is not None:
+        targets = torch.cat([batch.ids[:, 1:], batch.ids[:, :1]], dim=1)  # the last: unused
+        chosen = forward_logprobs(model, targets, chunk_tokens=chunk_tokens, input_ids=batch.ids)
+        return -(chosen[:, :-1] * batch.mask).sum() * scale
     logits = model(input_ids=batch.ids).logits[:, :-1].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(-1, batch.ids[:, 1:].unsqueeze(-1)).squeeze(-1)
