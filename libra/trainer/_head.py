@@ -20,13 +20,13 @@ end of its backward, so the head's weight is whole here too.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from libra.trainer._loss import token_logprobs
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
+from libra.trainer._loss import token_logprobs  # (which imports torch as well)
 
 __all__ = ["forward_logprobs"]
 
@@ -49,8 +49,6 @@ def forward_logprobs(
         return token_logprobs(model(**inputs).logits, targets, temperature)
     hidden = _last_hidden_state(model, inputs)
     head = model.get_output_embeddings()
-    import torch
-
     rows = hidden.reshape(-1, hidden.shape[-1]).split(chunk_tokens)
     ids = targets.reshape(-1).split(chunk_tokens)
     parts = [_chunk_logprobs(head, r, i, temperature) for r, i in zip(rows, ids, strict=True)]
@@ -60,9 +58,6 @@ def forward_logprobs(
 def _chunk_logprobs(
     head: nn.Module, rows: torch.Tensor, ids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
     def logprobs(rows: torch.Tensor) -> torch.Tensor:
         return token_logprobs(head(rows), ids, temperature)
 
@@ -80,7 +75,7 @@ def _last_hidden_state(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor
     def keep(module: nn.Module, args: Any, output: Any) -> None:
         seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
-    handle = _base(model).register_forward_hook(keep)
+    handle = model.model.register_forward_hook(keep)
     try:
         model(**inputs, logits_to_keep=1)
     finally:
@@ -89,20 +84,12 @@ def _last_hidden_state(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor
 
 
 def _head_alone(model: nn.Module) -> bool:
-    """Whether the model's logits are its head's output, and its forward can skip it."""
+    """Whether the model's logits are its head's output, and its forward can skip it
+    (a Hugging Face causal LM: its base model at ``.model``, its head apart)."""
     config = getattr(model, "config", None)
     if any(getattr(config, name, None) not in (None, 1.0) for name in _LOGITS_AFTER_HEAD):
         return False
-    try:
-        _base(model)
-    except TypeError:
+    if not isinstance(getattr(model, "model", None), nn.Module):
         return False
     forward = inspect.signature(model.forward).parameters
     return "logits_to_keep" in forward and model.get_output_embeddings() is not None
-
-
-def _base(model: nn.Module) -> nn.Module:
-    base = getattr(model, "model", None)
-    if base is None:
-        raise TypeError(f"{type(model).__name__} has no base model (.model)")
-    return base
